@@ -1,0 +1,68 @@
+"""Public optimizer: sketched conditioning chained with Nesterov SGD."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import optax
+
+from scsgd_jax._src import sketch
+from scsgd_jax._src import transform
+
+__all__ = ["scsgd"]
+
+
+def scsgd(
+    learning_rate: optax.ScalarOrSchedule,
+    rank: int = 32,
+    *,
+    momentum: Optional[float] = 0.9,
+    nesterov: bool = True,
+    update_every: int = 50,
+    ema_rate: float = 0.05,
+    conditioner: transform.ConditionerKind = "auto",
+    full_max_dim: Optional[int] = None,
+    oversample: int = 10,
+    power_iterations: int = 1,
+    eigenvalue_floor: float = sketch.DEFAULT_EIGENVALUE_FLOOR,
+    statistics_every: int = 1,
+    kernel_filter: Callable[[str, Any], bool] = transform.default_kernel_filter,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  r"""SCSGD: SGD (Nesterov momentum by default) on input-side conditioned gradients.
+
+  ``optax.chain(scale_by_sketched_conditioning(...), optax.sgd(learning_rate, momentum, nesterov))``,
+  so momentum accumulates the conditioned gradients
+  :math:`\delta (A^{-1} x)^\top` of Section 3. See
+  :func:`scale_by_sketched_conditioning` for the conditioning arguments.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, scsgd_jax
+    >>> params = {'dense': {'kernel': jnp.zeros((3, 2)), 'bias': jnp.zeros(2)}}
+    >>> tx = scsgd_jax.scsgd(0.1, rank=1, conditioner='full')
+    >>> state = tx.init(params)
+    >>> grads = {'dense': {'kernel': jnp.ones((3, 2)), 'bias': jnp.ones(2)}}
+    >>> inputs = {'dense': {'kernel': jnp.eye(3)}}
+    >>> updates, state = tx.update(grads, state, params, layer_inputs=inputs)
+    >>> updates['dense']['bias']
+    Array([-0.19, -0.19], dtype=float32)
+
+  References:
+    Gonen & Shalev-Shwartz, Faster SGD Using Sketched Conditioning, arXiv:1506.02649, 2015.
+  """
+  return optax.chain(
+      transform.scale_by_sketched_conditioning(
+          rank,
+          update_every=update_every,
+          ema_rate=ema_rate,
+          conditioner=conditioner,
+          full_max_dim=full_max_dim,
+          oversample=oversample,
+          power_iterations=power_iterations,
+          eigenvalue_floor=eigenvalue_floor,
+          statistics_every=statistics_every,
+          kernel_filter=kernel_filter,
+          seed=seed,
+      ),
+      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov),
+  )

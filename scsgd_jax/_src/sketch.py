@@ -1,0 +1,334 @@
+r"""Pure sketching math of Gonen & Shalev-Shwartz, "Faster SGD Using Sketched Conditioning".
+
+Everything here is stateless and works under ``jax.jit`` and ``jax.vmap``. A
+conditioner is kept in the factored inverse form of Lemma 2,
+
+.. math::
+
+  A^{-1} = Q B^{-1} Q^\top + a^{-1} (I - Q Q^\top),
+
+as a :class:`Factor`. The sketched conditioner (Algorithm 1), the exact rank-k
+conditioner (Section 2.2) and the full conditioner :math:`A = C^{1/2}`
+(Theorem 1) are all returned in this one form, so they are interchangeable.
+
+Numerics (where the paper assumes ``rank(C) >= k`` and ``a > 0``): every
+eigenvalue used to form ``B^{-1}`` and the tail mean ``a^2 = (tr C - tr Q^T C Q) / (n - k)``
+are clamped from below by ``floor = max(eigenvalue_floor * tr(C) / n, tiny)``,
+so a rank-deficient ``C`` gives a finite conditioner that amplifies no direction
+by more than ``1 / sqrt(eigenvalue_floor)`` relative to the average scale
+``sqrt(tr(C) / n)``. A zero, or non-finite, ``C`` gives the identity factor
+(plain SGD), never NaN or Inf.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "Factor",
+    "apply_inverse",
+    "bound_terms",
+    "conditioner_matrix",
+    "full_factor",
+    "identity_factor",
+    "inverse_matrix",
+    "low_rank_factor",
+    "precondition_kernel",
+    "sketched_factor",
+    "sketched_factor_from_data",
+]
+
+DEFAULT_EIGENVALUE_FLOOR = 1e-5
+_TINY = 1e-30
+
+
+class Factor(NamedTuple):
+  r"""The factored inverse conditioner of Lemma 2.
+
+  .. math:: A^{-1} = Q B^{-1} Q^\top + a^{-1} (I - Q Q^\top)
+
+  Attributes:
+    q: ``(n, k)`` matrix with orthonormal columns.
+    b_inv: ``(k, k)`` symmetric positive definite matrix ``B^{-1}``.
+    a_inv: scalar ``a^{-1} >= 0`` applied on the orthogonal complement of ``Q``
+      (irrelevant when ``k == n``).
+  """
+
+  q: jax.Array
+  b_inv: jax.Array
+  a_inv: jax.Array
+
+  @property
+  def dim(self) -> int:
+    return self.q.shape[-2]
+
+  @property
+  def rank(self) -> int:
+    return self.q.shape[-1]
+
+
+def _floor(trace: jax.Array, n: int, eigenvalue_floor: float) -> jax.Array:
+  return jnp.maximum(eigenvalue_floor * trace / n, _TINY)
+
+
+def _inv_sqrt_psd(mat: jax.Array, floor: jax.Array) -> jax.Array:
+  """``mat^{-1/2}`` of a symmetric PSD matrix with eigenvalues floored."""
+  evals, evecs = jnp.linalg.eigh(0.5 * (mat + mat.T))
+  evals = jnp.maximum(evals, floor)
+  return (evecs * jax.lax.rsqrt(evals)) @ evecs.T
+
+
+def _finite_or_identity(factor: Factor, trace: jax.Array) -> Factor:
+  """Replaces a factor of a zero or non-finite ``C`` by the identity (Lemma 2 with B = I, a = 1)."""
+  ok = jnp.isfinite(trace) & (trace > _TINY)
+  ok &= jnp.all(jnp.isfinite(factor.q)) & jnp.all(jnp.isfinite(factor.b_inv))
+  ok &= jnp.isfinite(factor.a_inv)
+  n, k = factor.q.shape
+  ident = identity_factor(n, k, factor.q.dtype)
+  # An orthonormal Q is still needed when falling back: use the first k axes.
+  return jax.tree.map(lambda f, i: jnp.where(ok, f, i), factor, ident)
+
+
+def identity_factor(n: int, k: int, dtype=jnp.float32) -> Factor:
+  """The factor of ``A = I`` (plain SGD), with ``Q`` the first ``k`` coordinate axes."""
+  return Factor(
+      q=jnp.eye(n, k, dtype=dtype),
+      b_inv=jnp.eye(k, dtype=dtype),
+      a_inv=jnp.ones((), dtype),
+  )
+
+
+def _factor_from_basis(
+    q: jax.Array, c: jax.Array, trace: jax.Array, eigenvalue_floor: float
+) -> Factor:
+  """``B^{-1} = (Q^T C Q)^{-1/2}`` and ``a^{-1} = sqrt((n-k)/(tr C - tr Q^T C Q))`` (Algorithm 1, Theorem 2)."""
+  n, k = q.shape
+  floor = _floor(trace, n, eigenvalue_floor)
+  c_tilde = q.T @ (c @ q)
+  b_inv = _inv_sqrt_psd(c_tilde, floor)
+  if k < n:
+    tail = jnp.maximum(trace - jnp.trace(c_tilde), (n - k) * floor)
+    a_inv = jnp.sqrt((n - k) / tail)
+  else:
+    a_inv = jnp.zeros((), c.dtype)
+  return _finite_or_identity(Factor(q, b_inv, a_inv.astype(c.dtype)), trace)
+
+
+def sketched_factor(
+    key: jax.Array,
+    correlation: jax.Array,
+    rank: int,
+    *,
+    oversample: int = 10,
+    power_iterations: int = 1,
+    eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
+) -> Factor:
+  r"""Sketched conditioner of Algorithm 1 computed from a correlation matrix ``C``.
+
+  With ``r = rank + oversample`` and :math:`\Omega \in \mathbb{R}^{n \times r}`
+  with i.i.d. :math:`\mathcal{N}(0, 1/r)` entries: ``P = QR(C Omega)`` (after
+  ``power_iterations`` subspace iterations, Halko-Martinsson-Tropp Alg. 4.4), the
+  top-``rank`` eigenvectors ``U'_k`` of the small ``r x r`` matrix ``P^T C P``,
+  ``Q = P U'_k``, ``B^{-1} = (Q^T C Q)^{-1/2}`` and
+  ``a^{-1} = sqrt((n - k) / (tr C - tr Q^T C Q))``.
+
+  When ``C = X X^T / m``, ``P^T C P = (P^T X)(P^T X)^T / m``, so ``U'`` is exactly
+  the left singular basis of ``Y = P^T X`` in Algorithm 1; sketching ``C`` rather
+  than ``X`` applies the range finder to ``X X^T``, i.e. one free power step.
+  Cost: ``O(n^2 r (1 + power_iterations) + n r^2)``.
+
+  Args:
+    key: PRNG key for :math:`\Omega`.
+    correlation: ``(n, n)`` symmetric PSD matrix ``C``.
+    rank: ``k`` with ``0 < k < n``.
+    oversample: extra sketch columns, ``r = k + oversample`` (capped at ``n``).
+    power_iterations: subspace iterations to sharpen the range (0 for the paper's
+      plain range finder).
+    eigenvalue_floor: relative eigenvalue floor, see the module docstring.
+
+  Returns:
+    A :class:`Factor` of rank ``k``.
+  """
+  c = jnp.asarray(correlation)
+  n = c.shape[-1]
+  _check_rank(rank, n)
+  r = min(rank + oversample, n)
+  c = 0.5 * (c + c.T)
+  trace = jnp.trace(c)
+  omega = jax.random.normal(key, (n, r), c.dtype) / jnp.sqrt(jnp.asarray(r, c.dtype))
+  # Scale-free range finding: dividing C by its trace changes nothing but keeps
+  # the power iterations inside the float range for extreme scales.
+  c_unit = c / jnp.where(trace > _TINY, trace, 1.0)
+  p, _ = jnp.linalg.qr(c_unit @ omega)
+  for _ in range(power_iterations):
+    p, _ = jnp.linalg.qr(c_unit @ p)
+  small = p.T @ (c_unit @ p)
+  _, u = jnp.linalg.eigh(0.5 * (small + small.T))  # ascending
+  q = p @ u[:, ::-1][:, :rank]
+  return _factor_from_basis(q, c, trace, eigenvalue_floor)
+
+
+def sketched_factor_from_data(
+    key: jax.Array,
+    x: jax.Array,
+    rank: int,
+    *,
+    oversample: int = 10,
+    power_iterations: int = 0,
+    eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
+) -> Factor:
+  r"""Algorithm 1 on the data matrix ``X`` (``n x m``, columns are examples), in ``O(m n k)``.
+
+  ``Z = X Omega`` with :math:`\Omega \in \mathbb{R}^{m \times r}` i.i.d.
+  :math:`\mathcal{N}(0, 1/r)`; ``P = QR(Z)``; ``Y = P^T X``; SVD
+  ``Y = U' S' V'^T``; ``Q = P U'_k``; ``C~ = Q^T C Q`` with ``C = X X^T / m``
+  (formed as ``(Q^T X)(Q^T X)^T / m``, never materialising ``C``);
+  ``B^{-1} = C~^{-1/2}``; ``a^{-1} = sqrt((n - k) / (tr C - tr C~))``.
+  ``power_iterations`` > 0 applies ``Z <- X (X^T Z)`` with re-orthonormalisation
+  (Halko-Martinsson-Tropp); 0 is the paper's algorithm.
+  """
+  x = jnp.asarray(x)
+  n, m = x.shape
+  _check_rank(rank, n)
+  r = min(rank + oversample, n)
+  omega = jax.random.normal(key, (m, r), x.dtype) / jnp.sqrt(jnp.asarray(r, x.dtype))
+  p, _ = jnp.linalg.qr(x @ omega)
+  for _ in range(power_iterations):
+    p, _ = jnp.linalg.qr(x @ (x.T @ p))
+  y = p.T @ x
+  # full_matrices keeps U' square (r x r) even when m < r, so Q always has k orthonormal columns.
+  u, _, _ = jnp.linalg.svd(y, full_matrices=True)
+  q = p @ u[:, :rank]
+  qx = q.T @ x
+  c_tilde = qx @ qx.T / m
+  trace = jnp.sum(x * x) / m
+  floor = _floor(trace, n, eigenvalue_floor)
+  b_inv = _inv_sqrt_psd(c_tilde, floor)
+  tail = jnp.maximum(trace - jnp.trace(c_tilde), (n - rank) * floor)
+  a_inv = jnp.sqrt((n - rank) / tail).astype(x.dtype)
+  return _finite_or_identity(Factor(q, b_inv, a_inv), trace)
+
+
+def low_rank_factor(
+    correlation: jax.Array,
+    rank: int,
+    *,
+    eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
+) -> Factor:
+  """Exact rank-k conditioner of Section 2.2: ``Q = U_k`` (top-k eigenvectors of ``C``), ``B = C~^{1/2}``, ``a`` of Theorem 2.
+
+  Costs a full ``O(n^3)`` eigendecomposition; it is the oracle the sketch approximates.
+  """
+  c = jnp.asarray(correlation)
+  n = c.shape[-1]
+  _check_rank(rank, n)
+  c = 0.5 * (c + c.T)
+  _, evecs = jnp.linalg.eigh(c)
+  q = evecs[:, ::-1][:, :rank]
+  return _factor_from_basis(q, c, jnp.trace(c), eigenvalue_floor)
+
+
+def full_factor(
+    correlation: jax.Array, *, eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR
+) -> Factor:
+  """Full conditioner ``A = C^{1/2}`` of Theorem 1, as a rank-``n`` :class:`Factor`.
+
+  ``Q`` holds all eigenvectors, ``B^{-1} = diag(lambda)^{-1/2}`` (floored) and
+  ``a^{-1} = 0`` (``I - Q Q^T = 0``).
+  """
+  c = jnp.asarray(correlation)
+  n = c.shape[-1]
+  c = 0.5 * (c + c.T)
+  trace = jnp.trace(c)
+  evals, evecs = jnp.linalg.eigh(c)
+  evals = jnp.maximum(evals, _floor(trace, n, eigenvalue_floor))
+  factor = Factor(evecs, jnp.diag(jax.lax.rsqrt(evals)), jnp.zeros((), c.dtype))
+  return _finite_or_identity(factor, trace)
+
+
+def apply_inverse(factor: Factor, v: jax.Array) -> jax.Array:
+  r"""``A^{-1} v`` in ``O(n k)`` per column (Lemma 2).
+
+  Uses :math:`A^{-1} v = a^{-1} v + Q (B^{-1} - a^{-1} I) Q^\top v`.
+
+  Args:
+    factor: the conditioner.
+    v: a vector ``(n,)`` or a batch of columns ``(n, m)``.
+  """
+  q, b_inv, a_inv = factor
+  qtv = q.T @ v
+  inner = b_inv @ qtv - a_inv * qtv
+  return a_inv * v + q @ inner
+
+
+def precondition_kernel(factor: Factor, grad: jax.Array) -> jax.Array:
+  r"""Conditions a kernel gradient on its input side: ``G A^{-1}`` in the paper's ``(out, in)`` layout.
+
+  For a Flax kernel of shape ``(*in_dims, out)`` (Dense ``(n, p)``; Conv
+  ``(kh, kw, cin, cout)`` read as ``(kh*kw*cin, cout)``) this returns
+  ``A^{-1} G`` reshaped back, which is the update of Equation (updateGeneric):
+  :math:`W \leftarrow W - \eta\, \delta (A^{-1} x)^\top`. Computed in ``float32``
+  (or wider) and cast back to the gradient's dtype.
+  """
+  n = factor.q.shape[-2]
+  g = grad.reshape(n, -1)
+  dtype = jnp.promote_types(grad.dtype, jnp.float32)
+  out = apply_inverse(jax.tree.map(lambda a: a.astype(dtype), factor), g.astype(dtype))
+  return out.reshape(grad.shape).astype(grad.dtype)
+
+
+def inverse_matrix(factor: Factor) -> jax.Array:
+  """Dense ``A^{-1}`` (``n x n``), for tests and diagnostics."""
+  n = factor.q.shape[-2]
+  return apply_inverse(factor, jnp.eye(n, dtype=factor.q.dtype))
+
+
+def conditioner_matrix(factor: Factor) -> jax.Array:
+  """Dense ``A = Q B Q^T + a (I - Q Q^T)`` (Equation lowCond), for tests and diagnostics.
+
+  ``a = 1 / a^{-1}`` (taken as 0 when ``a^{-1} = 0``, i.e. a full-rank factor).
+  """
+  q, b_inv, a_inv = factor
+  n = q.shape[-2]
+  evals, evecs = jnp.linalg.eigh(0.5 * (b_inv + b_inv.T))
+  b = (evecs / evals) @ evecs.T
+  a = jnp.where(a_inv > 0, 1.0 / jnp.where(a_inv > 0, a_inv, 1.0), 0.0)
+  return q @ b @ q.T + a * (jnp.eye(n, dtype=q.dtype) - q @ q.T)
+
+
+class BoundTerms(NamedTuple):
+  """The two terms of Lemma 1's bound, ``tr(A)`` and ``tr(A^{-1} C)``."""
+
+  trace_a: jax.Array
+  trace_a_inv_c: jax.Array
+
+
+def bound_terms(factor: Factor, correlation: jax.Array) -> BoundTerms:
+  r"""``tr(A)`` and ``tr(A^{-1} C)`` of Lemma 1 (the bound is :math:`\frac{\sigma\rho}{\sqrt T}(\mathrm{tr}A + \mathrm{tr}A^{-1}C)`).
+
+  Computed from the factor in ``O(n^2 k)`` without inverting ``A``:
+  ``tr(A) = tr(B) + a (n - k)`` and ``tr(A^{-1} C) = tr(B^{-1} Q^T C Q) + a^{-1} (tr C - tr Q^T C Q)``.
+  """
+  q, b_inv, a_inv = factor
+  n, k = q.shape[-2], q.shape[-1]
+  c = jnp.asarray(correlation)
+  evals = jnp.linalg.eigvalsh(0.5 * (b_inv + b_inv.T))
+  trace_b = jnp.sum(1.0 / evals)
+  a = jnp.where(a_inv > 0, 1.0 / jnp.where(a_inv > 0, a_inv, 1.0), 0.0)
+  c_tilde = q.T @ c @ q
+  trace_a = trace_b + a * (n - k)
+  trace_a_inv_c = jnp.trace(b_inv @ c_tilde) + a_inv * (jnp.trace(c) - jnp.trace(c_tilde))
+  return BoundTerms(trace_a, trace_a_inv_c)
+
+
+def _check_rank(rank: int, n: int) -> None:
+  if not isinstance(rank, int) or isinstance(rank, bool):
+    raise TypeError(f"rank must be a Python int, got {rank!r} of type {type(rank).__name__}.")
+  if not 0 < rank < n:
+    raise ValueError(
+        f"rank must satisfy 0 < rank < n, got rank={rank} for a correlation of dimension n={n}; "
+        "use full_factor for the full conditioner A = C^{1/2}."
+    )
