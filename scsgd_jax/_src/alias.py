@@ -26,7 +26,7 @@ def scsgd(
     power_iterations: int = 1,
     eigenvalue_floor: float = sketch.DEFAULT_EIGENVALUE_FLOOR,
     statistics_every: int = 1,
-    kernel_filter: Callable[[str, Any], bool] = transform.default_kernel_filter,
+    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SCSGD: SGD (Nesterov momentum by default) on input-side conditioned gradients.

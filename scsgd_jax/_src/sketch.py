@@ -78,7 +78,7 @@ def _inv_sqrt_psd(mat: jax.Array, floor: jax.Array) -> jax.Array:
   """``mat^{-1/2}`` of a symmetric PSD matrix with eigenvalues floored."""
   evals, evecs = jnp.linalg.eigh(0.5 * (mat + mat.T))
   evals = jnp.maximum(evals, floor)
-  return (evecs * jax.lax.rsqrt(evals)) @ evecs.T
+  return (evecs * jax.lax.rsqrt(evals)[None, :]) @ evecs.T
 
 
 def _finite_or_identity(factor: Factor, trace: jax.Array) -> Factor:
@@ -143,7 +143,7 @@ def sketched_factor(
   Args:
     key: PRNG key for :math:`\Omega`.
     correlation: ``(n, n)`` symmetric PSD matrix ``C``.
-    rank: ``k`` with ``0 < k < n``.
+    rank: ``k`` with ``0 < k <= n`` (``k = n`` gives ``A = C^{1/2}``).
     oversample: extra sketch columns, ``r = k + oversample`` (capped at ``n``).
     power_iterations: subspace iterations to sharpen the range (0 for the paper's
       plain range finder).
@@ -207,8 +207,11 @@ def sketched_factor_from_data(
   trace = jnp.sum(x * x) / m
   floor = _floor(trace, n, eigenvalue_floor)
   b_inv = _inv_sqrt_psd(c_tilde, floor)
-  tail = jnp.maximum(trace - jnp.trace(c_tilde), (n - rank) * floor)
-  a_inv = jnp.sqrt((n - rank) / tail).astype(x.dtype)
+  if rank < n:
+    tail = jnp.maximum(trace - jnp.trace(c_tilde), (n - rank) * floor)
+    a_inv = jnp.sqrt((n - rank) / tail).astype(x.dtype)
+  else:
+    a_inv = jnp.zeros((), x.dtype)
   return _finite_or_identity(Factor(q, b_inv, a_inv), trace)
 
 
@@ -294,7 +297,7 @@ def conditioner_matrix(factor: Factor) -> jax.Array:
   q, b_inv, a_inv = factor
   n = q.shape[-2]
   evals, evecs = jnp.linalg.eigh(0.5 * (b_inv + b_inv.T))
-  b = (evecs / evals) @ evecs.T
+  b = (evecs / evals[None, :]) @ evecs.T
   a = jnp.where(a_inv > 0, 1.0 / jnp.where(a_inv > 0, a_inv, 1.0), 0.0)
   return q @ b @ q.T + a * (jnp.eye(n, dtype=q.dtype) - q @ q.T)
 
@@ -327,8 +330,8 @@ def bound_terms(factor: Factor, correlation: jax.Array) -> BoundTerms:
 def _check_rank(rank: int, n: int) -> None:
   if not isinstance(rank, int) or isinstance(rank, bool):
     raise TypeError(f"rank must be a Python int, got {rank!r} of type {type(rank).__name__}.")
-  if not 0 < rank < n:
+  if not 0 < rank <= n:
     raise ValueError(
-        f"rank must satisfy 0 < rank < n, got rank={rank} for a correlation of dimension n={n}; "
-        "use full_factor for the full conditioner A = C^{1/2}."
+        f"rank must satisfy 0 < rank <= n, got rank={rank} for a correlation of dimension n={n} "
+        "(rank = n gives the full conditioner A = C^{1/2}, as full_factor does)."
     )

@@ -90,7 +90,7 @@ def scale_by_sketched_conditioning(
     power_iterations: int = 1,
     eigenvalue_floor: float = sketch.DEFAULT_EIGENVALUE_FLOOR,
     statistics_every: int = 1,
-    kernel_filter: Callable[[str, Any], bool] = default_kernel_filter,
+    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
     statistics: Optional[stats_lib.CorrelationStatistics] = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -138,7 +138,9 @@ def scale_by_sketched_conditioning(
     power_iterations: range-finder power iterations.
     eigenvalue_floor: relative eigenvalue floor (see :mod:`scsgd_jax` docs).
     statistics_every: fold statistics every this many steps (1: every step).
-    kernel_filter: ``(path, leaf) -> bool`` selecting the conditioned leaves.
+    kernel_filter: ``(path, leaf) -> bool`` selecting the conditioned leaves
+      (default :func:`default_kernel_filter`; a callable must be listed in
+      ``static_args`` of ``optax.inject_hyperparams``).
     statistics: a :class:`CorrelationStatistics`; default ``ema_correlation(ema_rate, ...)``.
     seed: seed of the PRNG key kept in the state.
 
@@ -160,6 +162,8 @@ def scale_by_sketched_conditioning(
     raise ValueError(f"conditioner must be 'auto', 'sketched' or 'full', got {conditioner!r}.")
   if full_max_dim is None:
     full_max_dim = 4 * rank
+  if kernel_filter is None:
+    kernel_filter = default_kernel_filter
   if statistics is None:
     statistics = stats_lib.ema_correlation(
         ema_rate, oversample=oversample, power_iterations=power_iterations,
@@ -258,7 +262,7 @@ def scale_by_sketched_conditioning(
       return new_stats
 
     count = state.count
-    if statistics_every == 1:
+    if _is_concrete(statistics_every) and statistics_every == 1:
       new_stats = fold(state.statistics)
     else:
       new_stats = jax.lax.cond(count % statistics_every == 0, fold, lambda s: s, state.statistics)

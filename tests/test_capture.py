@@ -1,0 +1,125 @@
+"""Captured layer inputs against the layers' actual inputs and an explicit im2col."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import scsgd_jax as sk
+
+
+def _im2col(x, window, stride, dilation, pads):
+  """Loop im2col of NHWC input: one row per output position, features in (kh, kw, cin) order."""
+  (kh, kw), (sh, sw), (dh, dw) = window, stride, dilation
+  xp = np.pad(x, [(0, 0), pads[0], pads[1], (0, 0)])
+  b, h, w, _ = xp.shape
+  oh = (h - (kh - 1) * dh - 1) // sh + 1
+  ow = (w - (kw - 1) * dw - 1) // sw + 1
+  rows = []
+  for bi in range(b):
+    for i in range(oh):
+      for j in range(ow):
+        rows.append(np.stack([xp[bi, i * sh + a * dh, j * sw + c * dw, :]
+                              for a in range(kh) for c in range(kw)]).reshape(-1))
+  return np.asarray(rows)
+
+
+class NnxNet(nnx.Module):
+  def __init__(self, rngs):
+    self.conv1 = nnx.Conv(3, 4, (3, 3), padding="VALID", rngs=rngs)
+    self.conv2 = nnx.Conv(4, 5, (2, 3), strides=(2, 1), padding="SAME", kernel_dilation=(1, 2), rngs=rngs)
+    self.head = nnx.Linear(5, 2, rngs=rngs)
+
+  def __call__(self, x):
+    h1 = nnx.relu(self.conv1(x))
+    h2 = nnx.relu(self.conv2(h1))
+    pooled = h2.mean(axis=(1, 2))
+    return self.head(pooled), (h1, pooled)
+
+
+class LinenNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h1 = nn.relu(nn.Conv(4, (3, 3), padding="VALID")(x))
+    h2 = nn.relu(nn.Conv(5, (2, 3), strides=(2, 1), padding="SAME", kernel_dilation=(1, 2))(h1))
+    pooled = h2.mean(axis=(1, 2))
+    return nn.Dense(2)(pooled), (h1, pooled)
+
+
+def _same_pads(size, k, s, d):
+  eff = (k - 1) * d + 1
+  out = -(-size // s)
+  total = max((out - 1) * s + eff - size, 0)
+  return (total // 2, total - total // 2)
+
+
+def _check(li, conv1, conv2, dense, x, h1, pooled):
+  x, h1 = np.asarray(x), np.asarray(h1)
+  np.testing.assert_allclose(li[conv1]["kernel"], _im2col(x, (3, 3), (1, 1), (1, 1), [(0, 0), (0, 0)]), rtol=1e-6)
+  pads = [_same_pads(h1.shape[1], 2, 2, 1), _same_pads(h1.shape[2], 3, 1, 2)]
+  np.testing.assert_allclose(li[conv2]["kernel"], _im2col(h1, (2, 3), (2, 1), (1, 2), pads), rtol=1e-6)
+  np.testing.assert_allclose(li[dense]["kernel"], np.asarray(pooled), rtol=1e-6)
+
+
+def test_nnx_capture_matches_actual_layer_inputs():
+  model = NnxNet(nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 7, 8, 3)), jnp.float32)
+  (out, (h1, pooled)), li = sk.capture_nnx(model, x, max_rows=None)
+  _check(li, "conv1", "conv2", "head", x, h1, pooled)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  assert {k for k in li} == {k for k in params}
+  for name in li:
+    n = int(np.prod(params[name]["kernel"].shape[:-1]))
+    assert li[name]["kernel"].shape[-1] == n
+  np.testing.assert_allclose(out, model(x)[0], rtol=1e-6)  # capture does not change the forward pass
+
+
+def test_linen_capture_matches_actual_layer_inputs():
+  model = LinenNet()
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 7, 8, 3)), jnp.float32)
+  variables = model.init(jax.random.PRNGKey(0), x)
+  (out, (h1, pooled)), li = sk.capture_linen(model, variables, x, max_rows=None)
+  _check(li, "Conv_0", "Conv_1", "Dense_0", x, h1, pooled)
+  assert set(li) == set(variables["params"])
+  np.testing.assert_allclose(out, model.apply(variables, x)[0], rtol=1e-6)
+
+
+def test_sampled_rows_are_rows_of_the_full_im2col():
+  model = NnxNet(nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 9, 9, 3)), jnp.float32)
+  _, full = sk.capture_nnx(model, x, max_rows=None)
+  _, sampled = nnx.jit(lambda m, x, k: sk.capture_nnx(m, x, rng=k, max_rows=10))(model, x, jax.random.PRNGKey(0))
+  for name in ("conv1", "conv2"):
+    f, s = np.asarray(full[name]["kernel"]), np.asarray(sampled[name]["kernel"])
+    assert s.shape == (10, f.shape[1])
+    d = np.abs(s[:, None, :] - f[None, :, :]).max(-1).min(-1)
+    assert np.all(d < 1e-6)
+  assert sampled["head"]["kernel"].shape == (3, 5)  # fewer rows than max_rows: kept whole
+
+
+def test_shared_layer_rows_are_concatenated():
+  class Shared(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(3, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.lin(self.lin(x))
+
+  m = Shared(nnx.Rngs(0))
+  x = jnp.ones((2, 3))
+  _, li = sk.capture_nnx(m, x)
+  np.testing.assert_allclose(li["lin"]["kernel"], np.concatenate([np.asarray(x), np.asarray(m.lin(x))]), rtol=1e-6)
+
+
+def test_sampling_without_rng_and_grouped_conv_are_clear_errors():
+  model = NnxNet(nnx.Rngs(0))
+  with pytest.raises(ValueError, match="needs a PRNG key"):
+    sk.capture_nnx(model, jnp.ones((2, 9, 9, 3)), max_rows=4)
+  grouped = nnx.Conv(4, 4, (3, 3), feature_group_count=2, rngs=nnx.Rngs(0))
+  with pytest.raises(NotImplementedError, match="grouped convolution"):
+    sk.capture_nnx(grouped, jnp.ones((1, 5, 5, 4)))
+  circ = nnx.Conv(4, 4, (3, 3), padding="CIRCULAR", rngs=nnx.Rngs(0))
+  with pytest.raises(NotImplementedError, match="CIRCULAR"):
+    sk.capture_nnx(circ, jnp.ones((1, 5, 5, 4)))
