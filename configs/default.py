@@ -1,0 +1,41 @@
+"""Shared defaults: the paper's Section 3 recipe (batch 64, Caffe "inv" lr, Nesterov 0.9, 10k steps)."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.dataset = "mnist"
+  config.model = "lenet"
+  config.data_dir = ""  # "" -> $TFDS_DATA_DIR or tfds' default
+  config.max_train_examples = -1
+  config.max_test_examples = -1
+  config.seed = 0
+  config.batch_size = 64
+  config.num_steps = 10_000
+
+  # eta_t = 0.01 (1 + 1e-4 t)^(-3/4): Caffe's "inv" policy, as in the paper.
+  config.schedule = ml_collections.ConfigDict(dict(name="inv", base=0.01, gamma=1e-4, power=0.75))
+
+  config.optimizer = ml_collections.ConfigDict()
+  config.optimizer.name = "scsgd"  # scsgd | sgd | adam
+  config.optimizer.momentum = 0.9
+  config.optimizer.nesterov = True
+  config.optimizer.rank = 32
+  config.optimizer.update_every = 50  # paper: refresh every 50 iterations
+  config.optimizer.ema_rate = 0.05  # nu of C <- (1 - nu) C + nu mean(x x^T)
+  config.optimizer.conditioner = "auto"  # full C^{1/2} for n <= full_max_dim, else sketched rank k
+  config.optimizer.full_max_dim = 128
+  config.optimizer.oversample = 10
+  config.optimizer.power_iterations = 1
+  config.optimizer.adam_learning_rate = 1e-3
+  config.max_rows = 256  # input rows sampled per conv layer and step for the statistics (0: all)
+
+  # Paper's plots: train metrics averaged over each 100 iterations, test metrics every 1000.
+  config.train_log_every = 100
+  config.eval_every = 1000
+  config.eval_batch_size = 1000
+  config.checkpoint_every = 1000
+  config.stop_after_steps = 0  # > 0: stop early (to test resumption)
+  config.progress_bar = True
+  return config

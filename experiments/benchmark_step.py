@@ -1,0 +1,111 @@
+"""Cost of a jitted LeNet train step (batch 64, float32): scsgd defaults vs Nesterov SGD, same process.
+
+  python -m experiments.benchmark_step [--steps 400] [--out experiments/results/benchmark_step.json]
+
+Each optimizer's step is the full training step (forward with capture, backward, update).
+Runs are interleaved in blocks so drift of the machine hits all alike. Reported per optimizer:
+median step time, and mean over whole blocks, which include the refresh steps (every
+``update_every`` steps) in their true proportion. Ratios are against SGD in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import scsgd_jax
+from experiments import machine
+from experiments import models
+from experiments import train
+
+BASELINE = "sgd"
+
+
+def _variants():
+  lr = 0.01
+  return {
+      "sgd": (optax.sgd(lr, momentum=0.9, nesterov=True), False, None),
+      "scsgd": (scsgd_jax.scsgd(lr), True, 256),
+      "scsgd_all_patches": (scsgd_jax.scsgd(lr), True, None),
+      "scsgd_full_conditioner": (scsgd_jax.scsgd(lr, conditioner="full"), True, 256),
+  }
+
+
+def run(steps: int, block: int, batch: int = 64, seed: int = 0) -> dict:
+  rng = np.random.default_rng(seed)
+  images = rng.random((steps + 1, batch, 28, 28, 1), np.float32)
+  labels = rng.integers(0, 10, (steps + 1, batch)).astype(np.int32)
+  variants = {}
+  for name, (tx, capture, max_rows) in _variants().items():
+    model = models.LeNet(rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.as_pure(params)
+    state = tx.init(params)
+    step_fn = train.make_train_step(graphdef, tx, capture=capture, max_rows=max_rows)
+    key = jax.random.PRNGKey(0)
+    for i in range(3):  # compile + warm-up (count 0 is a refresh step)
+      params, state, loss, _ = step_fn(params, state, images[i], labels[i], jax.random.fold_in(key, i))
+    jax.block_until_ready(loss)
+    variants[name] = dict(fn=step_fn, params=params, state=state, times=[], done=3)
+  names = list(variants)
+  for _ in range(0, steps, block):
+    for name in names:
+      v = variants[name]
+      for _ in range(block):
+        i = v["done"] % steps
+        t = time.perf_counter()
+        v["params"], v["state"], loss, _ = v["fn"](v["params"], v["state"], images[i], labels[i],
+                                                   jax.random.fold_in(key, v["done"]))
+        jax.block_until_ready(loss)
+        v["times"].append(time.perf_counter() - t)
+        v["done"] += 1
+  out = {}
+  base_med = float(np.median(variants[BASELINE]["times"]))
+  base_mean = float(np.mean(variants[BASELINE]["times"]))
+  for name, v in variants.items():
+    t = np.asarray(v["times"])
+    out[name] = {
+        "median_ms": 1e3 * float(np.median(t)),
+        "mean_ms": 1e3 * float(np.mean(t)),
+        "p90_ms": 1e3 * float(np.percentile(t, 90)),
+        "median_ratio_vs_sgd": float(np.median(t)) / base_med,
+        "mean_ratio_vs_sgd": float(np.mean(t)) / base_mean,
+        "steps_timed": int(t.size),
+    }
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--steps", type=int, default=400)
+  parser.add_argument("--block", type=int, default=50)
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "benchmark_step.json"))
+  args = parser.parse_args()
+  results = run(args.steps, args.block)
+  record = {
+      "command": f"python -m experiments.benchmark_step --steps {args.steps} --block {args.block}",
+      "machine": machine.describe(),
+      "model": "LeNet (paper, Section 3), batch 64, float32",
+      "baseline": "optax.sgd(0.01, momentum=0.9, nesterov=True)",
+      "scsgd": "scsgd_jax.scsgd(0.01) defaults: rank 32, full C^{1/2} for n <= 128, update_every 50; "
+               "capture max_rows per layer as named",
+      "target": "scsgd mean_ratio_vs_sgd <= 1.25",
+      "results": results,
+  }
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(record, f, indent=1)
+  for name, r in results.items():
+    print(f"{name:24s} median {r['median_ms']:7.2f} ms  mean {r['mean_ms']:7.2f} ms  "
+          f"ratio(mean) {r['mean_ratio_vs_sgd']:.3f}  ratio(median) {r['median_ratio_vs_sgd']:.3f}")
+
+
+if __name__ == "__main__":
+  main()

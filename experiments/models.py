@@ -1,0 +1,80 @@
+"""The paper's networks (Section 3) in Flax NNX, with Caffe's Xavier init and zero biases."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Caffe's "xavier" filler: U[-sqrt(3/n), sqrt(3/n)] with n = fan-in (kh*kw*cin for convs).
+xavier_caffe = jax.nn.initializers.variance_scaling(1.0, "fan_in", "uniform")
+zeros = jax.nn.initializers.zeros
+
+
+def _conv(cin, cout, rngs):
+  return nnx.Conv(cin, cout, (5, 5), padding="VALID", kernel_init=xavier_caffe, bias_init=zeros, rngs=rngs)
+
+
+def _dense(nin, nout, rngs):
+  return nnx.Linear(nin, nout, kernel_init=xavier_caffe, bias_init=zeros, rngs=rngs)
+
+
+def _maxpool(x):
+  return nnx.max_pool(x, (2, 2), strides=(2, 2))
+
+
+class LeNet(nnx.Module):
+  """MNIST 28x28x1: conv 5x5x20, maxpool 2x2, conv 5x5x50, maxpool 2x2, dense 500, relu, dense 10.
+
+  As the paper (and Caffe's LeNet) has it: no padding and no nonlinearity after the convolutions.
+  """
+
+  def __init__(self, *, rngs: nnx.Rngs, num_classes: int = 10, channels: int = 1):
+    self.conv1 = _conv(channels, 20, rngs)
+    self.conv2 = _conv(20, 50, rngs)
+    self.dense1 = _dense(4 * 4 * 50, 500, rngs)
+    self.dense2 = _dense(500, num_classes, rngs)
+
+  def __call__(self, x):
+    x = _maxpool(self.conv1(x))
+    x = _maxpool(self.conv2(x))
+    x = x.reshape(x.shape[0], -1)
+    return self.dense2(nnx.relu(self.dense1(x)))
+
+
+class SVHNNet(nnx.Module):
+  """SVHN 32x32x3: conv 5x5x8, relu, conv 5x5x16, maxpool, conv 5x5x16, maxpool, affine 32, relu,
+  affine 32, relu, affine 10, avgpool 4x4.
+
+  Reading of the paper: with no padding the maps go 32 -> 28 -> 24 -> 12 -> 8 -> 4, so a final
+  "avgpool 4x4" only makes sense if the three affine layers act on each of the 4x4 positions
+  (1x1 convolutions, i.e. Dense on the channel axis) and the 10 class scores are then averaged
+  over the 4x4 map. That is what we build; the affine layers' inputs are 16-dim rows, one per
+  position.
+  """
+
+  def __init__(self, *, rngs: nnx.Rngs, num_classes: int = 10, channels: int = 3):
+    self.conv1 = _conv(channels, 8, rngs)
+    self.conv2 = _conv(8, 16, rngs)
+    self.conv3 = _conv(16, 16, rngs)
+    self.dense1 = _dense(16, 32, rngs)
+    self.dense2 = _dense(32, 32, rngs)
+    self.dense3 = _dense(32, num_classes, rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.conv1(x))
+    x = _maxpool(self.conv2(x))
+    x = _maxpool(self.conv3(x))
+    x = nnx.relu(self.dense1(x))
+    x = nnx.relu(self.dense2(x))
+    x = self.dense3(x)  # (B, 4, 4, 10)
+    return jnp.mean(x, axis=(1, 2))
+
+
+MODELS = {"lenet": LeNet, "svhn_net": SVHNNet}
+
+
+def create_model(name: str, *, seed: int, num_classes: int, channels: int) -> nnx.Module:
+  if name not in MODELS:
+    raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}.")
+  return MODELS[name](rngs=nnx.Rngs(seed), num_classes=num_classes, channels=channels)
