@@ -8,6 +8,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset = "mnist"
   config.model = "lenet"
   config.data_dir = ""  # "" -> $TFDS_DATA_DIR or tfds' default
+  config.download = True  # let tfds download and prepare if the data is missing (needs TensorFlow)
   config.max_train_examples = -1
   config.max_test_examples = -1
   config.seed = 0

@@ -36,23 +36,43 @@ def check_dataset_name(name: str) -> None:
     raise ValueError(f"unknown dataset {name!r}; choose one of {sorted(DATASETS)}.")
 
 
-def load_split(name: str, split: str, data_dir: Optional[str] = None, max_examples: int = -1) -> Split:
-  """Decodes a split of ``name`` into memory, pixels scaled to [0, 1]."""
+def load_split(name: str, split: str, data_dir: Optional[str] = None, max_examples: int = -1,
+               download: bool = True) -> Split:
+  """Decodes a split of ``name`` into memory, pixels scaled to [0, 1].
+
+  Reads a prepared copy with ``tfds.data_source`` (no TensorFlow needed). If there is
+  none and ``download`` is true, lets tfds download and prepare it (needs TensorFlow
+  and internet); every failure is a :class:`DataError` that says what to do.
+  """
   check_dataset_name(name)
   import tensorflow_datasets as tfds  # deferred: heavy import
 
   data_dir = resolve_data_dir(data_dir)
+  where = data_dir or "tfds' default data dir (~/tensorflow_datasets)"
   try:
-    source = tfds.data_source(name, split=split, data_dir=data_dir)
-  except Exception as e:  # tfds raises several types here (not found, needs TF, no network)
-    where = data_dir or "tfds' default data dir (~/tensorflow_datasets)"
-    raise DataError(
-        f"dataset '{name}' (split '{split}') is not prepared in {where} and could not be downloaded "
-        f"and prepared here ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
-        "Either point --data_dir or TFDS_DATA_DIR at a directory holding a prepared copy "
-        f"(e.g. ../shared/tfds), or, on a machine with internet, install the 'prepare' extra "
-        "(pip install 'scsgd-jax[prepare]', which brings TensorFlow) so tfds can download it."
-    ) from None
+    source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+  except Exception as missing:  # tfds raises several types for "not prepared"
+    if not download:
+      raise DataError(
+          f"dataset '{name}' (split '{split}') is not prepared in {where} and downloading is off. "
+          "Point --data_dir or TFDS_DATA_DIR at a directory holding a prepared copy (e.g. ../shared/tfds)."
+      ) from missing
+    try:
+      import tensorflow  # noqa: F401  (tfds needs it to download and prepare, not to read)
+    except ImportError:
+      raise DataError(
+          f"dataset '{name}' (split '{split}') is not prepared in {where}, and preparing it needs "
+          "TensorFlow: install the 'prepare' extra (pip install -e '.[experiments,prepare]') on a machine "
+          "with internet, or point --data_dir / TFDS_DATA_DIR at a prepared copy (e.g. ../shared/tfds)."
+      ) from None
+    try:
+      source = tfds.data_source(name, split=split, data_dir=data_dir, download=True)
+    except Exception as e:
+      raise DataError(
+          f"dataset '{name}' (split '{split}') is not prepared in {where} and could not be downloaded "
+          f"and prepared ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Check the "
+          "network, or point --data_dir / TFDS_DATA_DIR at a prepared copy (e.g. ../shared/tfds)."
+      ) from None
   n = len(source) if max_examples is None or max_examples < 0 else min(max_examples, len(source))
   examples = source.__getitems__(list(range(n)))
   images = np.stack([np.asarray(ex["image"]) for ex in examples]).astype(np.float32) / 255.0

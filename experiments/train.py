@@ -110,8 +110,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=1))
 
-  train = data_lib.load_split(config.dataset, "train", config.data_dir, config.max_train_examples)
-  test = data_lib.load_split(config.dataset, "test", config.data_dir, config.max_test_examples)
+  train = data_lib.load_split(config.dataset, "train", config.data_dir, config.max_train_examples, config.download)
+  test = data_lib.load_split(config.dataset, "test", config.data_dir, config.max_test_examples, config.download)
   _, num_classes = data_lib.DATASETS[config.dataset]
 
   model = models.create_model(config.model, seed=config.seed, num_classes=num_classes,
