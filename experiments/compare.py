@@ -24,11 +24,15 @@ from experiments import report
 from experiments import train
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "Each optimizer trains in <workdir>/<name>.", required=True)
-flags.DEFINE_string("results_dir", None, "Where metrics, figures and the table go (default: <workdir>/report).")
-flags.DEFINE_list("optimizers", ["sgd", "scsgd", "adam"], "Optimizers to compare.")
-flags.DEFINE_string("data_dir", None, "TFDS data dir (default: $TFDS_DATA_DIR, else tfds' own).")
-config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
+
+
+def define_flags():
+  """Command-line flags, defined only when run as a script (so modules can be imported together)."""
+  flags.DEFINE_string("workdir", None, "Each optimizer trains in <workdir>/<name>.", required=True)
+  flags.DEFINE_string("results_dir", None, "Where metrics, figures and the table go (default: <workdir>/report).")
+  flags.DEFINE_list("optimizers", ["sgd", "scsgd", "adam"], "Optimizers to compare.")
+  flags.DEFINE_string("data_dir", None, "TFDS data dir (default: $TFDS_DATA_DIR, else tfds' own).")
+  config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
 
 
 def compare(config, workdir: str, names, results_dir: str, command: str) -> str:
@@ -62,5 +66,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   flags.mark_flags_as_required(["config"])
   app.run(main)

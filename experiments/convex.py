@@ -104,6 +104,7 @@ def run_sgd(x, xc, y, num_classes, step_sizes, batch, steps, evals, seed):
   is_eval[evals] = True
   slot = np.cumsum(is_eval) - 1
   x, xc, y = jnp.asarray(x), jnp.asarray(xc), jnp.asarray(y)
+  num_evals = int(is_eval.sum())
 
   @jax.jit
   def run(idx, is_eval, slot):
@@ -120,7 +121,7 @@ def run_sgd(x, xc, y, num_classes, step_sizes, batch, steps, evals, seed):
       return (w - lrs[:, None, None] * grad, wsum, buf, t), None
 
     zeros = jnp.zeros((len(step_sizes), n, num_classes), jnp.float32)
-    buf = jnp.zeros((int(is_eval.sum()), *zeros.shape), jnp.float32)
+    buf = jnp.zeros((num_evals, *zeros.shape), jnp.float32)
     (_, _, buf, _), _ = jax.lax.scan(body, (zeros, zeros, buf, 0), (idx, is_eval[1:], slot[1:]))
     return buf
 
@@ -416,9 +417,13 @@ def write_report(result: dict[str, Any], out_dir: str, command: str) -> str:
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", None, "Output directory for results.json, plots and README.md.", required=True)
-flags.DEFINE_string("data_dir", None, "TFDS data dir (default: $TFDS_DATA_DIR, else tfds' own).")
-config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/convex_*.py).", lock_config=True)
+
+
+def define_flags():
+  """Command-line flags, defined only when run as a script (so modules can be imported together)."""
+  flags.DEFINE_string("out", None, "Output directory for results.json, plots and README.md.", required=True)
+  flags.DEFINE_string("data_dir", None, "TFDS data dir (default: $TFDS_DATA_DIR, else tfds' own).")
+  config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/convex_*.py).", lock_config=True)
 
 
 def main(argv):
@@ -433,5 +438,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   flags.mark_flags_as_required(["config"])
   app.run(main)

@@ -74,7 +74,10 @@ def load_split(name: str, split: str, data_dir: Optional[str] = None, max_exampl
           "network, or point --data_dir / TFDS_DATA_DIR at a prepared copy (e.g. ../shared/tfds)."
       ) from None
   n = len(source) if max_examples is None or max_examples < 0 else min(max_examples, len(source))
-  examples = source.__getitems__(list(range(n)))
+  try:
+    examples = source.__getitems__(list(range(n)))  # one batched read of the ArrayRecord file
+  except TypeError:  # sources without batched reads (e.g. tfds.testing.mock_data's)
+    examples = [source[i] for i in range(n)]
   images = np.stack([np.asarray(ex["image"]) for ex in examples]).astype(np.float32) / 255.0
   labels = np.asarray([ex["label"] for ex in examples], np.int32)
   expected, _ = DATASETS[name]

@@ -48,7 +48,8 @@ def test_bound_terms_follow_theorems_1_to_3():
     t = sk.bound_terms(f, c)
     products[name] = float(t.trace_a * t.trace_a_inv_c)
   # Theorem 1: A = C^{1/2} minimises tr(A) tr(A^{-1} C), the minimum being tr(C^{1/2})^2.
-  np.testing.assert_allclose(products["full"], root ** 2, rtol=1e-3)
+  # (up to the eigenvalue floor, 1e-5 tr(C)/n, which the smallest eigenvalues here fall below)
+  np.testing.assert_allclose(products["full"], root ** 2, rtol=3e-3)
   for name, v in products.items():
     assert v >= root ** 2 * (1 - 1e-4), (name, v, root ** 2)
   # Theorem 2's a makes the rank-k bound shrink toward the optimum as k grows, and beat A = I.
