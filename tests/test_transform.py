@@ -312,6 +312,8 @@ def test_bad_conditioner_and_rank_arguments():
     sk.scsgd(0.1, conditioner="diag")
   with pytest.raises(ValueError, match="rank must be a positive Python int"):
     sk.scsgd(0.1, rank=0)
+  with pytest.raises(ValueError, match="ema_rate must lie in"):
+    sk.scsgd(0.1, ema_rate=0.0)
 
 
 # ---------------------------------------------------------------- numerics

@@ -184,7 +184,7 @@ def sketched_factor_from_data(
 
   ``Z = X Omega`` with :math:`\Omega \in \mathbb{R}^{m \times r}` i.i.d.
   :math:`\mathcal{N}(0, 1/r)`; ``P = QR(Z)``; ``Y = P^T X``; SVD
-  ``Y = U' S' V'^T``; ``Q = P U'_k``; ``C~ = Q^T C Q`` with ``C = X X^T / m``
+  ``Y = U' S' V'^T`` (its ``U'`` taken as the eigenvectors of ``Y Y^T``, ``r x r``); ``Q = P U'_k``; ``C~ = Q^T C Q`` with ``C = X X^T / m``
   (formed as ``(Q^T X)(Q^T X)^T / m``, never materialising ``C``);
   ``B^{-1} = C~^{-1/2}``; ``a^{-1} = sqrt((n - k) / (tr C - tr C~))``.
   ``power_iterations`` > 0 applies ``Z <- X (X^T Z)`` with re-orthonormalisation
@@ -199,9 +199,11 @@ def sketched_factor_from_data(
   for _ in range(power_iterations):
     p, _ = jnp.linalg.qr(x @ (x.T @ p))
   y = p.T @ x
-  # full_matrices keeps U' square (r x r) even when m < r, so Q always has k orthonormal columns.
-  u, _, _ = jnp.linalg.svd(y, full_matrices=True)
-  q = p @ u[:, :rank]
+  # U' of the SVD Y = U' S' V'^T = the eigenvectors of the r x r matrix Y Y^T (as Lemma 3 states it):
+  # O(m r^2), never forms V' (m x m), and stays r x r even when m < r.
+  yyt = y @ y.T
+  _, u = jnp.linalg.eigh(0.5 * (yyt + yyt.T))  # ascending
+  q = p @ u[:, ::-1][:, :rank]
   qx = q.T @ x
   c_tilde = qx @ qx.T / m
   trace = jnp.sum(x * x) / m

@@ -54,8 +54,8 @@ def ema_correlation(
     rate: :math:`\nu \in (0, 1]`.
     oversample, power_iterations, eigenvalue_floor: passed to the factorisation.
   """
-  if not 0.0 < float(rate) <= 1.0 if not isinstance(rate, jax.core.Tracer) else False:
-    raise ValueError(f"ema rate must lie in (0, 1], got {rate!r}.")
+  if not isinstance(rate, jax.core.Tracer) and not 0.0 < float(rate) <= 1.0:  # traced under inject_hyperparams
+    raise ValueError(f"ema_rate must lie in (0, 1], got {rate!r}.")
 
   def init(n: int):
     return jnp.eye(n, dtype=jnp.float32)
