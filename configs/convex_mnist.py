@@ -17,8 +17,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.step_sizes = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
   # (batch size, steps) settings: single-example steps and mini-batches of 64.
   config.settings = ((1, 30_000), (64, 3_000))
-  config.num_evals = 30  # evaluation points of L(W_bar) per run (log-spaced)
-  config.epsilons = (0.1, 0.05, 0.03)  # sub-optimality levels whose first iteration is reported
+  config.num_evals = 60  # evaluation points of L(W_bar) per run (log-spaced)
+  config.epsilons = (0.2, 0.1, 0.05)  # sub-optimality levels whose first iteration is reported
   config.lbfgs_steps = 1500  # full-batch solve for L(W*)
   config.lemma_seeds = 20  # seeds per k for the Lemma 3 / Lemma 4 ratios
   config.timing_dims = (128, 256, 512, 1024, 2048)  # n of random ReLU features for Algorithm 1 vs eigh

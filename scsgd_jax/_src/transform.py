@@ -75,6 +75,12 @@ def _flat_inputs(layer_inputs) -> dict[str, Any]:
   return {path_to_str(p): leaf for p, leaf in flat}
 
 
+def _keep_if_not_finite(new, old):
+  """``new`` if every leaf is finite, else ``old`` (a non-finite batch must not poison the state)."""
+  ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(new)]))
+  return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
 def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
@@ -226,8 +232,7 @@ def scale_by_sketched_conditioning(
           "e.g. tx.update(grads, state, params, layer_inputs=layer_inputs)."
       )
     kernel_specs = specs(updates)
-    missing_state = sorted(set(state.factors) - set(kernel_specs))
-    if missing_state or set(kernel_specs) - set(state.factors):
+    if set(kernel_specs) != set(state.factors):
       raise ValueError(
           f"the kernels of `updates` {sorted(kernel_specs)} do not match those the state was "
           f"initialised with {sorted(state.factors)}."
@@ -256,9 +261,7 @@ def scale_by_sketched_conditioning(
     def fold(stats):
       new_stats = {}
       for path, old in stats.items():
-        new = statistics.update(old, rows[path])
-        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(new)]))
-        new_stats[path] = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+        new_stats[path] = _keep_if_not_finite(statistics.update(old, rows[path]), old)
       return new_stats
 
     count = state.count
@@ -270,10 +273,8 @@ def scale_by_sketched_conditioning(
     def do_refresh(operand):
       stats, key, old_factors = operand
       factors, key = refresh(stats, key, kernel_specs)
-      for path, f in factors.items():  # never replace a good factor by a non-finite one
-        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in f]))
-        factors[path] = jax.tree.map(lambda a, b: jnp.where(ok, a, b), f, old_factors[path])
-      return factors, key
+      # never replace a good factor by a non-finite one
+      return {p: _keep_if_not_finite(f, old_factors[p]) for p, f in factors.items()}, key
 
     def keep(operand):
       _, key, old_factors = operand
