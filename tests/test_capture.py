@@ -123,3 +123,31 @@ def test_sampling_without_rng_and_grouped_conv_are_clear_errors():
   circ = nnx.Conv(4, 4, (3, 3), padding="CIRCULAR", rngs=nnx.Rngs(0))
   with pytest.raises(NotImplementedError, match="CIRCULAR"):
     sk.capture_nnx(circ, jnp.ones((1, 5, 5, 4)))
+
+
+def test_linen_capture_feeds_scsgd_end_to_end():
+  import optax
+
+  model = LinenNet()
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 7, 8, 3)), jnp.float32)
+  variables = model.init(jax.random.PRNGKey(0), x)
+  params = variables["params"]
+  tx = sk.scsgd(0.05, rank=4, update_every=2)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, key):
+    def loss_fn(p):
+      (out, _), li = sk.capture_linen(model, {"params": p}, x, rng=key, max_rows=32)
+      return jnp.mean(out ** 2), li
+
+    (loss, li), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    u, state = tx.update(g, state, params, layer_inputs=li)
+    return optax.apply_updates(params, u), state, loss
+
+  losses = []
+  for i in range(15):
+    params, state, loss = step(params, state, jax.random.PRNGKey(i))
+    losses.append(float(loss))
+  assert losses[-1] < losses[0]
+  assert set(state[0].factors) == {"Conv_0/kernel", "Conv_1/kernel", "Dense_0/kernel"}

@@ -363,3 +363,45 @@ def test_non_finite_inputs_do_not_poison_statistics(bad):
   u_clean, _ = step(grads, s, params, layer_inputs={"dense": {"kernel": good2}})
   np.testing.assert_allclose(u_after["dense"]["kernel"], u_clean["dense"]["kernel"], rtol=1e-6)
   assert np.all(np.isfinite(np.asarray(u_after["dense"]["kernel"])))
+
+
+def test_statistics_every_folds_only_on_its_steps():
+  params = {"dense": {"kernel": jnp.zeros((4, 2))}}
+  tx = sk.scale_by_sketched_conditioning(2, update_every=100, ema_rate=0.5, conditioner="full", statistics_every=3)
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  x = jnp.full((2, 4), 2.0)
+  expected = np.eye(4)
+  step = jax.jit(tx.update)
+  for t in range(7):
+    _, state = step(grads, state, params, layer_inputs={"dense": {"kernel": x}})
+    if t % 3 == 0:
+      expected = 0.5 * expected + 0.5 * np.full((4, 4), 4.0)
+    np.testing.assert_allclose(state.statistics["dense/kernel"], expected, rtol=1e-6)
+
+
+def test_custom_statistics_plug_in():
+  """A user statistic (here: running mean without decay) replaces the EMA without touching the rest."""
+  def init(n):
+    return (jnp.zeros((n, n)), jnp.zeros(()))
+
+  def update(s, rows):
+    total, count = s
+    return total + rows.T @ rows, count + rows.shape[0]
+
+  def correlation(s):
+    return s[0] / jnp.maximum(s[1], 1.0)
+
+  def factor(s, key, rank):
+    del key, rank
+    return sk.full_factor(correlation(s))
+
+  stats = sk.CorrelationStatistics(init, update, factor, correlation)
+  params = {"dense": {"kernel": jnp.zeros((3, 2))}}
+  tx = sk.scale_by_sketched_conditioning(1, conditioner="full", update_every=1, statistics=stats)
+  rng = np.random.default_rng(9)
+  x = rng.standard_normal((20, 3))
+  g = rng.standard_normal((3, 2))
+  u, state = tx.update({"dense": {"kernel": jnp.asarray(g, jnp.float32)}}, tx.init(params), params,
+                       layer_inputs={"dense": {"kernel": jnp.asarray(x, jnp.float32)}})
+  np.testing.assert_allclose(u["dense"]["kernel"], _inv_sqrt(x.T @ x / 20) @ g, rtol=1e-3, atol=1e-5)
