@@ -126,7 +126,8 @@ def table(runs: dict[str, list[dict]], dataset: str) -> str:
       else:
         lines.append(f"| {name} | {step} | {step / final['step']:.2f}x | {secs:.1f} | "
                      f"{secs / final['train_time']:.2f}x |")
-    lines.append("\nTraining time counts the jitted training steps only (compilation and evaluation excluded).")
+    lines.append("\nTraining time counts the jitted training steps only (compilation, evaluation and checkpointing "
+                 "excluded).")
   return "\n".join(lines) + "\n"
 
 

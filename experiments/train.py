@@ -102,7 +102,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   sketch randomness depend only on (seed, step), so a resumed run continues exactly.
 
   Returns:
-    The last metrics row (with ``train_time``: seconds spent in training steps, compile excluded).
+    The last metrics row (with ``train_time``: seconds spent in training steps; compilation,
+    evaluation and checkpointing excluded).
   """
   validate_config(config)
   workdir = os.path.abspath(workdir)
@@ -182,6 +183,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if step % config.checkpoint_every == 0 or step == config.num_steps:
         ckpt.save(step, args=ocp.args.StandardSave(
             {"params": params, "opt_state": opt_state, "train_time": train_time}))
+        # Finish the (otherwise asynchronous) save before timing resumes, so background checkpoint
+        # threads do not slow the next timed steps of one optimizer more than another's.
+        ckpt.wait_until_finished()
       t0 = time.perf_counter()
       if config.stop_after_steps and step >= config.stop_after_steps:  # for tests of resumption
         break
