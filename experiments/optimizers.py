@@ -29,15 +29,21 @@ def needs_layer_inputs(config: ml_collections.ConfigDict) -> bool:
 
 
 def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """The optimizer of ``config.optimizer``; with ``weight_decay > 0``, ``wd * w`` is added to every
+  gradient first, as Caffe's solver does (so SCSGD conditions the decayed gradient too)."""
   o = config.optimizer
   lr = learning_rate(config)
   if o.name == "scsgd":
-    return scsgd_jax.scsgd(
+    tx = scsgd_jax.scsgd(
         lr, rank=o.rank, momentum=o.momentum, nesterov=o.nesterov, update_every=o.update_every,
         ema_rate=o.ema_rate, conditioner=o.conditioner, full_max_dim=o.full_max_dim,
         oversample=o.oversample, power_iterations=o.power_iterations, seed=config.seed)
-  if o.name == "sgd":
-    return optax.sgd(lr, momentum=o.momentum, nesterov=o.nesterov)
-  if o.name == "adam":
-    return optax.adam(o.adam_learning_rate)
-  raise ValueError(f"unknown optimizer {o.name!r}; choose one of {OPTIMIZERS}.")
+  elif o.name == "sgd":
+    tx = optax.sgd(lr, momentum=o.momentum, nesterov=o.nesterov)
+  elif o.name == "adam":
+    tx = optax.adam(o.adam_learning_rate)
+  else:
+    raise ValueError(f"unknown optimizer {o.name!r}; choose one of {OPTIMIZERS}.")
+  if o.weight_decay:
+    tx = optax.chain(optax.add_decayed_weights(o.weight_decay), tx)
+  return tx

@@ -130,3 +130,14 @@ def test_unknown_optimizer_is_rejected_before_training(tmp_path):
   with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
     compare.compare(config, str(tmp_path), ["sgd", "lion"], str(tmp_path / "r"), "cmd")
   assert not (tmp_path / "sgd").exists()
+
+
+def test_weight_decay_is_added_to_the_gradient_first():
+  config = smoke.get_config()
+  config.optimizer.name = "sgd"
+  config.optimizer.momentum = 0.0
+  config.optimizer.weight_decay = 0.1
+  tx = optimizers.create_optimizer(config)
+  params = {"w": jnp.ones(3)}
+  updates, _ = tx.update({"w": jnp.zeros(3)}, tx.init(params), params)
+  np.testing.assert_allclose(updates["w"], -0.01 * 0.1 * np.ones(3), rtol=1e-6)
