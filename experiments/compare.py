@@ -21,6 +21,7 @@ from ml_collections import config_flags
 from experiments import machine
 from experiments import optimizers
 from experiments import report
+from experiments import data as data_lib
 from experiments import train
 
 FLAGS = flags.FLAGS
@@ -38,7 +39,7 @@ def define_flags():
 def compare(config, workdir: str, names, results_dir: str, command: str) -> str:
   for name in names:
     if name not in optimizers.OPTIMIZERS:
-      raise ValueError(f"unknown optimizer {name!r} in --optimizers; choose from {optimizers.OPTIMIZERS}.")
+      raise train.ConfigError(f"--optimizers: unknown optimizer {name!r}; choose from {optimizers.OPTIMIZERS}.")
   runs = {}
   for name in names:
     cfg = config.copy_and_resolve_references()
@@ -61,7 +62,10 @@ def main(argv):
     config.data_dir = FLAGS.data_dir
   results_dir = FLAGS.results_dir or os.path.join(FLAGS.workdir, "report")
   command = "python -m experiments.compare " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-  path = compare(config, FLAGS.workdir, FLAGS.optimizers, results_dir, command)
+  try:
+    path = compare(config, FLAGS.workdir, FLAGS.optimizers, results_dir, command)
+  except (data_lib.DataError, train.ConfigError) as e:  # bad data dir or config: a message, not a traceback
+    sys.exit(f"error: {e}")
   print(open(path).read())
 
 

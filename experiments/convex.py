@@ -440,7 +440,10 @@ def main(argv):
   if FLAGS.data_dir:
     config.data_dir = FLAGS.data_dir
   command = "python -m experiments.convex " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-  result = run_experiment(config)
+  try:
+    result = run_experiment(config)
+  except data_lib.DataError as e:  # a message, not a traceback
+    sys.exit(f"error: {e}")
   print(open(write_report(result, FLAGS.out, command)).read())
 
 

@@ -3,11 +3,14 @@
 Config fields can be overridden on the command line, e.g. ``--config.optimizer.name=sgd``.
 """
 
+import sys
+
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from experiments import data as data_lib
 from experiments import train
 
 FLAGS = flags.FLAGS
@@ -22,8 +25,11 @@ def main(argv):
   if FLAGS.data_dir:
     config.data_dir = FLAGS.data_dir
   logging.set_verbosity(logging.WARNING)
-  last = train.train_and_evaluate(config, FLAGS.workdir)
-  print(last)
+  try:
+    last = train.train_and_evaluate(config, FLAGS.workdir)
+    print(last)
+  except (data_lib.DataError, train.ConfigError) as e:  # bad data dir or config: a message, not a traceback
+    sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

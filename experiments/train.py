@@ -26,18 +26,26 @@ from experiments import optimizers
 METRICS_FILE = "metrics.jsonl"
 
 
+class ConfigError(ValueError):
+  """A config that cannot run (unknown dataset, model or optimizer, bad cadences)."""
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Checks a config before any data is read or any work compiled."""
-  data_lib.check_dataset_name(config.dataset)
+  """Checks a config before any data is read or any work compiled; raises :class:`ConfigError`."""
+  try:
+    data_lib.check_dataset_name(config.dataset)
+  except ValueError as e:
+    raise ConfigError(f"config.dataset: {e}") from None
   if config.model not in models.MODELS:
-    raise ValueError(f"unknown model {config.model!r}; choose one of {sorted(models.MODELS)}.")
+    raise ConfigError(f"config.model: unknown model {config.model!r}; choose one of {sorted(models.MODELS)}.")
   if config.optimizer.name not in optimizers.OPTIMIZERS:
-    raise ValueError(f"unknown optimizer {config.optimizer.name!r}; choose one of {optimizers.OPTIMIZERS}.")
+    raise ConfigError(
+        f"config.optimizer.name: unknown optimizer {config.optimizer.name!r}; choose one of {optimizers.OPTIMIZERS}.")
   for key in ("num_steps", "batch_size", "train_log_every", "eval_every", "checkpoint_every"):
     if int(config[key]) <= 0:
-      raise ValueError(f"config.{key} must be positive, got {config[key]}.")
+      raise ConfigError(f"config.{key} must be positive, got {config[key]}.")
   if config.checkpoint_every % config.train_log_every:
-    raise ValueError(
+    raise ConfigError(
         f"config.checkpoint_every={config.checkpoint_every} must be a multiple of "
         f"config.train_log_every={config.train_log_every} so a resumed run logs the same windows.")
 

@@ -141,3 +141,17 @@ def test_weight_decay_is_added_to_the_gradient_first():
   params = {"w": jnp.ones(3)}
   updates, _ = tx.update({"w": jnp.zeros(3)}, tx.init(params), params)
   np.testing.assert_allclose(updates["w"], -0.01 * 0.1 * np.ones(3), rtol=1e-6)
+
+
+def test_cli_reports_a_missing_dataset_without_a_traceback(tmp_path):
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.main", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "w"),
+       "--data_dir", str(tmp_path / "nothing_here"), "--config.download=False"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0
+  assert "error: dataset 'mnist'" in out.stderr and "not prepared" in out.stderr
+  assert "Traceback" not in out.stderr
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.compare", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "c"),
+       "--optimizers", "sgd,lion"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0 and "unknown optimizer 'lion'" in out.stderr and "Traceback" not in out.stderr
