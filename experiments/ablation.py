@@ -93,10 +93,7 @@ def write(results: dict, out: str, command: str, steps: int) -> str:
     ratio = f"{r['time_per_step_vs_sgd']:.2f}x" if r["time_per_step_vs_sgd"] else "-"
     lines.append(f"| {name} | {r['description']} | {r['final_test_loss']:.4f} | {100 * r['final_test_error']:.2f}% | "
                  f"{r['best_test_loss']:.4f} | {r['ms_per_step']:.1f} | {ratio} |")
-  path = os.path.join(out, "README.md")
-  with open(path, "w") as f:
-    f.write("\n".join(lines) + "\n")
-  return path
+  return report.write_markdown(out, lines)
 
 
 def main():

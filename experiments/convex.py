@@ -33,6 +33,7 @@ from ml_collections import config_flags
 import scsgd_jax as sk
 from experiments import data as data_lib
 from experiments import machine
+from experiments import report
 
 RHO = float(np.sqrt(2.0))  # the multiclass log loss is sqrt(2)-Lipschitz in the scores: ||softmax - e_y|| <= sqrt(2)
 
@@ -417,10 +418,7 @@ def write_report(result: dict[str, Any], out_dir: str, command: str) -> str:
   for r in result["timing"]:
     lines.append(f"| {r['n']} | {r['m']} | {r['k']} | {r['sketch_s']:.4f} | {r['form_c_s']:.4f} | {r['eigh_s']:.4f} | "
                  f"{r['eigh_over_sketch']:.2f}x | {r['form_plus_eigh_over_sketch']:.2f}x |")
-  path = os.path.join(out_dir, "README.md")
-  with open(path, "w") as f:
-    f.write("\n".join(lines) + "\n")
-  return path
+  return report.write_markdown(out_dir, lines)
 
 
 FLAGS = flags.FLAGS

@@ -24,6 +24,14 @@ PAPER_DATASET = {"mnist": "mnist", "svhn_cropped": "svhn"}
 COLORS = {"sgd": "tab:blue", "scsgd": "tab:red", "adam": "tab:green"}
 
 
+def write_markdown(out_dir: str, lines: list[str]) -> str:
+  """Writes ``lines`` as ``<out_dir>/README.md`` (the report page of a results folder); returns its path."""
+  path = os.path.join(out_dir, "README.md")
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  return path
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
@@ -145,7 +153,4 @@ def write_report(runs: dict[str, list[dict]], dataset: str, out_dir: str, comman
                 f"on {machine.get('backend')}.\n")
   text.append("Figures: " + ", ".join(f"[{os.path.basename(p)}]({os.path.basename(p)})" for p in figs) + "\n")
   text.append(table(runs, dataset))
-  path = os.path.join(out_dir, "README.md")
-  with open(path, "w") as f:
-    f.write("\n".join(text))
-  return path
+  return write_markdown(out_dir, text)

@@ -155,3 +155,14 @@ def test_cli_reports_a_missing_dataset_without_a_traceback(tmp_path):
       [sys.executable, "-m", "experiments.compare", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "c"),
        "--optimizers", "sgd,lion"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode != 0 and "unknown optimizer 'lion'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_ablation_runs_on_mock_data(tmp_path):
+  from experiments import ablation
+
+  with tfds.testing.mock_data(num_examples=600):
+    results = ablation.run(_smoke(), 20, str(tmp_path / "runs"), ["sgd", "default", "rows_64"])
+  path = ablation.write(results, str(tmp_path / "out"), "cmd", 20)
+  assert results["sgd"]["time_per_step_vs_sgd"] == 1.0
+  assert all(np.isfinite(r["final_test_loss"]) for r in results.values())
+  assert "| rows_64 |" in open(path).read()
