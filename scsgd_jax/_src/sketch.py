@@ -101,20 +101,32 @@ def identity_factor(n: int, k: int, dtype=jnp.float32) -> Factor:
   )
 
 
-def _factor_from_basis(
-    q: jax.Array, c: jax.Array, trace: jax.Array, eigenvalue_floor: float
+def _top_eigenvectors(mat: jax.Array, k: int) -> jax.Array:
+  """The ``k`` leading eigenvectors (columns, descending eigenvalues) of a symmetric matrix."""
+  _, evecs = jnp.linalg.eigh(0.5 * (mat + mat.T))  # ascending
+  return evecs[:, ::-1][:, :k]
+
+
+def _factor_from_compressed(
+    q: jax.Array, c_tilde: jax.Array, trace: jax.Array, eigenvalue_floor: float
 ) -> Factor:
-  """``B^{-1} = (Q^T C Q)^{-1/2}`` and ``a^{-1} = sqrt((n-k)/(tr C - tr Q^T C Q))`` (Algorithm 1, Theorem 2)."""
+  """``B^{-1} = C~^{-1/2}`` and ``a^{-1} = sqrt((n-k)/(tr C - tr C~))`` from ``C~ = Q^T C Q`` (Algorithm 1, Theorem 2)."""
   n, k = q.shape
   floor = _floor(trace, n, eigenvalue_floor)
-  c_tilde = q.T @ (c @ q)
   b_inv = _inv_sqrt_psd(c_tilde, floor)
   if k < n:
     tail = jnp.maximum(trace - jnp.trace(c_tilde), (n - k) * floor)
     a_inv = jnp.sqrt((n - k) / tail)
   else:
-    a_inv = jnp.zeros((), c.dtype)
-  return _finite_or_identity(Factor(q, b_inv, a_inv.astype(c.dtype)), trace)
+    a_inv = jnp.zeros((), c_tilde.dtype)
+  return _finite_or_identity(Factor(q, b_inv, a_inv.astype(c_tilde.dtype)), trace)
+
+
+def _factor_from_basis(
+    q: jax.Array, c: jax.Array, trace: jax.Array, eigenvalue_floor: float
+) -> Factor:
+  """The factor of basis ``Q`` for a dense ``C``: ``C~ = Q^T C Q``, then :func:`_factor_from_compressed`."""
+  return _factor_from_compressed(q, q.T @ (c @ q), trace, eigenvalue_floor)
 
 
 def sketched_factor(
@@ -165,9 +177,7 @@ def sketched_factor(
   p, _ = jnp.linalg.qr(c_unit @ omega)
   for _ in range(power_iterations):
     p, _ = jnp.linalg.qr(c_unit @ p)
-  small = p.T @ (c_unit @ p)
-  _, u = jnp.linalg.eigh(0.5 * (small + small.T))  # ascending
-  q = p @ u[:, ::-1][:, :rank]
+  q = p @ _top_eigenvectors(p.T @ (c_unit @ p), rank)
   return _factor_from_basis(q, c, trace, eigenvalue_floor)
 
 
@@ -201,20 +211,9 @@ def sketched_factor_from_data(
   y = p.T @ x
   # U' of the SVD Y = U' S' V'^T = the eigenvectors of the r x r matrix Y Y^T (as Lemma 3 states it):
   # O(m r^2), never forms V' (m x m), and stays r x r even when m < r.
-  yyt = y @ y.T
-  _, u = jnp.linalg.eigh(0.5 * (yyt + yyt.T))  # ascending
-  q = p @ u[:, ::-1][:, :rank]
+  q = p @ _top_eigenvectors(y @ y.T, rank)
   qx = q.T @ x
-  c_tilde = qx @ qx.T / m
-  trace = jnp.sum(x * x) / m
-  floor = _floor(trace, n, eigenvalue_floor)
-  b_inv = _inv_sqrt_psd(c_tilde, floor)
-  if rank < n:
-    tail = jnp.maximum(trace - jnp.trace(c_tilde), (n - rank) * floor)
-    a_inv = jnp.sqrt((n - rank) / tail).astype(x.dtype)
-  else:
-    a_inv = jnp.zeros((), x.dtype)
-  return _finite_or_identity(Factor(q, b_inv, a_inv), trace)
+  return _factor_from_compressed(q, qx @ qx.T / m, jnp.sum(x * x) / m, eigenvalue_floor)
 
 
 def low_rank_factor(
@@ -231,9 +230,7 @@ def low_rank_factor(
   n = c.shape[-1]
   _check_rank(rank, n)
   c = 0.5 * (c + c.T)
-  _, evecs = jnp.linalg.eigh(c)
-  q = evecs[:, ::-1][:, :rank]
-  return _factor_from_basis(q, c, jnp.trace(c), eigenvalue_floor)
+  return _factor_from_basis(_top_eigenvectors(c, rank), c, jnp.trace(c), eigenvalue_floor)
 
 
 def full_factor(
