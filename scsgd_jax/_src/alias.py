@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import optax
 
@@ -14,19 +14,24 @@ __all__ = ["scsgd"]
 
 def scsgd(
     learning_rate: optax.ScalarOrSchedule,
-    rank: int = 32,
+    rank: Optional[int] = None,
     *,
     momentum: Optional[float] = 0.9,
     nesterov: bool = True,
-    update_every: int = 50,
+    update_every: Optional[int] = None,
     ema_rate: float = 0.05,
     conditioner: transform.ConditionerKind = "auto",
+    statistics: transform.StatisticsKind = "auto",
+    warm_start: bool = True,
+    stagger: bool = True,
+    outlier_threshold: float = transform.DEFAULT_OUTLIER_THRESHOLD,
     full_max_dim: Optional[int] = None,
-    oversample: int = 10,
-    power_iterations: int = 1,
+    oversample: Optional[int] = None,
+    power_iterations: Optional[int] = None,
     eigenvalue_floor: float = sketch.DEFAULT_EIGENVALUE_FLOOR,
-    statistics_every: int = 1,
+    statistics_every: Optional[int] = None,
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
+    input_axes: Union[None, Mapping[str, Sequence[int]], Callable[[str, Any], Sequence[int]]] = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SCSGD: SGD (Nesterov momentum by default) on input-side conditioned gradients.
@@ -34,7 +39,7 @@ def scsgd(
   ``optax.chain(scale_by_sketched_conditioning(...), optax.sgd(learning_rate, momentum, nesterov))``,
   so momentum accumulates the conditioned gradients
   :math:`\delta (A^{-1} x)^\top` of Section 3. See
-  :func:`scale_by_sketched_conditioning` for the conditioning arguments.
+  :func:`scale_by_sketched_conditioning` for the conditioning arguments and their defaults.
 
   Example:
     >>> import jax.numpy as jnp, optax, scsgd_jax
@@ -56,12 +61,17 @@ def scsgd(
           update_every=update_every,
           ema_rate=ema_rate,
           conditioner=conditioner,
+          statistics=statistics,
+          warm_start=warm_start,
+          stagger=stagger,
+          outlier_threshold=outlier_threshold,
           full_max_dim=full_max_dim,
           oversample=oversample,
           power_iterations=power_iterations,
           eigenvalue_floor=eigenvalue_floor,
           statistics_every=statistics_every,
           kernel_filter=kernel_filter,
+          input_axes=input_axes,
           seed=seed,
       ),
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov),

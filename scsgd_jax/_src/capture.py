@@ -1,17 +1,26 @@
-"""Capturing the inputs of Dense/Linear and Conv layers in the forward pass that computes the loss.
+"""Capturing each conditioned layer's inputs in the forward pass that computes the loss.
 
 Neither helper needs a change to the model: the layers' ``__call__`` are
-intercepted for the duration of one call, and what each layer sows is the
-row matrix its kernel's statistics need (for convs, im2col rows of at most
-``max_rows`` sampled output positions), stored under the layer's path with
-the name ``kernel`` so that the result mirrors the parameter tree.
+intercepted for the duration of one call, and what each layer sows is what its
+kernel's statistics need, stored under the layer's path with the parameter's
+name (``kernel``, or ``embedding``) so that the result mirrors the parameter tree:
+
+- Dense/Linear ``(n, p)``: input rows ``(m, n)``.
+- Conv ``(*window, cin, cout)``: im2col rows of sampled output positions, ``(m, prod(window) * cin)``.
+- DenseGeneral/LinearGeneral (and so every attention projection): the contracted
+  input axes moved last and flattened, in the kernel's input-axis order.
+- Einsum: the input's contracted labels, in the order the kernel holds them.
+- Embed: the integer ids (its input is one-hot, so the statistic is their histogram).
+
+:func:`layer_spec` is the one place that knows each layer type.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Optional
+import math
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,20 +29,150 @@ from flax import nnx
 
 from scsgd_jax._src import patches
 
-__all__ = ["LayerInput", "capture_linen", "capture_nnx", "layer_rows"]
+__all__ = [
+    "LayerInput",
+    "LayerSpec",
+    "capture_linen",
+    "capture_nnx",
+    "input_axes_linen",
+    "input_axes_nnx",
+    "layer_rows",
+    "layer_spec",
+]
 
 DEFAULT_MAX_ROWS = 256
 LINEN_COLLECTION = "layer_inputs"
+NNX_LAYERS = (nnx.Linear, nnx.Conv, nnx.LinearGeneral, nnx.Einsum, nnx.Embed)
+LINEN_LAYERS = (nn.Dense, nn.Conv, nn.DenseGeneral, nn.Einsum, nn.Embed)
 
 
 class LayerInput(nnx.Intermediate):
   """NNX variable type of the captured input rows (a subtype of ``nnx.Intermediate``)."""
 
 
+class LayerSpec(NamedTuple):
+  """What one layer's kernel needs from its input.
+
+  Attributes:
+    param: the parameter's name (``'kernel'`` or ``'embedding'``).
+    input_axes: the kernel axes contracted with the input (``None`` when the
+      equation is only known at call time).
+    rows: ``rows(x, max_rows, key) -> (m, n)`` rows (or the ids of an embedding).
+  """
+
+  param: str
+  input_axes: Optional[tuple[int, ...]]
+  rows: Callable[[jax.Array, Optional[int], Optional[jax.Array]], jax.Array]
+
+
 def _to_tuple(v, d):
   if v is None:
     return (1,) * d
   return (v,) * d if isinstance(v, int) else tuple(v)
+
+
+def _as_tuple(v) -> tuple:
+  return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+
+def _conv_spec(layer, name) -> LayerSpec:
+  window = tuple(layer.kernel_size) if not isinstance(layer.kernel_size, int) else (layer.kernel_size,)
+  d = len(window)
+  groups = getattr(layer, "feature_group_count", 1)
+  if groups != 1:
+    raise NotImplementedError(
+        f"layer '{name}' is a grouped convolution (feature_group_count={groups}); its kernel is not "
+        "one (n, cout) matrix over all inputs. Exclude it with kernel_filter or optax.masked.")
+  if any(v != 1 for v in _to_tuple(getattr(layer, "input_dilation", 1), d)):
+    raise NotImplementedError(f"layer '{name}': input_dilation is not supported by the conv statistics.")
+
+  def rows(x, max_rows, key):
+    try:
+      return patches.conv_patch_rows(
+          x, window, strides=_to_tuple(layer.strides, d), padding=layer.padding,
+          dilation=_to_tuple(layer.kernel_dilation, d), max_rows=max_rows, key=key)
+    except (ValueError, NotImplementedError) as e:
+      raise type(e)(f"layer '{name}': {e}") from None
+
+  return LayerSpec("kernel", tuple(range(d + 1)), rows)
+
+
+def _contracted_rows(x, axes, max_rows, key):
+  """``x`` with ``axes`` (in this order) moved last and flattened into rows."""
+  axes = tuple(a % x.ndim for a in axes)
+  rest = tuple(a for a in range(x.ndim) if a not in axes)
+  moved = jnp.transpose(x, rest + axes)
+  return patches.sample_rows(moved.reshape(-1, math.prod(x.shape[a] for a in axes)), max_rows, key)
+
+
+def _general_spec(layer, name, batch) -> LayerSpec:
+  if batch:
+    raise NotImplementedError(
+        f"layer '{name}' has batch axes {tuple(batch)}: its kernel is one matrix per batch index, not "
+        "one (n, p) matrix. Exclude it with kernel_filter or optax.masked.")
+  axis = _as_tuple(layer.axis)
+  return LayerSpec("kernel", tuple(range(len(axis))), lambda x, m, k: _contracted_rows(x, axis, m, k))
+
+
+def _parse_einsum(equation: str, name: str) -> tuple[tuple[int, ...], Callable]:
+  """Kernel input axes and the input's matching axes of ``'lhs,rhs->out'`` (rhs the kernel)."""
+  eq = equation.replace(" ", "")
+  try:
+    ins, out = eq.split("->")
+    lhs, rhs = ins.split(",")
+  except ValueError:
+    raise ValueError(f"layer '{name}': einsum equation {equation!r} is not of the form 'lhs,rhs->out'.") from None
+  if "." in rhs:
+    raise NotImplementedError(f"layer '{name}': an ellipsis in the kernel's subscripts ({equation!r}) is not supported.")
+  shared = [c for c in rhs if c in lhs and c in out]
+  if shared:
+    raise NotImplementedError(
+        f"layer '{name}': einsum {equation!r} shares labels {shared} between input, kernel and output, so "
+        "its kernel is one matrix per such index. Exclude it with kernel_filter or optax.masked.")
+  contracted = [c for c in rhs if c in lhs]
+  if not contracted:
+    raise ValueError(f"layer '{name}': einsum {equation!r} contracts no input axis with the kernel.")
+  kernel_axes = tuple(rhs.index(c) for c in contracted)
+
+  def rows(x, max_rows, key):
+    labels = lhs
+    if "..." in lhs:
+      pre, post = lhs.split("...")
+      labels = pre + "#" * (x.ndim - len(pre) - len(post)) + post
+    return _contracted_rows(x, tuple(labels.index(c) for c in contracted), max_rows, key)
+
+  return kernel_axes, rows
+
+
+def _einsum_spec(layer, name, equation) -> LayerSpec:
+  if equation is None:
+    return LayerSpec("kernel", None, None)
+  axes, rows = _parse_einsum(equation, name)
+  return LayerSpec("kernel", axes, rows)
+
+
+def _embed_rows(x, max_rows, key):
+  del max_rows, key  # the histogram of all ids is O(m + vocab): no sampling needed
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"an Embed layer's input must be integer ids, got dtype {x.dtype}.")
+  return x.reshape(-1)
+
+
+def layer_spec(layer: Any, name: str, einsum_str: Optional[str] = None) -> LayerSpec:
+  """The :class:`LayerSpec` of an NNX or Linen layer (``einsum_str``: the equation of this Einsum call, if given)."""
+  if isinstance(layer, (nnx.Conv, nn.Conv)):
+    return _conv_spec(layer, name)
+  if isinstance(layer, (nnx.Linear, nn.Dense)):
+    return LayerSpec("kernel", (0,), lambda x, m, k: patches.dense_rows(x, m, k))
+  if isinstance(layer, nnx.LinearGeneral):
+    return _general_spec(layer, name, dict(layer.batch_axis))
+  if isinstance(layer, nn.DenseGeneral):
+    return _general_spec(layer, name, _as_tuple(layer.batch_dims))
+  if isinstance(layer, (nnx.Einsum, nn.Einsum)):
+    return _einsum_spec(layer, name, einsum_str or layer.einsum_str)
+  if isinstance(layer, (nnx.Embed, nn.Embed)):
+    return LayerSpec("embedding", (0,), _embed_rows)
+  raise TypeError(f"layer '{name}' of type {type(layer).__name__} is not one the capture knows.")
 
 
 def layer_rows(
@@ -43,34 +182,22 @@ def layer_rows(
     name: str,
     max_rows: Optional[int],
     key: Optional[jax.Array],
+    einsum_str: Optional[str] = None,
 ) -> jax.Array:
-  """The ``(rows, n)`` inputs of ``layer``'s kernel for layer input ``x`` (Dense rows, or Conv im2col rows).
+  """What ``layer``'s kernel statistics need from the layer input ``x``: rows ``(m, n)``, or an embedding's ids.
 
-  ``layer`` is an ``nnx.Linear``/``nnx.Conv`` or ``nn.Dense``/``nn.Conv``; ``name``
-  names it in errors.
+  ``layer`` is any of ``nnx.Linear``, ``nnx.Conv``, ``nnx.LinearGeneral``,
+  ``nnx.Einsum``, ``nnx.Embed`` or their Linen twins; ``name`` names it in errors.
   """
-  x = jax.lax.stop_gradient(x)
-  if isinstance(layer, (nnx.Conv, nn.Conv)):
-    window = tuple(layer.kernel_size) if not isinstance(layer.kernel_size, int) else (layer.kernel_size,)
-    d = len(window)
-    groups = getattr(layer, "feature_group_count", 1)
-    if groups != 1:
-      raise NotImplementedError(
-          f"layer '{name}' is a grouped convolution (feature_group_count={groups}); its kernel is not "
-          "one (n, cout) matrix over all inputs. Exclude it with kernel_filter or optax.masked."
-      )
-    if any(v != 1 for v in _to_tuple(getattr(layer, "input_dilation", 1), d)):
-      raise NotImplementedError(f"layer '{name}': input_dilation is not supported by the conv statistics.")
-    try:
-      return patches.conv_patch_rows(
-          x, window,
-          strides=_to_tuple(layer.strides, d),
-          padding=layer.padding,
-          dilation=_to_tuple(layer.kernel_dilation, d),
-          max_rows=max_rows, key=key)
-    except (ValueError, NotImplementedError) as e:
-      raise type(e)(f"layer '{name}': {e}") from None
-  return patches.dense_rows(x, max_rows, key)
+  spec = layer_spec(layer, name, einsum_str)
+  return spec.rows(jax.lax.stop_gradient(x), max_rows, key)
+
+
+def _check_max_rows(max_rows) -> None:
+  if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+    raise ValueError(
+        f"max_rows must be a positive int (rows kept per layer call) or None (all rows), got {max_rows!r}; "
+        "with no rows the statistics never change and training is plain SGD.")
 
 
 class _Counter:
@@ -87,24 +214,28 @@ def _merge(rows_tuple):
   return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
 
 
+def _einsum_arg(layer, args, kwargs) -> Optional[str]:
+  if isinstance(layer, (nnx.Einsum, nn.Einsum)):
+    return kwargs.get("einsum_str") or (args[0] if args and isinstance(args[0], str) else None)
+  return None
+
+
 @contextlib.contextmanager
 def _patched_nnx(names, max_rows, counter):
-  originals = {cls: cls.__call__ for cls in (nnx.Linear, nnx.Conv)}
+  originals = {cls: cls.__call__ for cls in NNX_LAYERS}
 
-  def make(cls):
-    orig = originals[cls]
-
+  def make(orig):
     def call(self, inputs, *args, **kwargs):
-      rows = layer_rows(self, inputs, name=names.get(id(self), type(self).__name__),
-                        max_rows=max_rows, key=counter.key())
-      self.sow(LayerInput, "kernel", rows)
+      name = names.get(id(self), type(self).__name__)
+      spec = layer_spec(self, name, _einsum_arg(self, args, kwargs))
+      self.sow(LayerInput, spec.param, spec.rows(jax.lax.stop_gradient(inputs), max_rows, counter.key()))
       return orig(self, inputs, *args, **kwargs)
 
     return call
 
   try:
-    for cls in originals:
-      cls.__call__ = make(cls)
+    for cls, orig in originals.items():
+      cls.__call__ = make(orig)
     yield
   finally:
     for cls, orig in originals.items():
@@ -118,8 +249,10 @@ def capture_nnx(
     max_rows: Optional[int] = DEFAULT_MAX_ROWS,
     **kwargs,
 ) -> tuple[Any, dict]:
-  """Calls ``model(*args, **kwargs)`` and captures the inputs of its ``nnx.Linear`` and ``nnx.Conv`` layers.
+  """Calls ``model(*args, **kwargs)`` and captures the inputs of its conditioned layers.
 
+  Layers captured: ``nnx.Linear``, ``nnx.Conv``, ``nnx.LinearGeneral`` (so every
+  projection of ``nnx.MultiHeadAttention``), ``nnx.Einsum`` and ``nnx.Embed``.
   Uses ``Module.sow`` of a :class:`LayerInput` variable inside
   ``nnx.capture(model, LayerInput)``, with the layers' ``__call__`` intercepted for
   this call only, so the model's code needs no change. Call it inside the loss
@@ -135,14 +268,16 @@ def capture_nnx(
     model: an NNX module.
     *args, **kwargs: the call's arguments.
     rng: key for sampling rows; needed when a layer has more than ``max_rows`` rows.
-    max_rows: rows kept per layer call (``None``: all). Conv rows are sampled
-      output positions, gathered without materialising all patches.
+    max_rows: rows kept per layer call, a positive int (``None``: all). Conv rows
+      are sampled output positions, gathered without materialising all patches.
+      An embedding always keeps all its ids.
 
   Returns:
     ``(output, layer_inputs)``, ``layer_inputs`` a nested dict mirroring the
     model's ``nnx.Param`` state: ``{..., 'layer': {'kernel': rows}}``. A layer called
     several times gets its rows concatenated.
   """
+  _check_max_rows(max_rows)
   names = {id(node): "/".join(map(str, path)) for path, node in nnx.iter_graph(model)
            if isinstance(node, nnx.Module)}
   counter = _Counter(rng)
@@ -150,6 +285,40 @@ def capture_nnx(
     out, captured = nnx.capture(lambda m, *a, **k: m(*a, **k), LayerInput)(model, *args, **kwargs)
   pure = nnx.to_pure_dict(captured)
   return out, jax.tree.map(_merge, pure, is_leaf=lambda v: isinstance(v, tuple))
+
+
+def input_axes_nnx(model: nnx.Module) -> dict[str, tuple[int, ...]]:
+  """``{param path: input axes}`` of every captured layer of an NNX model, read from the layers themselves.
+
+  Pass it as ``scsgd(..., input_axes=input_axes_nnx(model))`` when a model has
+  DenseGeneral/Einsum kernels whose input axes the name-based default cannot know.
+  """
+  out = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, NNX_LAYERS):
+      name = "/".join(map(str, path))
+      spec = layer_spec(node, name)
+      if spec.input_axes is None:
+        raise ValueError(
+            f"layer '{name}' is an Einsum whose equation is given only at call time; name its kernel's "
+            f"input axes yourself, e.g. input_axes={{'{name}/kernel': (0,)}}.")
+      out[f"{name}/{spec.param}" if name else spec.param] = spec.input_axes
+  return out
+
+
+def _linen_interceptor(max_rows, counter, record=None):
+  def interceptor(next_fun, a, k, context):
+    mod = context.module
+    if context.method_name == "__call__" and isinstance(mod, LINEN_LAYERS) and a:
+      name = "/".join(map(str, mod.path)) or type(mod).__name__
+      spec = layer_spec(mod, name, _einsum_arg(mod, a[1:], k))
+      if record is not None:
+        record[f"{name}/{spec.param}"] = spec.input_axes
+      else:
+        mod.sow(LINEN_COLLECTION, spec.param, spec.rows(jax.lax.stop_gradient(a[0]), max_rows, counter.key()))
+    return next_fun(*a, **k)
+
+  return interceptor
 
 
 def capture_linen(
@@ -161,9 +330,11 @@ def capture_linen(
     mutable=(),
     **kwargs,
 ):
-  """``module.apply(variables, *args, **kwargs)`` capturing the inputs of its ``nn.Dense`` and ``nn.Conv`` layers.
+  """``module.apply(variables, *args, **kwargs)`` capturing the inputs of its conditioned layers.
 
-  Uses ``nn.intercept_methods`` and ``Module.sow`` into the collection
+  Layers captured: ``nn.Dense``, ``nn.Conv``, ``nn.DenseGeneral`` (so every projection
+  of ``nn.MultiHeadDotProductAttention``), ``nn.Einsum`` and ``nn.Embed``. Uses
+  ``nn.intercept_methods`` and ``Module.sow`` into the collection
   ``'layer_inputs'``; the model needs no change.
 
   Args:
@@ -176,17 +347,8 @@ def capture_linen(
     ``(output, layer_inputs)`` (``(output, layer_inputs, updated_collections)`` if
     ``mutable``), ``layer_inputs`` mirroring ``variables['params']``.
   """
-  counter = _Counter(rng)
-
-  def interceptor(next_fun, a, k, context):
-    mod = context.module
-    if context.method_name == "__call__" and isinstance(mod, (nn.Dense, nn.Conv)) and a:
-      name = "/".join(map(str, mod.path)) or type(mod).__name__
-      rows = layer_rows(mod, a[0], name=name, max_rows=max_rows, key=counter.key())
-      mod.sow(LINEN_COLLECTION, "kernel", rows)
-    return next_fun(*a, **k)
-
-  with nn.intercept_methods(interceptor):
+  _check_max_rows(max_rows)
+  with nn.intercept_methods(_linen_interceptor(max_rows, _Counter(rng))):
     out, state = module.apply(variables, *args, mutable=[LINEN_COLLECTION, *mutable], **kwargs)
   state = dict(state)
   captured = state.pop(LINEN_COLLECTION, {})
@@ -194,3 +356,15 @@ def capture_linen(
   if mutable:
     return out, captured, state
   return out, captured
+
+
+def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str, tuple[int, ...]]:
+  """``{param path: input axes}`` of every captured layer of a Linen model, traced once (no compute) on ``args``."""
+  record = {}
+
+  def run(variables, *a):
+    with nn.intercept_methods(_linen_interceptor(None, _Counter(None), record)):
+      return module.apply(variables, *a, **kwargs)
+
+  jax.eval_shape(run, variables, *args)
+  return record

@@ -22,7 +22,7 @@ by more than ``1 / sqrt(eigenvalue_floor)`` relative to the average scale
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +32,12 @@ __all__ = [
     "apply_inverse",
     "bound_terms",
     "conditioner_matrix",
+    "diagonal_factor",
     "full_factor",
     "identity_factor",
     "inverse_matrix",
     "low_rank_factor",
+    "nystrom_factor",
     "precondition_kernel",
     "sketched_factor",
     "sketched_factor_from_data",
@@ -54,7 +56,9 @@ class Factor(NamedTuple):
     q: ``(n, k)`` matrix with orthonormal columns.
     b_inv: ``(k, k)`` symmetric positive definite matrix ``B^{-1}``.
     a_inv: scalar ``a^{-1} >= 0`` applied on the orthogonal complement of ``Q``
-      (irrelevant when ``k == n``).
+      (irrelevant when ``k == n``); or, only when ``k == 0``, a vector ``(n,)``,
+      giving the diagonal conditioner ``A^{-1} = diag(a_inv)`` (see
+      :func:`diagonal_factor`).
   """
 
   q: jax.Array
@@ -85,10 +89,11 @@ def _finite_or_identity(factor: Factor, trace: jax.Array) -> Factor:
   """Replaces a factor of a zero or non-finite ``C`` by the identity (Lemma 2 with B = I, a = 1)."""
   ok = jnp.isfinite(trace) & (trace > _TINY)
   ok &= jnp.all(jnp.isfinite(factor.q)) & jnp.all(jnp.isfinite(factor.b_inv))
-  ok &= jnp.isfinite(factor.a_inv)
+  ok &= jnp.all(jnp.isfinite(factor.a_inv))
   n, k = factor.q.shape
   ident = identity_factor(n, k, factor.q.dtype)
   # An orthonormal Q is still needed when falling back: use the first k axes.
+  ident = ident._replace(a_inv=jnp.ones_like(factor.a_inv))
   return jax.tree.map(lambda f, i: jnp.where(ok, f, i), factor, ident)
 
 
@@ -216,6 +221,85 @@ def sketched_factor_from_data(
   return _factor_from_compressed(q, qx @ qx.T / m, jnp.sum(x * x) / m, eigenvalue_floor)
 
 
+def nystrom_factor(
+    sketch_y: jax.Array,
+    omega: jax.Array,
+    trace: jax.Array,
+    rank: int,
+    *,
+    eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
+) -> Factor:
+  r"""Sketched conditioner from a streamed sketch ``Y = C Omega``: single-pass Nystrom, then Algorithm 1's ``B``, ``a``.
+
+  ``C`` itself is never needed, so a statistic can keep the ``O(n r)`` pair
+  ``(Y, tr C)`` instead of the ``O(n^2)`` matrix. The fixed-rank PSD
+  approximation of Tropp, Yurtsever, Udell & Cevher (2017, Alg. 3): with a
+  shift :math:`\mu = \sqrt{n}\,\epsilon\,\|Y\|`, ``Y_mu = Y + mu Omega``,
+  ``L = chol(Omega^T Y_mu)``, ``E = Y_mu L^{-T}``, ``E = U S V^T``; then
+  :math:`C \approx U (S^2 - \mu) U^\top`. The top-``rank`` columns give ``Q``,
+  ``C~ = Q^T C Q ~ diag(S^2 - mu)`` gives ``B^{-1} = C~^{-1/2}``, and the tail
+  ``a^{-1} = sqrt((n - k) / (tr C - tr C~))`` as in Theorem 2. The Nystrom
+  approximation is below ``C`` in the PSD order, so the tail mass is never
+  under-counted. Eigenvalues are floored as in the module docstring.
+
+  Args:
+    sketch_y: ``(n, r)``, ``C Omega`` (or an EMA of ``C_t Omega``).
+    omega: ``(n, r)`` test matrix with orthonormal columns (``r >= rank``).
+    trace: ``tr C``.
+    rank: ``k <= r``.
+    eigenvalue_floor: relative eigenvalue floor.
+
+  Returns:
+    A :class:`Factor` of rank ``k``. Cost ``O(n r^2)``.
+
+  References:
+    Tropp, Yurtsever, Udell & Cevher, Fixed-rank approximation of a positive-semidefinite
+    matrix from streaming data, NeurIPS 2017.
+  """
+  y = jnp.asarray(sketch_y)
+  n, r = y.shape
+  _check_rank(rank, r)
+  trace = jnp.asarray(trace, y.dtype)
+  # Scale-free: work with C / tr C so that extreme scales stay in range.
+  unit = jnp.where(trace > _TINY, trace, 1.0)
+  y_unit = y / unit
+  eps = jnp.finfo(y.dtype).eps
+  shift = jnp.sqrt(jnp.asarray(n, y.dtype)) * eps * jnp.linalg.norm(y_unit) + eps
+  y_shift = y_unit + shift * omega
+  small = omega.T @ y_shift
+  chol = jnp.linalg.cholesky(0.5 * (small + small.T))
+  e = jax.scipy.linalg.solve_triangular(chol, y_shift.T, lower=True).T
+  u, s, _ = jnp.linalg.svd(e, full_matrices=False)
+  evals = jnp.maximum(s[:rank] ** 2 - shift, 0.0) * unit
+  q = u[:, :rank]
+  floor = _floor(trace, n, eigenvalue_floor)
+  b_inv = jnp.diag(jax.lax.rsqrt(jnp.maximum(evals, floor)))
+  if rank < n:
+    tail = jnp.maximum(trace - jnp.sum(evals), (n - rank) * floor)
+    a_inv = jnp.sqrt((n - rank) / tail)
+  else:
+    a_inv = jnp.zeros((), y.dtype)
+  return _finite_or_identity(Factor(q, b_inv, a_inv.astype(y.dtype)), trace)
+
+
+def diagonal_factor(
+    diagonal: jax.Array, *, eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR
+) -> Factor:
+  r"""``A = diag(C)^{1/2}``: exact Theorem 1 when ``C`` is diagonal (one-hot inputs of an embedding).
+
+  Returned as a rank-0 :class:`Factor` whose tail ``a_inv`` is the vector
+  :math:`\max(d_i, \text{floor})^{-1/2}`, so ``A^{-1} v = a_inv * v`` costs ``O(n)``.
+  For a non-diagonal ``C`` it is the Jacobi conditioner (per-input RMS
+  normalisation). A zero or non-finite diagonal gives the identity.
+  """
+  d = jnp.asarray(diagonal)
+  n = d.shape[-1]
+  trace = jnp.sum(d)
+  a_inv = jax.lax.rsqrt(jnp.maximum(d, _floor(trace, n, eigenvalue_floor)))
+  factor = Factor(jnp.zeros((n, 0), d.dtype), jnp.zeros((0, 0), d.dtype), a_inv)
+  return _finite_or_identity(factor, trace)
+
+
 def low_rank_factor(
     correlation: jax.Array,
     rank: int,
@@ -261,25 +345,42 @@ def apply_inverse(factor: Factor, v: jax.Array) -> jax.Array:
     v: a vector ``(n,)`` or a batch of columns ``(n, m)``.
   """
   q, b_inv, a_inv = factor
+  if a_inv.ndim == 1:  # diagonal conditioner (k == 0)
+    return (a_inv[:, None] if v.ndim == 2 else a_inv) * v
   qtv = q.T @ v
   inner = b_inv @ qtv - a_inv * qtv
   return a_inv * v + q @ inner
 
 
-def precondition_kernel(factor: Factor, grad: jax.Array) -> jax.Array:
+def precondition_kernel(
+    factor: Factor, grad: jax.Array, input_axes: Optional[Sequence[int]] = None
+) -> jax.Array:
   r"""Conditions a kernel gradient on its input side: ``G A^{-1}`` in the paper's ``(out, in)`` layout.
 
-  For a Flax kernel of shape ``(*in_dims, out)`` (Dense ``(n, p)``; Conv
-  ``(kh, kw, cin, cout)`` read as ``(kh*kw*cin, cout)``) this returns
-  ``A^{-1} G`` reshaped back, which is the update of Equation (updateGeneric):
-  :math:`W \leftarrow W - \eta\, \delta (A^{-1} x)^\top`. Computed in ``float32``
-  (or wider) and cast back to the gradient's dtype.
+  The kernel's ``input_axes`` are the axes contracted with the layer input
+  (default: all but the last, as for Dense ``(n, p)`` and Conv
+  ``(kh, kw, cin, cout)`` read as ``(kh*kw*cin, cout)``); attention's query
+  kernel ``(in, heads, head_dim)`` has ``input_axes=(0,)``, its output kernel
+  ``(heads, head_dim, out)`` has ``(0, 1)``. The gradient is read as the matrix
+  ``(n, p)`` with ``n`` the product of the input axes (in kernel order) and
+  ``A^{-1} G`` is returned in the kernel's layout: the update of Equation
+  (updateGeneric), :math:`W \leftarrow W - \eta\, \delta (A^{-1} x)^\top`.
+  Computed in ``float32`` (or wider) and cast back to the gradient's dtype.
   """
   n = factor.q.shape[-2]
-  g = grad.reshape(n, -1)
+  if input_axes is None:
+    input_axes = tuple(range(grad.ndim - 1))
+  axes = tuple(a % grad.ndim for a in input_axes)
+  rest = tuple(a for a in range(grad.ndim) if a not in axes)
+  perm = axes + rest
+  g = jnp.transpose(grad, perm) if perm != tuple(range(grad.ndim)) else grad
+  moved_shape = g.shape
   dtype = jnp.promote_types(grad.dtype, jnp.float32)
-  out = apply_inverse(jax.tree.map(lambda a: a.astype(dtype), factor), g.astype(dtype))
-  return out.reshape(grad.shape).astype(grad.dtype)
+  out = apply_inverse(jax.tree.map(lambda a: a.astype(dtype), factor), g.reshape(n, -1).astype(dtype))
+  out = out.reshape(moved_shape)
+  if perm != tuple(range(grad.ndim)):
+    out = jnp.transpose(out, tuple(perm.index(a) for a in range(grad.ndim)))
+  return out.astype(grad.dtype)
 
 
 def inverse_matrix(factor: Factor) -> jax.Array:
@@ -295,9 +396,11 @@ def conditioner_matrix(factor: Factor) -> jax.Array:
   """
   q, b_inv, a_inv = factor
   n = q.shape[-2]
+  a = jnp.where(a_inv > 0, 1.0 / jnp.where(a_inv > 0, a_inv, 1.0), 0.0)
+  if a_inv.ndim == 1:
+    return jnp.diag(a)
   evals, evecs = jnp.linalg.eigh(0.5 * (b_inv + b_inv.T))
   b = (evecs / evals[None, :]) @ evecs.T
-  a = jnp.where(a_inv > 0, 1.0 / jnp.where(a_inv > 0, a_inv, 1.0), 0.0)
   return q @ b @ q.T + a * (jnp.eye(n, dtype=q.dtype) - q @ q.T)
 
 
@@ -317,6 +420,9 @@ def bound_terms(factor: Factor, correlation: jax.Array) -> BoundTerms:
   q, b_inv, a_inv = factor
   n, k = q.shape[-2], q.shape[-1]
   c = jnp.asarray(correlation)
+  if a_inv.ndim == 1:  # diagonal conditioner
+    a = jnp.where(a_inv > 0, 1.0 / jnp.where(a_inv > 0, a_inv, 1.0), 0.0)
+    return BoundTerms(jnp.sum(a), jnp.sum(a_inv * jnp.diagonal(c)))
   evals = jnp.linalg.eigvalsh(0.5 * (b_inv + b_inv.T))
   trace_b = jnp.sum(1.0 / evals)
   a = jnp.where(a_inv > 0, 1.0 / jnp.where(a_inv > 0, a_inv, 1.0), 0.0)

@@ -3,17 +3,22 @@ r"""The optax transformation: per-kernel input statistics and periodic condition
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Literal, NamedTuple, Optional
+import math
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from scsgd_jax._src import sketch
 from scsgd_jax._src import statistics as stats_lib
 
 __all__ = [
+    "KernelPlan",
+    "STATIC_ARGS",
     "ScaleBySketchedConditioningState",
+    "default_input_axes",
     "default_kernel_filter",
     "kernel_paths",
     "path_to_str",
@@ -21,6 +26,21 @@ __all__ = [
 ]
 
 ConditionerKind = Literal["auto", "sketched", "full"]
+StatisticsKind = Union[Literal["auto", "dense", "streaming", "diagonal"], stats_lib.CorrelationStatistics]
+
+# The defaults of the shape-deciding arguments live here, once. They are ``None`` in the
+# signatures so that ``optax.inject_hyperparams`` (which turns every numeric default into an
+# array) leaves them alone.
+DEFAULT_RANK = 32
+DEFAULT_UPDATE_EVERY = 50
+DEFAULT_OVERSAMPLE = 10
+DEFAULT_POWER_ITERATIONS = 1
+DEFAULT_STATISTICS_EVERY = 1
+DEFAULT_OUTLIER_THRESHOLD = 100.0
+
+#: Arguments that decide shapes or the compiled schedule; under ``optax.inject_hyperparams`` list
+#: those you pass in ``static_args`` (those left at their defaults need nothing).
+STATIC_ARGS = ("rank", "update_every", "full_max_dim", "oversample", "power_iterations", "statistics_every")
 
 
 class ScaleBySketchedConditioningState(NamedTuple):
@@ -29,15 +49,37 @@ class ScaleBySketchedConditioningState(NamedTuple):
   Attributes:
     count: number of updates applied so far (``int32``).
     key: PRNG key, split at every refresh for the sketches' Gaussian matrices.
-    statistics: ``{kernel path: statistics}`` (for the default statistic, the EMA
-      correlation ``C``, ``(n, n)`` ``float32``).
+    statistics: ``{kernel path: statistics}`` (e.g. an :class:`~scsgd_jax.EmaState` of the
+      dense ``C``, or the streaming sketch), one per conditioned kernel.
     factors: ``{kernel path: Factor}``, the conditioner currently applied.
+    clipped_rows: ``{kernel path: int32}``, input rows clipped by the outlier guard so far.
   """
 
   count: jax.Array
   key: jax.Array
   statistics: dict[str, Any]
   factors: dict[str, sketch.Factor]
+  clipped_rows: dict[str, jax.Array]
+
+
+class KernelPlan(NamedTuple):
+  """How one kernel is conditioned (decided from its shape at ``init``, see :func:`scale_by_sketched_conditioning`).
+
+  Attributes:
+    input_axes: the kernel axes contracted with the layer input.
+    n: the input dimension (product of ``input_axes``).
+    kind: ``'dense'``, ``'streaming'``, ``'diagonal'``, ``'embedding'`` or ``'custom'``.
+    rank: the factor's rank; ``None`` for the full ``C^{1/2}``; ``0`` for diagonal kinds.
+    statistics: the :class:`~scsgd_jax.CorrelationStatistics` kept for it.
+    phase: the step (mod ``update_every``) at which its refresh falls.
+  """
+
+  input_axes: tuple[int, ...]
+  n: int
+  kind: str
+  rank: Optional[int]
+  statistics: stats_lib.CorrelationStatistics
+  phase: int
 
 
 def _key_str(k) -> str:
@@ -60,8 +102,32 @@ def path_to_str(path) -> str:
 
 
 def default_kernel_filter(path: str, leaf: jax.Array) -> bool:
-  """Flax's convention: a leaf named ``kernel`` with at least two dims (Dense ``(n, p)``, Conv ``(*window, cin, cout)``)."""
-  return path.rsplit("/", 1)[-1] == "kernel" and getattr(leaf, "ndim", 0) >= 2
+  """Flax's conventions: a ``kernel`` with at least two dims (Dense, Conv, DenseGeneral, Einsum) or a 2-D ``embedding``."""
+  name = path.rsplit("/", 1)[-1]
+  ndim = getattr(leaf, "ndim", 0)
+  return (name == "kernel" and ndim >= 2) or (name == "embedding" and ndim == 2)
+
+
+def default_input_axes(path: str, leaf: jax.Array) -> tuple[int, ...]:
+  """The input axes of a Flax kernel, read from its name and rank.
+
+  - ``.../embedding`` ``(vocab, features)``: ``(0,)`` (one-hot input).
+  - attention's ``.../query|key|value/kernel`` ``(in, heads, head_dim)`` (``nnx.MultiHeadAttention``,
+    ``nn.MultiHeadDotProductAttention``): ``(0,)``.
+  - everything else: all but the last axis (Dense ``(n, p)``, Conv ``(*window, cin, cout)``,
+    attention's ``out`` ``(heads, head_dim, out)``, a DenseGeneral with one output axis).
+
+  A DenseGeneral with several output axes or an Einsum kernel needs the exact axes:
+  pass ``input_axes=scsgd_jax.input_axes_nnx(model)`` (or ``input_axes_linen``); a
+  mismatch with the captured rows is reported at the first update, naming the kernel.
+  """
+  parts = path.split("/")
+  ndim = leaf.ndim
+  if parts[-1] == "embedding":
+    return (0,)
+  if ndim == 3 and len(parts) >= 2 and parts[-2] in ("query", "key", "value"):
+    return (0,)
+  return tuple(range(ndim - 1))
 
 
 def kernel_paths(tree, kernel_filter: Callable[[str, Any], bool] = default_kernel_filter) -> dict[str, Any]:
@@ -81,73 +147,149 @@ def _keep_if_not_finite(new, old):
   return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
+def _static_int(name: str, value, default: int, minimum: int) -> int:
+  """A shape-deciding integer argument: a Python int, or a clear error (``inject_hyperparams`` makes arrays)."""
+  if value is None:
+    return default
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    raise ValueError(
+        f"{name} decides shapes or the compiled schedule and must be a Python int, got an array "
+        f"({value!r}); optax.inject_hyperparams turns numeric arguments into arrays: list it in "
+        f"static_args, e.g. optax.inject_hyperparams(scsgd_jax.scsgd, static_args=scsgd_jax.STATIC_ARGS)."
+    )
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+  return int(value)
+
+
+def _state_floats(kind: str, n: int, k: Optional[int], width: int) -> int:
+  """Floats of one kernel's statistics + factor (the memory rule; a test checks it against real states)."""
+  if kind in ("diagonal", "embedding"):
+    return 2 * n + 2
+  factor = 2 * n * n + 1 if k is None else n * k + k * k + 1
+  stats = n * n + 1 if kind == "dense" else 2 * n * width + 2
+  return stats + factor
+
+
+def _guard_rows(rows: jax.Array, reference: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
+  """Clips rows whose squared norm exceeds ``threshold * reference`` back to that bound; returns the count.
+
+  ``reference`` is the running ``tr C`` (the expected squared row norm); before any
+  data it is the batch's median squared norm (its mean if the median is 0). Norms
+  are taken with a per-row rescale, so rows of 1e18 do not overflow.
+  """
+  scale = jnp.max(jnp.abs(rows), axis=1)
+  safe = jnp.where(scale > 0, scale, 1.0)
+  norms = safe * jnp.sqrt(jnp.sum(jnp.square(rows / safe[:, None]), axis=1))
+  norms = jnp.where(scale > 0, norms, 0.0)
+  sq = jnp.square(norms)
+  batch_ref = jnp.median(sq)
+  batch_ref = jnp.where(batch_ref > 0, batch_ref, jnp.mean(sq))
+  ref = jnp.where(reference > 0, reference, batch_ref)
+  bound = jnp.sqrt(threshold * ref)
+  over = norms > bound
+  factor = jnp.where(over, bound / jnp.where(over, norms, 1.0), 1.0)
+  return rows * factor[:, None], jnp.sum(over).astype(jnp.int32)
+
+
+def _identity_factor(plan: KernelPlan) -> sketch.Factor:
+  if plan.kind in ("diagonal", "embedding"):
+    return sketch.Factor(jnp.zeros((plan.n, 0)), jnp.zeros((0, 0)), jnp.ones((plan.n,)))
+  return sketch.identity_factor(plan.n, plan.n if plan.rank is None else plan.rank)
 
 
 def scale_by_sketched_conditioning(
-    rank: int = 32,
+    rank: Optional[int] = None,
     *,
-    update_every: int = 50,
+    update_every: Optional[int] = None,
     ema_rate: float = 0.05,
     conditioner: ConditionerKind = "auto",
+    statistics: StatisticsKind = "auto",
+    warm_start: bool = True,
+    stagger: bool = True,
+    outlier_threshold: float = DEFAULT_OUTLIER_THRESHOLD,
     full_max_dim: Optional[int] = None,
-    oversample: int = 10,
-    power_iterations: int = 1,
+    oversample: Optional[int] = None,
+    power_iterations: Optional[int] = None,
     eigenvalue_floor: float = sketch.DEFAULT_EIGENVALUE_FLOOR,
-    statistics_every: int = 1,
+    statistics_every: Optional[int] = None,
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    statistics: Optional[stats_lib.CorrelationStatistics] = None,
+    input_axes: Union[None, Mapping[str, Sequence[int]], Callable[[str, Any], Sequence[int]]] = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Conditions each kernel gradient on its input side (Gonen & Shalev-Shwartz, Section 3).
 
-  For a kernel ``W`` (Flax layout ``(n, p)``; conv kernels read as
-  ``(kh*kw*cin, cout)``) with inputs ``x``, the gradient ``G`` becomes
-  ``A^{-1} G``, i.e. the paper's :math:`\delta (A^{-1} x)^\top`, where
+  For a kernel ``W`` read as the matrix ``(n, p)`` over its input axes (Dense
+  ``(n, p)``; Conv ``(kh*kw*cin, cout)``; attention's query ``(in, heads*head_dim)``)
+  with inputs ``x``, the gradient ``G`` becomes ``A^{-1} G``, i.e. the paper's
+  :math:`\delta (A^{-1} x)^\top`, where
 
   .. math::
 
     A^{-1} = Q B^{-1} Q^\top + a^{-1} (I - QQ^\top)
 
-  is rebuilt every ``update_every`` steps from an EMA of the input correlation
-  :math:`C \leftarrow (1-\nu) C + \nu\, \mathrm{mean}(x x^\top)`, ``C = I`` at
-  start. The refresh runs inside the jitted step under ``lax.cond``, with the
-  factorisations of kernels of equal input dimension batched by ``jax.vmap``.
-  Between refreshes a step costs ``O(n k)`` per gradient column.
+  is rebuilt from an EMA of the input correlation :math:`C = E[x x^\top]`. The
+  refresh runs inside the jitted step under ``lax.cond``, kernels of equal shape
+  factored together under ``jax.vmap``. Between refreshes a step costs
+  ``O(n k)`` per gradient column.
 
-  Conditioner choice per kernel (``conditioner``): ``'full'`` uses
-  :math:`A = C^{1/2}` (Theorem 1); ``'sketched'`` uses Algorithm 1 with rank ``k``
-  (``rank < n`` required); ``'auto'`` (default) uses the full conditioner when
-  ``n <= full_max_dim`` (default ``4 * rank``: there a dense ``n x n`` apply costs
-  at most twice the sketched ``O(2 n k)`` one and the ``O(n^3)`` eigh is cheap),
-  else the sketched one.
+  **Statistics, per kernel** (``statistics``): ``'dense'`` is the paper's ``n x n``
+  EMA of ``C``; ``'streaming'`` keeps only ``Y = C Omega`` (``n x (rank + oversample)``)
+  and ``tr C`` and factors them by single-pass Nystrom; ``'diagonal'`` keeps
+  ``diag C`` (``A = diag(C)^{1/2}``). ``'auto'`` (default) picks by memory: the
+  first of dense, streaming at ``rank``, streaming at the largest smaller rank,
+  diagonal, whose statistics and factor fit in ``n * p`` floats (what Adam keeps
+  beyond SGD's momentum, its second moment), so that ``scsgd``'s whole state
+  is at most Adam's for every kernel; a kernel where none fits (``p = 1``) is
+  left to plain SGD. An embedding (a 2-D ``embedding`` leaf) always gets the exact
+  diagonal ``A = C^{1/2}`` of its token frequencies. A :class:`CorrelationStatistics`
+  is used for every kernel as given.
 
-  Leaves that are not kernels (biases, norms' scales, ...) pass through unchanged.
-  Which leaves are kernels is decided by ``kernel_filter(path, leaf)`` (default:
-  Flax's ``kernel`` with ndim >= 2); use ``optax.masked`` / ``optax.partition`` to
-  route further.
+  **Conditioner** (``conditioner``): ``'full'`` uses :math:`A = C^{1/2}` (Theorem 1,
+  forces dense statistics); ``'sketched'`` uses Algorithm 1 with rank ``k < n``;
+  ``'auto'`` uses the full conditioner when dense statistics are kept and
+  ``n <= full_max_dim`` (default ``4 * rank``), else the sketched one.
+
+  **Schedule.** With ``warm_start`` (default) the statistics have no identity
+  prior (bias-corrected EMA) and every kernel refreshes after 1, 2, 4, ... folds
+  until ``update_every``, so the first steps are conditioned; ``warm_start=False``
+  is the paper's ``C_0 = I`` with refreshes every ``update_every`` steps from step 0.
+  With ``stagger`` the periodic refreshes of the kernels are spread over the
+  ``update_every`` window so that no step pays for all of them.
+
+  **Robustness.** Before folding, input rows whose squared norm exceeds
+  ``outlier_threshold`` times the running ``tr C`` are clipped to that bound and
+  counted in ``state.clipped_rows``; a batch whose rows (or folded statistics)
+  are not finite is skipped; a refresh that would give a non-finite factor keeps
+  the previous one.
 
   ``update(updates, state, params=None, *, layer_inputs)`` needs the captured
-  inputs as a keyword argument: a tree with, at each kernel's path, an array
-  ``(..., n)`` of input rows (see :func:`scsgd_jax.capture_nnx`,
-  :func:`scsgd_jax.capture_linen`). A batch whose rows (or whose folded
-  statistics) are not finite is skipped: the statistics stay as they were.
+  inputs as a keyword argument: a tree with, at each conditioned kernel's path,
+  an array ``(..., n)`` of input rows in the kernel's input-axis order (integer
+  ids for an embedding); see :func:`scsgd_jax.capture_nnx` and
+  :func:`scsgd_jax.capture_linen`.
 
   Args:
-    rank: sketch rank ``k``.
-    update_every: refresh period ``N`` in steps (paper: 50).
+    rank: sketch rank ``k`` (default 32).
+    update_every: refresh period ``N`` in steps (default 50, the paper's).
     ema_rate: :math:`\nu`, the EMA weight of a new batch.
     conditioner: ``'auto'``, ``'sketched'`` or ``'full'``.
-    full_max_dim: ``n`` up to which ``'auto'`` picks the full conditioner.
-    oversample: sketch columns beyond ``rank``.
-    power_iterations: range-finder power iterations.
+    statistics: ``'auto'``, ``'dense'``, ``'streaming'``, ``'diagonal'`` or a
+      :class:`CorrelationStatistics`.
+    warm_start: bias-corrected statistics and doubling refreshes at the start.
+    stagger: spread the kernels' periodic refreshes over the window.
+    outlier_threshold: rows above this multiple of the running ``tr C`` (squared
+      norm) are clipped before they enter the statistics.
+    full_max_dim: ``n`` up to which ``'auto'`` picks the full conditioner (default ``4 * rank``).
+    oversample: sketch columns beyond ``rank`` (default 10).
+    power_iterations: range-finder power iterations of the dense sketch (default 1).
     eigenvalue_floor: relative eigenvalue floor (see :mod:`scsgd_jax` docs).
-    statistics_every: fold statistics every this many steps (1: every step).
+    statistics_every: fold statistics every this many steps (default 1: every step).
     kernel_filter: ``(path, leaf) -> bool`` selecting the conditioned leaves
-      (default :func:`default_kernel_filter`; a callable must be listed in
-      ``static_args`` of ``optax.inject_hyperparams``).
-    statistics: a :class:`CorrelationStatistics`; default ``ema_correlation(ema_rate, ...)``.
+      (default :func:`default_kernel_filter`).
+    input_axes: each kernel's input axes: a callable ``(path, leaf) -> axes``, or
+      a mapping ``{path: axes}`` overriding :func:`default_input_axes` for the
+      paths it names (e.g. :func:`scsgd_jax.input_axes_nnx` of the model).
     seed: seed of the PRNG key kept in the state.
 
   Returns:
@@ -155,143 +297,237 @@ def scale_by_sketched_conditioning(
 
   References:
     Gonen & Shalev-Shwartz, Faster SGD Using Sketched Conditioning, arXiv:1506.02649, 2015.
+    Tropp, Yurtsever, Udell & Cevher, Fixed-rank approximation of a positive-semidefinite
+    matrix from streaming data, NeurIPS 2017.
   """
-  if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-    raise ValueError(
-        f"rank must be a positive Python int, got {rank!r}. Under optax.inject_hyperparams pass "
-        "static_args=('rank', 'full_max_dim', 'oversample', 'power_iterations', 'update_every', 'statistics_every')."
-    )
-  for name, value in (("update_every", update_every), ("statistics_every", statistics_every)):
-    if _is_concrete(value) and (isinstance(value, bool) or not int(value) == value or int(value) <= 0):
-      raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+  rank = _static_int("rank", rank, DEFAULT_RANK, 1)
+  update_every = _static_int("update_every", update_every, DEFAULT_UPDATE_EVERY, 1)
+  oversample = _static_int("oversample", oversample, DEFAULT_OVERSAMPLE, 0)
+  power_iterations = _static_int("power_iterations", power_iterations, DEFAULT_POWER_ITERATIONS, 0)
+  statistics_every = _static_int("statistics_every", statistics_every, DEFAULT_STATISTICS_EVERY, 1)
+  full_max_dim = _static_int("full_max_dim", full_max_dim, 4 * rank, 0)
   if conditioner not in ("auto", "sketched", "full"):
     raise ValueError(f"conditioner must be 'auto', 'sketched' or 'full', got {conditioner!r}.")
-  if full_max_dim is None:
-    full_max_dim = 4 * rank
+  custom = isinstance(statistics, stats_lib.CorrelationStatistics)
+  if not custom and statistics not in ("auto", "dense", "streaming", "diagonal"):
+    raise ValueError(
+        "statistics must be 'auto', 'dense', 'streaming', 'diagonal' or a CorrelationStatistics, "
+        f"got {statistics!r}.")
+  if statistics == "streaming" and conditioner == "full":
+    raise ValueError("conditioner='full' needs the dense C: it cannot be combined with statistics='streaming'.")
+  if not isinstance(warm_start, bool) or not isinstance(stagger, bool):
+    raise ValueError(f"warm_start and stagger must be bools, got {warm_start!r} and {stagger!r}.")
   if kernel_filter is None:
     kernel_filter = default_kernel_filter
-  if statistics is None:
-    statistics = stats_lib.ema_correlation(
-        ema_rate, oversample=oversample, power_iterations=power_iterations,
-        eigenvalue_floor=eigenvalue_floor)
+  prior = not warm_start
+  common = dict(identity_prior=prior, eigenvalue_floor=eigenvalue_floor)
+  dense_stats = stats_lib.ema_correlation(
+      ema_rate, oversample=oversample, power_iterations=power_iterations, **common)
+  diag_stats = stats_lib.diagonal_correlation(ema_rate, **common)
+  id_stats = stats_lib.diagonal_correlation(ema_rate, takes_ids=True, **common)
+  streaming_stats = {}
 
-  def kernel_rank(path: str, n: int) -> Optional[int]:
-    """``None`` for the full conditioner, else the sketch rank."""
-    if conditioner == "full" or (conditioner == "auto" and n <= full_max_dim):
-      return None
-    if rank >= n:
+  def streaming(k):
+    if k not in streaming_stats:
+      streaming_stats[k] = stats_lib.nystrom_correlation(k, ema_rate, oversample=oversample, **common)
+    return streaming_stats[k]
+
+  def axes_of(path, leaf):
+    if callable(input_axes):
+      axes = input_axes(path, leaf)
+    elif input_axes is not None and path in input_axes:
+      axes = input_axes[path]
+    else:
+      axes = default_input_axes(path, leaf)
+    axes = tuple(int(a) % leaf.ndim for a in axes)
+    if not axes or len(set(axes)) != len(axes) or len(axes) >= leaf.ndim:
       raise ValueError(
-          f"rank={rank} must be < n={n}, the input dimension of kernel '{path}'; "
-          "lower rank, or use conditioner='auto' or 'full'."
-      )
-    return rank
+          f"input axes {axes} of kernel '{path}' {tuple(leaf.shape)} must be distinct and leave at "
+          "least one output axis.")
+    return axes
 
-  def specs(tree) -> dict[str, tuple[int, Optional[int]]]:
+  def check_rank(path, n, k):
+    if k >= n:
+      raise ValueError(
+          f"rank={k} must be < n={n}, the input dimension of kernel '{path}'; "
+          "lower rank, or use conditioner='auto' or 'full'.")
+
+  def choose(path, n, p) -> Optional[tuple[str, Optional[int], stats_lib.CorrelationStatistics]]:
+    """``(kind, rank, statistics)`` of one kernel, or ``None`` (left to plain SGD)."""
+    full = conditioner == "full" or (conditioner == "auto" and n <= full_max_dim)
+    if custom:
+      if not full:
+        check_rank(path, n, rank)
+      return "custom", None if full else rank, statistics
+    if statistics == "diagonal":
+      return "diagonal", 0, diag_stats
+    if statistics == "dense" or conditioner == "full":
+      if not full:
+        check_rank(path, n, rank)
+      return "dense", None if full else rank, dense_stats
+    if statistics == "streaming":
+      check_rank(path, n, rank)
+      return "streaming", rank, streaming(rank)
+    # 'auto': the first option whose statistics + factor fit in n * p floats.
+    budget = n * p
+    options = []
+    if full or rank < n:
+      options.append(("dense", None if full else rank, dense_stats))
+    for k in range(min(rank, n - 1), 0, -1):
+      options.append(("streaming", k, streaming(k)))
+      if _state_floats("streaming", n, k, min(k + oversample, n)) <= budget:
+        break
+    options.append(("diagonal", 0, diag_stats))
+    for kind, k, stats in options:
+      if _state_floats(kind, n, k, min((k or 0) + oversample, n)) <= budget:
+        return kind, k, stats
+    if conditioner == "sketched":
+      check_rank(path, n, rank)
+    return None
+
+  def plans(tree) -> dict[str, KernelPlan]:
     out = {}
     for path, leaf in kernel_paths(tree, kernel_filter).items():
-      n = 1
-      for d in leaf.shape[:-1]:
-        n *= d
-      out[path] = (n, kernel_rank(path, n))
-    return out
+      axes = axes_of(path, leaf)
+      n = math.prod(leaf.shape[a] for a in axes)
+      p = leaf.size // n
+      if path.rsplit("/", 1)[-1] == "embedding" and not custom:
+        out[path] = ("embedding", 0, id_stats, axes, n)
+        continue
+      chosen = choose(path, n, p)
+      if chosen is not None:
+        out[path] = (*chosen, axes, n)
+    total = len(out)
+    return {
+        path: KernelPlan(axes, n, kind, k, stats, (i * update_every) // total if stagger else 0)
+        for i, (path, (kind, k, stats, axes, n)) in enumerate(out.items())
+    }
 
   def init_fn(params):
-    kernel_specs = specs(params)
-    factors = {}
-    for path, (n, k) in kernel_specs.items():
-      factors[path] = sketch.identity_factor(n, n if k is None else k)
+    kernel_plans = plans(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(kernel_plans) + 1)
     return ScaleBySketchedConditioningState(
         count=jnp.zeros([], jnp.int32),
-        key=jax.random.PRNGKey(seed),
-        statistics={p: statistics.init(n) for p, (n, _) in kernel_specs.items()},
-        factors=factors,
+        key=keys[0],
+        statistics={p: plan.statistics.init(plan.n, kk) for (p, plan), kk in zip(kernel_plans.items(), keys[1:])},
+        factors={p: _identity_factor(plan) for p, plan in kernel_plans.items()},
+        clipped_rows={p: jnp.zeros([], jnp.int32) for p in kernel_plans},
     )
 
-  def refresh(stats, key, kernel_specs):
-    """New factors of every kernel; kernels of equal ``(n, rank)`` are factored in one ``vmap``."""
-    groups = collections.defaultdict(list)
-    for path, spec in kernel_specs.items():
-      groups[spec].append(path)
-    keys = jax.random.split(key, len(kernel_specs) + 1)
-    key_of = dict(zip(kernel_specs, keys[1:]))
-    new = {}
-    for (_, k), paths in groups.items():
-      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[stats[p] for p in paths])
-      group_keys = jnp.stack([key_of[p] for p in paths])
-      out = jax.vmap(lambda s, kk: statistics.factor(s, kk, k))(stacked, group_keys)
-      for i, p in enumerate(paths):
-        new[p] = jax.tree.map(lambda a: a[i], out)
-    return new, keys[0]
+  def refresh_due(count, phase):
+    due = (count >= phase) & ((count - phase) % update_every == 0)
+    if warm_start:
+      t = count + 1  # folds so far
+      due |= (t < update_every) & ((t & (t - 1)) == 0)
+    return due
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
     del params, extra_args
-    if layer_inputs is None:
+    kernel_plans = plans(updates)
+    if set(kernel_plans) != set(state.factors):
       raise ValueError(
-          "scale_by_sketched_conditioning.update needs the keyword argument `layer_inputs`: "
-          "the captured inputs of each conditioned layer (see scsgd_jax.capture_nnx / capture_linen), "
-          "e.g. tx.update(grads, state, params, layer_inputs=layer_inputs)."
-      )
-    kernel_specs = specs(updates)
-    if set(kernel_specs) != set(state.factors):
-      raise ValueError(
-          f"the kernels of `updates` {sorted(kernel_specs)} do not match those the state was "
-          f"initialised with {sorted(state.factors)}."
-      )
-    inputs = _flat_inputs(layer_inputs)
-    rows = {}
-    for path, (n, _) in kernel_specs.items():
-      if path not in inputs:
-        raise ValueError(
-            f"layer_inputs has no entry for the conditioned kernel '{path}' (input dimension n={n}); "
-            f"it has entries for {sorted(inputs)}. Capture the layer's inputs, or exclude the kernel "
-            "with kernel_filter / optax.masked."
-        )
-      x = inputs[path]
-      shape = getattr(x, "shape", None)
-      if shape is None or len(shape) < 2 or shape[-1] != n:
-        raise ValueError(
-            f"layer_inputs['{path}'] has shape {shape}, expected (rows, {n}) to match kernel '{path}' "
-            f"whose input dimension is n={n} (a conv kernel (kh, kw, cin, cout) needs im2col rows of "
-            "size kh*kw*cin in that order)."
-        )
-      if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"layer_inputs['{path}'] must be floating point, got dtype {x.dtype}.")
-      rows[path] = jax.lax.stop_gradient(x).reshape(-1, n).astype(jnp.float32)
+          f"the conditioned kernels of `updates` {sorted(kernel_plans)} do not match those the state "
+          f"was initialised with {sorted(state.factors)}.")
+    rows = _checked_rows(kernel_plans, layer_inputs)
 
-    def fold(stats):
-      new_stats = {}
-      for path, old in stats.items():
-        new_stats[path] = _keep_if_not_finite(statistics.update(old, rows[path]), old)
-      return new_stats
+    def fold(operand):
+      stats, clipped = operand
+      new_stats, new_clipped = {}, {}
+      for path, plan in kernel_plans.items():
+        x, n_clipped = rows[path], jnp.zeros([], jnp.int32)
+        if not plan.statistics.takes_ids:
+          x, n_clipped = _guard_rows(x, plan.statistics.trace(stats[path]), outlier_threshold)
+        new_stats[path] = _keep_if_not_finite(plan.statistics.update(stats[path], x), stats[path])
+        new_clipped[path] = clipped[path] + n_clipped
+      return new_stats, new_clipped
 
     count = state.count
-    if _is_concrete(statistics_every) and statistics_every == 1:
-      new_stats = fold(state.statistics)
+    operand = (state.statistics, state.clipped_rows)
+    if statistics_every == 1:
+      new_stats, clipped = fold(operand)
     else:
-      new_stats = jax.lax.cond(count % statistics_every == 0, fold, lambda s: s, state.statistics)
-
-    def do_refresh(operand):
-      stats, key, old_factors = operand
-      factors, key = refresh(stats, key, kernel_specs)
-      # never replace a good factor by a non-finite one
-      return {p: _keep_if_not_finite(f, old_factors[p]) for p, f in factors.items()}, key
-
-    def keep(operand):
-      _, key, old_factors = operand
-      return dict(old_factors), key
-
-    factors, key = jax.lax.cond(
-        count % update_every == 0, do_refresh, keep, (new_stats, state.key, state.factors))
+      new_stats, clipped = jax.lax.cond(count % statistics_every == 0, fold, lambda o: o, operand)
+    factors, key = _refresh(kernel_plans, new_stats, state.factors, state.key, count, refresh_due)
 
     def condition(path, g):
       p = path_to_str(path)
       if p in factors and g is not None:
-        return sketch.precondition_kernel(factors[p], g)
+        return sketch.precondition_kernel(factors[p], g, kernel_plans[p].input_axes)
       return g
 
     new_updates = jax.tree_util.tree_map_with_path(condition, updates)
-    new_state = ScaleBySketchedConditioningState(
-        count=optax.safe_increment(count), key=key, statistics=new_stats, factors=factors)
-    return new_updates, new_state
+    return new_updates, ScaleBySketchedConditioningState(
+        count=optax.safe_increment(count), key=key, statistics=new_stats, factors=factors,
+        clipped_rows=clipped)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _checked_rows(kernel_plans: dict[str, KernelPlan], layer_inputs) -> dict[str, jax.Array]:
+  """Each conditioned kernel's rows ``(m, n)`` (or ids), with a clear error naming the kernel on bad input."""
+  if layer_inputs is None:
+    raise ValueError(
+        "scale_by_sketched_conditioning.update needs the keyword argument `layer_inputs`: "
+        "the captured inputs of each conditioned layer (see scsgd_jax.capture_nnx / capture_linen), "
+        "e.g. tx.update(grads, state, params, layer_inputs=layer_inputs).")
+  inputs = _flat_inputs(layer_inputs)
+  rows = {}
+  for path, plan in kernel_plans.items():
+    n = plan.n
+    if path not in inputs:
+      raise ValueError(
+          f"layer_inputs has no entry for the conditioned kernel '{path}' (input dimension n={n}); "
+          f"it has entries for {sorted(inputs)}. Capture the layer's inputs, or exclude the kernel "
+          "with kernel_filter / optax.masked.")
+    x = inputs[path]
+    shape = getattr(x, "shape", None)
+    if plan.statistics.takes_ids:
+      if shape is None or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(
+            f"layer_inputs['{path}'] must hold the integer token ids of embedding '{path}' "
+            f"(vocabulary n={n}), got {type(x).__name__} of dtype {getattr(x, 'dtype', None)}.")
+      rows[path] = jax.lax.stop_gradient(x).reshape(-1)
+      continue
+    if shape is None or len(shape) < 2 or shape[-1] != n:
+      raise ValueError(
+          f"layer_inputs['{path}'] has shape {shape}, expected (rows, {n}) to match kernel '{path}' "
+          f"read with input axes {plan.input_axes} (n={n}). A conv kernel (kh, kw, cin, cout) needs im2col "
+          "rows of size kh*kw*cin; a DenseGeneral/Einsum kernel whose input axes are not the default "
+          "needs input_axes=scsgd_jax.input_axes_nnx(model) (or input_axes_linen).")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"layer_inputs['{path}'] must be floating point, got dtype {x.dtype}.")
+    rows[path] = jax.lax.stop_gradient(x).reshape(-1, n).astype(jnp.float32)
+  return rows
+
+
+def _refresh(kernel_plans, stats, old_factors, key, count, refresh_due):
+  """New factors of the kernels whose refresh is due: one ``lax.cond`` per phase, equal shapes ``vmap``-ed."""
+  keys = jax.random.split(key, len(kernel_plans) + 1)
+  key_of = dict(zip(kernel_plans, keys[1:]))
+  by_phase = collections.defaultdict(list)
+  for path, plan in kernel_plans.items():
+    by_phase[plan.phase].append(path)
+  factors = dict(old_factors)
+  for phase, paths in by_phase.items():
+
+    def do_refresh(operand, paths=paths):
+      group_stats, group_factors = operand
+      groups = collections.defaultdict(list)
+      for p in paths:
+        plan = kernel_plans[p]
+        groups[(plan.kind, plan.n, plan.rank, id(plan.statistics))].append(p)
+      new = {}
+      for group in groups.values():
+        plan = kernel_plans[group[0]]
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[group_stats[p] for p in group])
+        group_keys = jnp.stack([key_of[p] for p in group])
+        out = jax.vmap(lambda s, kk, plan=plan: plan.statistics.factor(s, kk, plan.rank))(stacked, group_keys)
+        for i, p in enumerate(group):
+          # never replace a good factor by a non-finite one
+          new[p] = _keep_if_not_finite(jax.tree.map(lambda a, i=i: a[i], out), group_factors[p])
+      return new
+
+    operand = ({p: stats[p] for p in paths}, {p: old_factors[p] for p in paths})
+    factors.update(jax.lax.cond(
+        refresh_due(count, phase), do_refresh, lambda o: dict(o[1]), operand))
+  return factors, keys[0]
