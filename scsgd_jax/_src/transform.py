@@ -355,6 +355,8 @@ def scale_by_sketched_conditioning(
   def choose(path, n, p) -> Optional[tuple[str, Optional[int], stats_lib.CorrelationStatistics]]:
     """``(kind, rank, statistics)`` of one kernel, or ``None`` (left to plain SGD)."""
     full = conditioner == "full" or (conditioner == "auto" and n <= full_max_dim)
+    if conditioner == "sketched":
+      check_rank(path, n, rank)
     if custom:
       if not full:
         check_rank(path, n, rank)
@@ -381,8 +383,6 @@ def scale_by_sketched_conditioning(
     for kind, k, stats in options:
       if _state_floats(kind, n, k, min((k or 0) + oversample, n)) <= budget:
         return kind, k, stats
-    if conditioner == "sketched":
-      check_rank(path, n, rank)
     return None
 
   def plans(tree) -> dict[str, KernelPlan]:
