@@ -2,6 +2,7 @@
 
 from scsgd_jax._src.alias import scsgd as scsgd
 from scsgd_jax._src.capture import LayerInput as LayerInput
+from scsgd_jax._src.capture import apply_gradients as apply_gradients
 from scsgd_jax._src.capture import capture_linen as capture_linen
 from scsgd_jax._src.capture import capture_nnx as capture_nnx
 from scsgd_jax._src.capture import input_axes_linen as input_axes_linen

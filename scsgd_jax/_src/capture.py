@@ -24,6 +24,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import linen as nn
 from flax import nnx
 
@@ -31,6 +32,7 @@ from scsgd_jax._src import patches
 
 __all__ = [
     "LayerInput",
+    "apply_gradients",
     "LayerSpec",
     "capture_linen",
     "capture_nnx",
@@ -313,7 +315,7 @@ def _linen_interceptor(max_rows, counter, record=None):
       name = "/".join(map(str, mod.path)) or type(mod).__name__
       spec = layer_spec(mod, name, _einsum_arg(mod, a[1:], k))
       if record is not None:
-        record[f"{name}/{spec.param}"] = spec.input_axes
+        record["/".join((*map(str, mod.path), spec.param))] = spec.input_axes
       else:
         mod.sow(LINEN_COLLECTION, spec.param, spec.rows(jax.lax.stop_gradient(a[0]), max_rows, counter.key()))
     return next_fun(*a, **k)
@@ -368,3 +370,27 @@ def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str,
 
   jax.eval_shape(run, variables, *args)
   return record
+
+
+def apply_gradients(state, *, grads, layer_inputs, **kwargs):
+  """``flax.training.train_state.TrainState.apply_gradients`` that forwards ``layer_inputs`` to ``tx.update``.
+
+  ``TrainState.apply_gradients(grads=...)`` calls ``tx.update(grads, opt_state, params)``
+  and has no way to pass extra arguments; use this instead::
+
+    (loss, layer_inputs), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    state = scsgd_jax.apply_gradients(state, grads=grads, layer_inputs=layer_inputs)
+
+  Args:
+    state: a ``TrainState`` (or any struct with ``step``, ``params``, ``tx``,
+      ``opt_state`` and ``replace``) whose ``tx`` contains the conditioning.
+    grads: gradients with the structure of ``state.params``.
+    layer_inputs: from :func:`capture_linen` (or :func:`capture_nnx`).
+    **kwargs: further fields to replace, as ``TrainState.apply_gradients`` allows.
+
+  Returns:
+    The new state, ``step`` incremented.
+  """
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params, layer_inputs=layer_inputs)
+  return state.replace(
+      step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state, **kwargs)

@@ -1,0 +1,160 @@
+"""Every captured layer type, NNX and Linen: rows reproduce the layer's output, and one step equals a dense oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import scsgd_jax as sk
+
+LR = 0.1
+RNG = np.random.default_rng(0)
+X3 = jnp.asarray(RNG.standard_normal((2, 5, 8)), jnp.float32)      # (batch, length, features)
+X4 = jnp.asarray(RNG.standard_normal((4, 5, 4, 3)), jnp.float32)   # (batch, length, heads, head_dim)
+IDS = jnp.asarray(RNG.integers(0, 11, (3, 7)), jnp.int32)
+
+# (name, NNX layer factory, Linen module, input, input axes of its kernel)
+CASES = [
+    ("linear", lambda r: nnx.Linear(8, 6, use_bias=False, rngs=r), nn.Dense(6), X3, (0,)),
+    ("query_like", lambda r: nnx.LinearGeneral(8, (4, 3), use_bias=False, rngs=r), nn.DenseGeneral((4, 3)), X3, (0,)),
+    ("out_like", lambda r: nnx.LinearGeneral((4, 3), 6, axis=(-2, -1), use_bias=False, rngs=r),
+     nn.DenseGeneral(6, axis=(-2, -1)), X4, (0, 1)),
+    ("einsum", lambda r: nnx.Einsum("btd,dnh->btnh", (8, 2, 3), rngs=r),
+     nn.Einsum((8, 2, 3), "btd,dnh->btnh"), X3, (0,)),
+    ("einsum_kernel_last", lambda r: nnx.Einsum("btd,od->bto", (6, 8), rngs=r),
+     nn.Einsum((6, 8), "btd,od->bto"), X3, (1,)),
+    ("embed", lambda r: nnx.Embed(11, 4, rngs=r), nn.Embed(11, 4), IDS, (0,)),
+]
+
+
+def _kernel_matrix(kernel, axes):
+  """The kernel as the (n, p) matrix over its input axes (explicit transpose)."""
+  kernel = np.asarray(kernel)
+  rest = [a for a in range(kernel.ndim) if a not in axes]
+  moved = np.transpose(kernel, list(axes) + rest)
+  n = int(np.prod([kernel.shape[a] for a in axes]))
+  return moved.reshape(n, -1), moved.shape
+
+
+def _inv_sqrt(c):
+  w, v = np.linalg.eigh(c)
+  return (v / np.sqrt(w)) @ v.T
+
+
+def _nnx_layer(make):
+  return make(nnx.Rngs(0))  # no biases: the rows times the kernel are the whole output
+
+
+@pytest.mark.parametrize("name,make,_,x,axes", CASES, ids=[c[0] for c in CASES])
+def test_nnx_rows_reproduce_layer_output(name, make, _, x, axes):
+  layer = _nnx_layer(make)
+  out, li = sk.capture_nnx(layer, x, max_rows=None)
+  param = "embedding" if name == "embed" else "kernel"
+  rows = np.asarray(li[param])
+  if name == "embed":
+    rows = np.eye(11)[rows]  # ids -> one-hot rows
+  mat, _ = _kernel_matrix(getattr(layer, param)[...], axes)
+  np.testing.assert_allclose(rows @ mat, np.asarray(out).reshape(rows.shape[0], -1), rtol=1e-5, atol=1e-5)
+  assert sk.input_axes_nnx(layer) == {param: axes}
+
+
+@pytest.mark.parametrize("name,_,module,x,axes", CASES, ids=[c[0] for c in CASES])
+def test_linen_rows_reproduce_layer_output(name, _, module, x, axes):
+  if hasattr(module, "use_bias"):
+    module = module.clone(use_bias=False)
+  variables = module.init(jax.random.PRNGKey(0), x)
+  out, li = sk.capture_linen(module, variables, x, max_rows=None)
+  param = "embedding" if name == "embed" else "kernel"
+  rows = np.asarray(li[param])
+  if name == "embed":
+    rows = np.eye(11)[rows]
+  mat, _ = _kernel_matrix(variables["params"][param], axes)
+  np.testing.assert_allclose(rows @ mat, np.asarray(out).reshape(rows.shape[0], -1), rtol=1e-5, atol=1e-5)
+  assert sk.input_axes_linen(module, variables, x) == {param: axes}
+
+
+@pytest.mark.parametrize("name,make,_,x,axes", CASES, ids=[c[0] for c in CASES])
+def test_one_conditioned_step_equals_dense_oracle(name, make, _, x, axes):
+  """C from this batch alone (ema_rate = 1), A = C^{1/2}: the update is -lr A^{-1} G in the kernel's layout."""
+  layer = _nnx_layer(make)
+  param = "embedding" if name == "embed" else "kernel"
+  tx = optax.chain(sk.scale_by_sketched_conditioning(
+      conditioner="full", statistics="dense", ema_rate=1.0, update_every=1,
+      input_axes={param: axes}), optax.sgd(LR))
+  params = nnx.as_pure(nnx.state(layer, nnx.Param))
+  target = jnp.asarray(RNG.standard_normal(layer(x).shape), jnp.float32)
+
+  def loss(m):
+    out, li = sk.capture_nnx(m, x, max_rows=None)
+    return jnp.sum(out * target), li
+
+  (_, li), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
+  grads = nnx.as_pure(grads)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params, layer_inputs=li)
+  g_mat, moved_shape = _kernel_matrix(grads[param], axes)
+  if name == "embed":
+    counts = np.bincount(np.asarray(IDS).reshape(-1), minlength=11) / IDS.size
+    floor = 1e-5 * counts.sum() / 11
+    expected = g_mat / np.sqrt(np.maximum(counts, floor))[:, None]
+  else:
+    rows = np.asarray(li[param], np.float64)
+    expected = _inv_sqrt(rows.T @ rows / rows.shape[0]) @ g_mat
+  got, _ = _kernel_matrix(updates[param], axes)
+  np.testing.assert_allclose(got, -LR * expected, rtol=2e-3, atol=1e-4)
+
+
+def test_attention_kernels_read_by_true_input_axes():
+  """nnx.MultiHeadAttention: q/k/v (in, heads, head_dim) have n = in, out (heads, head_dim, out) has n = heads * head_dim."""
+  attn = nnx.MultiHeadAttention(num_heads=4, in_features=16, qkv_features=32, out_features=8, decode=False,
+                                rngs=nnx.Rngs(0))
+  params = nnx.as_pure(nnx.state(attn, nnx.Param))
+  state = sk.scsgd(0.1, statistics="dense", conditioner="full").init(params)
+  dims = {p: f.q.shape[0] for p, f in state[0].factors.items()}
+  assert dims == {"query/kernel": 16, "key/kernel": 16, "value/kernel": 16, "out/kernel": 32}
+  assert sk.input_axes_nnx(attn) == {f"{p}/kernel": ax for p, ax in
+                                     [("query", (0,)), ("key", (0,)), ("value", (0,)), ("out", (0, 1))]}
+
+
+def test_wrong_input_axes_are_reported_naming_the_kernel():
+  layer = nnx.Einsum("btd,od->bto", (6, 8), rngs=nnx.Rngs(0))   # input axis is 1, the default reads 0
+  params = nnx.as_pure(nnx.state(layer, nnx.Param))
+  tx = sk.scsgd(0.1, statistics="dense")
+  _, li = sk.capture_nnx(layer, X3)
+  with pytest.raises(ValueError, match=r"'kernel' read with input axes \(0,\) \(n=6\).*input_axes_nnx"):
+    tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params, layer_inputs=li)
+
+
+def test_unknown_layer_kernel_gets_a_clear_error():
+  class Custom(nnx.Module):
+    def __init__(self):
+      self.kernel = nnx.Param(jnp.ones((5, 3)))
+
+    def __call__(self, x):
+      return x @ self.kernel[...]
+
+  model = Custom()
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  _, li = sk.capture_nnx(model, jnp.ones((2, 5)))
+  tx = sk.scsgd(0.1, statistics="dense")
+  with pytest.raises(ValueError, match="no entry for the conditioned kernel 'kernel'"):
+    tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params, layer_inputs=li)
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_max_rows_must_be_positive(bad):
+  layer = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="max_rows must be a positive int"):
+    sk.capture_nnx(layer, jnp.ones((2, 3)), max_rows=bad)
+  module = nn.Dense(2)
+  variables = module.init(jax.random.PRNGKey(0), jnp.ones((2, 3)))
+  with pytest.raises(ValueError, match="max_rows must be a positive int"):
+    sk.capture_linen(module, variables, jnp.ones((2, 3)), max_rows=bad)
+
+
+def test_einsum_with_shared_batch_label_is_refused():
+  layer = nnx.Einsum("bnd,nde->bne", (3, 4, 5), rngs=nnx.Rngs(0))
+  with pytest.raises(NotImplementedError, match="shares labels"):
+    sk.capture_nnx(layer, jnp.ones((2, 3, 4)))
