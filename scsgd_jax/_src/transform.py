@@ -165,7 +165,7 @@ def _static_int(name: str, value, default: int, minimum: int) -> int:
 def _state_floats(kind: str, n: int, k: Optional[int], width: int) -> int:
   """Floats of one kernel's statistics + factor (the memory rule; a test checks it against real states)."""
   if kind in ("diagonal", "embedding"):
-    return 2 * n + 2
+    return 2 * n + 1
   factor = 2 * n * n + 1 if k is None else n * k + k * k + 1
   stats = n * n + 1 if kind == "dense" else 2 * n * width + 2
   return stats + factor

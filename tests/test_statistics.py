@@ -1,0 +1,259 @@
+"""Statistics: streaming Nystrom vs dense, diagonal/embedding, bias-corrected warm start, memory rule, outlier guard."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import scsgd_jax as sk
+from scsgd_jax._src import transform
+
+
+def _decaying(n, rng, decay=5.0):
+  u, _ = np.linalg.qr(rng.standard_normal((n, n)))
+  return u, np.exp(-np.arange(n) / decay) + 1e-3
+
+
+def test_streaming_sketch_is_exactly_the_dense_ema_times_omega():
+  """C -> C Omega is linear, so the EMA of the per-batch sketches is the dense EMA's sketch, with or without prior."""
+  rng = np.random.default_rng(0)
+  n, k = 30, 4
+  for prior in (True, False):
+    dense = sk.ema_correlation(0.2, identity_prior=prior)
+    stream = sk.nystrom_correlation(k, 0.2, identity_prior=prior)
+    sd, ss = dense.init(n, None), stream.init(n, jax.random.PRNGKey(1))
+    for _ in range(5):
+      rows = jnp.asarray(rng.standard_normal((16, n)) * np.linspace(0.1, 3, n), jnp.float32)
+      sd, ss = dense.update(sd, rows), stream.update(ss, rows)
+    c = np.asarray(dense.correlation(sd))
+    y, trace = (np.asarray(m) / float(ss.ema.weight) for m in ss.ema.moments)
+    np.testing.assert_allclose(y, c @ np.asarray(ss.omega), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(trace, np.trace(c), rtol=1e-5)
+    np.testing.assert_allclose(float(stream.trace(ss)), float(dense.trace(sd)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_streaming_factor_bound_terms_within_factor_of_dense_sketch(seed):
+  """Fast-decaying spectrum: Nystrom's tr(A) tr(A^-1 C) is within 1.25x of Algorithm 1 on the dense C (power iteration 1)."""
+  rng = np.random.default_rng(seed)
+  n, k = 256, 16
+  u, evals = _decaying(n, rng)
+  x = rng.standard_normal((4096, n)) * np.sqrt(evals) @ u.T
+  dense = sk.ema_correlation(1.0)
+  stream = sk.nystrom_correlation(k, 1.0)
+  rows = jnp.asarray(x, jnp.float32)
+  sd = dense.update(dense.init(n, None), rows)
+  ss = stream.update(stream.init(n, jax.random.PRNGKey(seed)), rows)
+  c = jnp.asarray(x.T @ x / x.shape[0], jnp.float32)
+  key = jax.random.PRNGKey(seed + 10)
+
+  def product(f):
+    t = sk.bound_terms(f, c)
+    return float(t.trace_a * t.trace_a_inv_c)
+
+  ratio = product(stream.factor(ss, key, k)) / product(dense.factor(sd, key, k))
+  assert 0.95 < ratio < 1.25, ratio
+
+
+def test_nystrom_is_exact_when_c_has_rank_at_most_k():
+  rng = np.random.default_rng(1)
+  n, k = 40, 5
+  z = rng.standard_normal((n, k))
+  c = z @ z.T + 0.0
+  omega, _ = np.linalg.qr(rng.standard_normal((n, k + 6)))
+  f = sk.nystrom_factor(jnp.asarray(c @ omega, jnp.float32), jnp.asarray(omega, jnp.float32), np.trace(c), k)
+  exact = sk.low_rank_factor(jnp.asarray(c, jnp.float32), k)
+  np.testing.assert_allclose(np.asarray(f.q @ f.q.T), np.asarray(exact.q @ exact.q.T), atol=1e-3)
+  np.testing.assert_allclose(np.sort(np.diag(f.b_inv)), np.sort(np.linalg.eigvalsh(np.asarray(exact.b_inv))), rtol=1e-2)
+
+
+def test_diagonal_factor_and_embedding_statistic_oracle():
+  ids = jnp.asarray([[0, 0, 3], [3, 3, 1]], jnp.int32)
+  stats = sk.diagonal_correlation(1.0, takes_ids=True)
+  s = stats.update(stats.init(5), ids)
+  freq = np.array([2, 1, 0, 3, 0]) / 6
+  np.testing.assert_allclose(np.diag(stats.correlation(s)), freq, rtol=1e-6)
+  f = stats.factor(s, None, 0)
+  floor = 1e-5 * 1.0 / 5
+  np.testing.assert_allclose(f.a_inv, 1 / np.sqrt(np.maximum(freq, floor)), rtol=1e-5)
+  g = np.arange(10.0).reshape(5, 2)
+  np.testing.assert_allclose(sk.precondition_kernel(f, jnp.asarray(g, jnp.float32)),
+                             g / np.sqrt(np.maximum(freq, floor))[:, None], rtol=1e-5)
+  np.testing.assert_allclose(sk.inverse_matrix(f), np.diag(np.asarray(f.a_inv)), rtol=1e-6)
+
+
+def test_bias_corrected_ema_is_the_weighted_mean_of_batches():
+  """Without the prior, C_t = sum_s nu (1-nu)^(t-s) B_s / (1 - (1-nu)^t): after one batch, C is that batch."""
+  rng = np.random.default_rng(2)
+  nu, n = 0.3, 4
+  stats = sk.ema_correlation(nu, identity_prior=False)
+  s = stats.init(n, None)
+  batches = [rng.standard_normal((8, n)) for _ in range(3)]
+  for t, b in enumerate(batches, start=1):
+    s = stats.update(s, jnp.asarray(b, jnp.float32))
+    weights = [nu * (1 - nu) ** (t - i) for i in range(1, t + 1)]
+    expected = sum(w * bb.T @ bb / 8 for w, bb in zip(weights, batches)) / (1 - (1 - nu) ** t)
+    np.testing.assert_allclose(stats.correlation(s), expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _floats(tree):
+  return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("kind,k", [("dense", None), ("dense", 7), ("streaming", 7), ("diagonal", 0)])
+def test_memory_rule_counts_the_real_state(kind, k):
+  n, p = 40, 200
+  tx = sk.scale_by_sketched_conditioning(
+      rank=k or 7, statistics=kind, conditioner="full" if k is None else "sketched" if kind != "diagonal" else "auto",
+      oversample=5)
+  state = jax.eval_shape(tx.init, {"kernel": jnp.zeros((n, p))})
+  real = _floats((state.statistics, state.factors))
+  assert real == transform._state_floats(kind, n, k, min((k or 0) + 5, n))
+
+
+N_GRID = [8, 25, 64, 256, 500, 800, 1024, 4096, 16384]
+P_GRID = [1, 2, 10, 64, 1000, 4096]
+
+
+def test_default_state_is_at_most_adams_for_every_kernel_shape():
+  for n in N_GRID:
+    for p in P_GRID:
+      params = {"dense": {"kernel": jnp.zeros((n, p)), "bias": jnp.zeros((p,))}}
+      ours = _floats(jax.eval_shape(sk.scsgd(0.1).init, params))
+      adam = _floats(jax.eval_shape(optax.adam(1e-3).init, params))
+      assert ours <= adam, (n, p, ours, adam)
+
+
+def test_default_statistics_of_n16384_at_rank_64_fit_in_10_mib():
+  params = {"kernel": jnp.zeros((16384, 1024))}
+  state = jax.eval_shape(sk.scale_by_sketched_conditioning(rank=64).init, params)
+  stats_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state.statistics))
+  assert stats_bytes <= 10 * 2**20, stats_bytes / 2**20
+  assert state.factors["kernel"].q.shape == (16384, 64)  # streaming keeps the full rank here
+
+
+def test_auto_keeps_dense_where_it_fits_and_falls_back_in_order():
+  tx = sk.scale_by_sketched_conditioning(rank=8)
+  plans = {}
+  shapes = {"wide": (20, 400), "mid": (200, 60), "thin": (200, 10), "column": (200, 1)}
+  state = jax.eval_shape(tx.init, {k: {"kernel": jnp.zeros(s)} for k, s in shapes.items()})
+  for name in shapes:
+    f = state.factors.get(f"{name}/kernel")
+    plans[name] = None if f is None else (f.q.shape[1], f.a_inv.shape)
+  assert plans["wide"] == (20, ())          # dense C, full C^{1/2} (n <= 4 * rank)
+  assert plans["mid"] == (8, ())            # streaming at rank 8
+  assert plans["thin"] == (0, (200,))       # diagonal
+  assert plans["column"] is None            # p = 1: nothing fits beside the momentum; plain SGD
+
+
+# ---------------------------------------------------------------- warm start
+
+
+def _factor_history(tx, n, steps, rng):
+  params = {"d": {"kernel": jnp.zeros((n, 3))}}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  grads = jax.tree.map(jnp.ones_like, params)
+  history = []
+  for t in range(steps):
+    x = jnp.asarray(rng.standard_normal((8, n)) * (t + 1), jnp.float32)
+    _, state = step(grads, state, params, layer_inputs={"d": {"kernel": x}})
+    history.append(np.asarray(state.factors["d/kernel"].b_inv))
+  return [t for t in range(steps) if t == 0 or not np.allclose(history[t], history[t - 1])]
+
+
+def test_warm_start_refreshes_after_1_2_4_8_folds_then_every_period():
+  rng = np.random.default_rng(3)
+  tx = sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense", update_every=10)
+  assert _factor_history(tx, 4, 25, rng) == [0, 1, 3, 7, 10, 20]
+  tx = sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense", update_every=10, warm_start=False)
+  assert _factor_history(tx, 4, 25, rng) == [0, 10, 20]
+
+
+def test_warm_start_conditions_the_first_step_with_the_first_batch():
+  rng = np.random.default_rng(4)
+  n = 5
+  x = rng.standard_normal((32, n)) * np.linspace(0.2, 4, n)
+  g = rng.standard_normal((n, 2))
+  params = {"d": {"kernel": jnp.zeros((n, 2))}}
+  tx = sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense")
+  u, _ = tx.update({"d": {"kernel": jnp.asarray(g, jnp.float32)}}, tx.init(params), params,
+                   layer_inputs={"d": {"kernel": jnp.asarray(x, jnp.float32)}})
+  w, v = np.linalg.eigh(x.T @ x / 32)
+  np.testing.assert_allclose(u["d"]["kernel"], (v / np.sqrt(w)) @ v.T @ g, rtol=1e-3, atol=1e-5)
+
+
+def test_staggered_refreshes_spread_kernels_over_the_window():
+  tx = sk.scale_by_sketched_conditioning(statistics="dense", conditioner="full", update_every=8, warm_start=False)
+  params = {f"l{i}": {"kernel": jnp.zeros((3, 4))} for i in range(4)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  grads = jax.tree.map(jnp.ones_like, params)
+  rng = np.random.default_rng(5)
+  refreshed = {p: [] for p in state.factors}
+  for t in range(16):
+    li = {f"l{i}": {"kernel": jnp.asarray(rng.standard_normal((6, 3)), jnp.float32)} for i in range(4)}
+    _, new = step(grads, state, params, layer_inputs=li)
+    for p in refreshed:
+      if not np.allclose(new.factors[p].b_inv, state.factors[p].b_inv):
+        refreshed[p].append(t)
+    state = new
+  assert refreshed == {"l0/kernel": [0, 8], "l1/kernel": [2, 10], "l2/kernel": [4, 12], "l3/kernel": [6, 14]}
+
+
+# ---------------------------------------------------------------- outliers
+
+
+def _least_squares_run(outlier_scale, steps=400, seed=6):
+  """Linear regression with scaled inputs; at step 50, 4 of 64 rows of the captured inputs are multiplied by outlier_scale."""
+  rng = np.random.default_rng(seed)
+  n, p = 16, 4
+  scales = np.logspace(-1, 1, n)
+  w_true = rng.standard_normal((n, p))
+  tx = sk.scsgd(0.05, statistics="dense", conditioner="full")
+  params = {"d": {"kernel": jnp.zeros((n, p))}}
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, x, y, x_stats):
+    loss, g = jax.value_and_grad(lambda q: jnp.mean((x @ q["d"]["kernel"] - y) ** 2))(params)
+    u, state = tx.update(g, state, params, layer_inputs={"d": {"kernel": x_stats}})
+    return optax.apply_updates(params, u), state, loss
+
+  losses = []
+  for t in range(steps):
+    x = rng.standard_normal((64, n)) * scales
+    y = x @ w_true
+    x_stats = x.copy()
+    if t == 50 and outlier_scale:
+      x_stats[:4] = outlier_scale
+    params, state, loss = step(params, state, jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32),
+                               jnp.asarray(x_stats, jnp.float32))
+    losses.append(float(loss))
+  return np.array(losses), state
+
+
+@pytest.mark.parametrize("scale", [1e6, 1e18])
+def test_outlier_rows_are_clipped_counted_and_training_recovers(scale):
+  clean, _ = _least_squares_run(None)
+  hit, state = _least_squares_run(scale)
+  assert int(state[0].clipped_rows["d/kernel"]) == 4
+  assert np.isfinite(hit).all()
+  trace = float(sk.ema_correlation().trace(state[0].statistics["d/kernel"]))
+  assert trace < 1e4  # tr C of the clean data is sum(scales^2) ~ 216: the outlier did not blow it up
+  assert hit[-50:].mean() < 2 * clean[-50:].mean() + 1e-6
+
+
+def test_guard_clips_rows_above_threshold_times_reference():
+  rows = jnp.asarray(np.r_[np.ones((6, 4)), np.full((2, 4), 100.0)], jnp.float32)
+  clipped, count = transform._guard_rows(rows, jnp.asarray(4.0), 100.0)
+  assert int(count) == 2
+  np.testing.assert_allclose(np.sum(np.asarray(clipped[6:]) ** 2, axis=1), 400.0, rtol=1e-5)
+  np.testing.assert_array_equal(clipped[:6], rows[:6])
+  # no reference yet (warm start, first batch): the batch median is the reference
+  clipped, count = transform._guard_rows(rows, jnp.asarray(0.0), 100.0)
+  assert int(count) == 2
