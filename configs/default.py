@@ -22,13 +22,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.name = "scsgd"  # scsgd | sgd | adam
   config.optimizer.momentum = 0.9
   config.optimizer.nesterov = True
-  config.optimizer.rank = 32
-  config.optimizer.update_every = 50  # paper: refresh every 50 iterations
-  config.optimizer.ema_rate = 0.05  # nu of C <- (1 - nu) C + nu mean(x x^T)
-  config.optimizer.conditioner = "auto"  # full C^{1/2} for n <= full_max_dim, else sketched rank k
-  config.optimizer.full_max_dim = 128
-  config.optimizer.oversample = 10
-  config.optimizer.power_iterations = 1
+  # Keyword arguments of scsgd_jax.scsgd beyond the learning rate, momentum and seed; empty = the
+  # library's defaults (rank 32, refresh every 50, nu 0.05, memory-chosen statistics, warm start).
+  # Set e.g. config.optimizer.scsgd.rank = 8 in a config file, or
+  # dict(statistics="dense", warm_start=False) for the paper's exact recipe.
+  config.optimizer.scsgd = ml_collections.ConfigDict()
   config.optimizer.adam_learning_rate = 1e-3
   # Not stated in the paper (default 0). Caffe's LeNet solver, whose recipe the paper takes, uses 5e-4.
   config.optimizer.weight_decay = 0.0

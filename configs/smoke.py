@@ -9,9 +9,8 @@ def get_config():
   config.max_test_examples = 256
   config.num_steps = 40
   config.batch_size = 16
-  config.optimizer.update_every = 5
-  config.optimizer.rank = 8
-  config.optimizer.full_max_dim = 32
+  config.optimizer.scsgd.update_every = 5
+  config.optimizer.scsgd.rank = 8
   config.train_log_every = 10
   config.eval_every = 20
   config.checkpoint_every = 20

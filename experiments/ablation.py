@@ -26,16 +26,17 @@ from experiments import train
 # name -> (description, overrides of config.optimizer / config)
 VARIANTS = {
     "sgd": ("Nesterov SGD baseline", {"optimizer.name": "sgd"}),
-    "default": ("scsgd defaults (rank 32, nu 0.05, N 50, 256 rows, auto)", {}),
-    "rank_8": ("rank 8", {"optimizer.rank": 8}),
-    "rank_64": ("rank 64", {"optimizer.rank": 64}),
-    "ema_0.01": ("EMA rate nu = 0.01", {"optimizer.ema_rate": 0.01}),
-    "ema_0.2": ("EMA rate nu = 0.2", {"optimizer.ema_rate": 0.2}),
-    "every_10": ("refresh every 10 steps", {"optimizer.update_every": 10}),
-    "every_200": ("refresh every 200 steps", {"optimizer.update_every": 200}),
+    "default": ("scsgd defaults (rank 32, nu 0.05, N 50, 256 rows, memory-chosen statistics, warm start)", {}),
+    "rank_8": ("rank 8", {"optimizer.scsgd.rank": 8}),
+    "rank_64": ("rank 64", {"optimizer.scsgd.rank": 64}),
+    "ema_0.01": ("EMA rate nu = 0.01", {"optimizer.scsgd.ema_rate": 0.01}),
+    "ema_0.2": ("EMA rate nu = 0.2", {"optimizer.scsgd.ema_rate": 0.2}),
+    "every_10": ("refresh every 10 steps", {"optimizer.scsgd.update_every": 10}),
+    "every_200": ("refresh every 200 steps", {"optimizer.scsgd.update_every": 200}),
     "rows_64": ("64 sampled rows per layer", {"max_rows": 64}),
     "rows_all": ("all rows (4,096 conv2 patches)", {"max_rows": 0}),
-    "full": ("full C^(1/2) for every layer", {"optimizer.conditioner": "full"}),
+    "paper": ("the paper's recipe: dense EMA from C = I, no warm start", {"optimizer.scsgd.statistics": "dense", "optimizer.scsgd.warm_start": False}),
+    "full": ("full C^(1/2) for every layer", {"optimizer.scsgd.conditioner": "full", "optimizer.scsgd.statistics": "dense"}),
 }
 
 

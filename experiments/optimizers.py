@@ -34,10 +34,7 @@ def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
   o = config.optimizer
   lr = learning_rate(config)
   if o.name == "scsgd":
-    tx = scsgd_jax.scsgd(
-        lr, rank=o.rank, momentum=o.momentum, nesterov=o.nesterov, update_every=o.update_every,
-        ema_rate=o.ema_rate, conditioner=o.conditioner, full_max_dim=o.full_max_dim,
-        oversample=o.oversample, power_iterations=o.power_iterations, seed=config.seed)
+    tx = scsgd_jax.scsgd(lr, momentum=o.momentum, nesterov=o.nesterov, seed=config.seed, **o.scsgd)
   elif o.name == "sgd":
     tx = optax.sgd(lr, momentum=o.momentum, nesterov=o.nesterov)
   elif o.name == "adam":

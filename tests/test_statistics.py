@@ -143,7 +143,7 @@ def test_auto_keeps_dense_where_it_fits_and_falls_back_in_order():
   state = jax.eval_shape(tx.init, {k: {"kernel": jnp.zeros(s)} for k, s in shapes.items()})
   for name in shapes:
     f = state.factors.get(f"{name}/kernel")
-    plans[name] = None if f is None else (f.q.shape[1], f.a_inv.shape)
+    plans[name] = None if f is None else (f.rank, f.a_inv.shape)
   assert plans["wide"] == (20, ())          # dense C, full C^{1/2} (n <= 4 * rank)
   assert plans["mid"] == (8, ())            # streaming at rank 8
   assert plans["thin"] == (0, (200,))       # diagonal

@@ -53,12 +53,13 @@ class Factor(NamedTuple):
   .. math:: A^{-1} = Q B^{-1} Q^\top + a^{-1} (I - Q Q^\top)
 
   Attributes:
-    q: ``(n, k)`` matrix with orthonormal columns.
-    b_inv: ``(k, k)`` symmetric positive definite matrix ``B^{-1}``.
+    q: ``(n, k)`` matrix with orthonormal columns (``None`` for a diagonal factor).
+    b_inv: ``(k, k)`` symmetric positive definite matrix ``B^{-1}`` (``None`` for a diagonal factor).
     a_inv: scalar ``a^{-1} >= 0`` applied on the orthogonal complement of ``Q``
-      (irrelevant when ``k == n``); or, only when ``k == 0``, a vector ``(n,)``,
-      giving the diagonal conditioner ``A^{-1} = diag(a_inv)`` (see
-      :func:`diagonal_factor`).
+      (irrelevant when ``k == n``); or, with ``q = b_inv = None`` (``k = 0``), a
+      vector ``(n,)``, giving the diagonal conditioner ``A^{-1} = diag(a_inv)``
+      (see :func:`diagonal_factor`). ``None`` rather than empty arrays keeps the
+      state checkpointable (orbax refuses zero-size arrays).
   """
 
   q: jax.Array
@@ -67,11 +68,11 @@ class Factor(NamedTuple):
 
   @property
   def dim(self) -> int:
-    return self.q.shape[-2]
+    return self.a_inv.shape[-1] if self.q is None else self.q.shape[-2]
 
   @property
   def rank(self) -> int:
-    return self.q.shape[-1]
+    return 0 if self.q is None else self.q.shape[-1]
 
 
 def _floor(trace: jax.Array, n: int, eigenvalue_floor: float) -> jax.Array:
@@ -88,8 +89,10 @@ def _inv_sqrt_psd(mat: jax.Array, floor: jax.Array) -> jax.Array:
 def _finite_or_identity(factor: Factor, trace: jax.Array) -> Factor:
   """Replaces a factor of a zero or non-finite ``C`` by the identity (Lemma 2 with B = I, a = 1)."""
   ok = jnp.isfinite(trace) & (trace > _TINY)
-  ok &= jnp.all(jnp.isfinite(factor.q)) & jnp.all(jnp.isfinite(factor.b_inv))
   ok &= jnp.all(jnp.isfinite(factor.a_inv))
+  if factor.q is None:
+    return factor._replace(a_inv=jnp.where(ok, factor.a_inv, jnp.ones_like(factor.a_inv)))
+  ok &= jnp.all(jnp.isfinite(factor.q)) & jnp.all(jnp.isfinite(factor.b_inv))
   n, k = factor.q.shape
   ident = identity_factor(n, k, factor.q.dtype)
   # An orthonormal Q is still needed when falling back: use the first k axes.
@@ -296,8 +299,7 @@ def diagonal_factor(
   n = d.shape[-1]
   trace = jnp.sum(d)
   a_inv = jax.lax.rsqrt(jnp.maximum(d, _floor(trace, n, eigenvalue_floor)))
-  factor = Factor(jnp.zeros((n, 0), d.dtype), jnp.zeros((0, 0), d.dtype), a_inv)
-  return _finite_or_identity(factor, trace)
+  return _finite_or_identity(Factor(None, None, a_inv), trace)
 
 
 def low_rank_factor(
@@ -367,7 +369,7 @@ def precondition_kernel(
   (updateGeneric), :math:`W \leftarrow W - \eta\, \delta (A^{-1} x)^\top`.
   Computed in ``float32`` (or wider) and cast back to the gradient's dtype.
   """
-  n = factor.q.shape[-2]
+  n = factor.dim
   if input_axes is None:
     input_axes = tuple(range(grad.ndim - 1))
   axes = tuple(a % grad.ndim for a in input_axes)
@@ -376,7 +378,8 @@ def precondition_kernel(
   g = jnp.transpose(grad, perm) if perm != tuple(range(grad.ndim)) else grad
   moved_shape = g.shape
   dtype = jnp.promote_types(grad.dtype, jnp.float32)
-  out = apply_inverse(jax.tree.map(lambda a: a.astype(dtype), factor), g.reshape(n, -1).astype(dtype))
+  cast = Factor(*(None if a is None else a.astype(dtype) for a in factor))
+  out = apply_inverse(cast, g.reshape(n, -1).astype(dtype))
   out = out.reshape(moved_shape)
   if perm != tuple(range(grad.ndim)):
     out = jnp.transpose(out, tuple(perm.index(a) for a in range(grad.ndim)))
@@ -385,8 +388,7 @@ def precondition_kernel(
 
 def inverse_matrix(factor: Factor) -> jax.Array:
   """Dense ``A^{-1}`` (``n x n``), for tests and diagnostics."""
-  n = factor.q.shape[-2]
-  return apply_inverse(factor, jnp.eye(n, dtype=factor.q.dtype))
+  return apply_inverse(factor, jnp.eye(factor.dim, dtype=factor.a_inv.dtype))
 
 
 def conditioner_matrix(factor: Factor) -> jax.Array:
@@ -395,10 +397,10 @@ def conditioner_matrix(factor: Factor) -> jax.Array:
   ``a = 1 / a^{-1}`` (taken as 0 when ``a^{-1} = 0``, i.e. a full-rank factor).
   """
   q, b_inv, a_inv = factor
-  n = q.shape[-2]
   a = jnp.where(a_inv > 0, 1.0 / jnp.where(a_inv > 0, a_inv, 1.0), 0.0)
   if a_inv.ndim == 1:
     return jnp.diag(a)
+  n = q.shape[-2]
   evals, evecs = jnp.linalg.eigh(0.5 * (b_inv + b_inv.T))
   b = (evecs / evals[None, :]) @ evecs.T
   return q @ b @ q.T + a * (jnp.eye(n, dtype=q.dtype) - q @ q.T)
@@ -418,11 +420,11 @@ def bound_terms(factor: Factor, correlation: jax.Array) -> BoundTerms:
   ``tr(A) = tr(B) + a (n - k)`` and ``tr(A^{-1} C) = tr(B^{-1} Q^T C Q) + a^{-1} (tr C - tr Q^T C Q)``.
   """
   q, b_inv, a_inv = factor
-  n, k = q.shape[-2], q.shape[-1]
   c = jnp.asarray(correlation)
   if a_inv.ndim == 1:  # diagonal conditioner
     a = jnp.where(a_inv > 0, 1.0 / jnp.where(a_inv > 0, a_inv, 1.0), 0.0)
     return BoundTerms(jnp.sum(a), jnp.sum(a_inv * jnp.diagonal(c)))
+  n, k = q.shape[-2], q.shape[-1]
   evals = jnp.linalg.eigvalsh(0.5 * (b_inv + b_inv.T))
   trace_b = jnp.sum(1.0 / evals)
   a = jnp.where(a_inv > 0, 1.0 / jnp.where(a_inv > 0, a_inv, 1.0), 0.0)

@@ -194,7 +194,7 @@ def _guard_rows(rows: jax.Array, reference: jax.Array, threshold) -> tuple[jax.A
 
 def _identity_factor(plan: KernelPlan) -> sketch.Factor:
   if plan.kind in ("diagonal", "embedding"):
-    return sketch.Factor(jnp.zeros((plan.n, 0)), jnp.zeros((0, 0)), jnp.ones((plan.n,)))
+    return sketch.Factor(None, None, jnp.ones((plan.n,)))
   return sketch.identity_factor(plan.n, plan.n if plan.rank is None else plan.rank)
 
 
