@@ -31,6 +31,7 @@ from flax import nnx
 
 import scsgd_jax
 from experiments import machine
+from experiments import models
 
 P, BATCH, RANK, PERIOD = 1024, 256, 32, 50
 
@@ -105,32 +106,7 @@ def dense_layer(n: int, plain_steps: int = 10) -> dict:
 
 # ---------------------------------------------------------------- a transformer with many kernels
 
-VOCAB, D, HEADS, CTX, TBATCH = 65, 64, 4, 64, 32
-
-
-class Block(nnx.Module):
-  def __init__(self, rngs):
-    self.ln1, self.ln2 = nnx.LayerNorm(D, rngs=rngs), nnx.LayerNorm(D, rngs=rngs)
-    self.attn = nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=rngs)
-    self.fc1, self.fc2 = nnx.Linear(D, 4 * D, rngs=rngs), nnx.Linear(4 * D, D, rngs=rngs)
-
-  def __call__(self, x, mask):
-    x = x + self.attn(self.ln1(x), mask=mask)
-    return x + self.fc2(nnx.gelu(self.fc1(self.ln2(x))))
-
-
-class CharLM(nnx.Module):
-  def __init__(self, rngs):
-    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
-    self.blocks = nnx.List([Block(rngs) for _ in range(2)])
-    self.ln, self.head = nnx.LayerNorm(D, rngs=rngs), nnx.Linear(D, VOCAB, rngs=rngs)
-
-  def __call__(self, ids):
-    x = self.embed(ids)
-    mask = nnx.make_causal_mask(ids)
-    for block in self.blocks:
-      x = block(x, mask)
-    return self.head(self.ln(x))
+VOCAB, CTX, TBATCH = 65, 64, 32
 
 
 def transformer(steps: int = 200, warmup: int = PERIOD) -> dict:
@@ -143,7 +119,7 @@ def transformer(steps: int = 200, warmup: int = PERIOD) -> dict:
   }
   out = {}
   for name, (tx, capture) in variants.items():
-    model = CharLM(nnx.Rngs(0))
+    model = models.CharTransformer(rngs=nnx.Rngs(0), vocab=VOCAB, context=CTX)
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     @nnx.jit

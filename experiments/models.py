@@ -71,6 +71,40 @@ class SVHNNet(nnx.Module):
     return jnp.mean(x, axis=(1, 2))
 
 
+class TransformerBlock(nnx.Module):
+  """Pre-LayerNorm block: causal multi-head attention, then a 4x MLP (GELU), each residual."""
+
+  def __init__(self, d: int, heads: int, dropout: float, rngs: nnx.Rngs):
+    self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(heads, d, decode=False, dropout_rate=dropout, rngs=rngs)
+    self.fc1, self.fc2 = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+
+  def __call__(self, x, mask, deterministic: bool):
+    x = x + self.attn(self.ln1(x), mask=mask, deterministic=deterministic)
+    return x + self.fc2(nnx.gelu(self.fc1(self.ln2(x))))
+
+
+class CharTransformer(nnx.Module):
+  """A character-level causal transformer LM: token ``Embed``, pre-LayerNorm blocks, a ``Linear`` head.
+
+  Learned positions; every kernel (embedding, q/k/v/out, MLP, head) is one scsgd conditions.
+  """
+
+  def __init__(self, *, rngs: nnx.Rngs, vocab: int, d: int = 64, heads: int = 4, layers: int = 2,
+               context: int = 64, dropout: float = 0.0):
+    self.embed = nnx.Embed(vocab, d, rngs=rngs)
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (context, d)))
+    self.blocks = nnx.List([TransformerBlock(d, heads, dropout, rngs) for _ in range(layers)])
+    self.ln, self.head = nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+
+  def __call__(self, ids, deterministic: bool = False):
+    x = self.embed(ids) + self.pos[...][: ids.shape[-1]]
+    mask = nnx.make_causal_mask(ids)
+    for block in self.blocks:
+      x = block(x, mask, deterministic)
+    return self.head(self.ln(x))
+
+
 MODELS = {"lenet": LeNet, "svhn_net": SVHNNet}
 
 

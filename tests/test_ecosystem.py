@@ -11,6 +11,7 @@ from flax import nnx
 from flax.training import train_state
 
 import scsgd_jax as sk
+from experiments import models
 
 PARAMS = {"dense": {"kernel": jnp.zeros((40, 64)), "bias": jnp.zeros(64)}}
 
@@ -125,31 +126,6 @@ def _markov_batches(seed, steps):
   return out
 
 
-class NnxBlock(nnx.Module):
-  def __init__(self, rngs):
-    self.ln1, self.ln2 = nnx.LayerNorm(D, rngs=rngs), nnx.LayerNorm(D, rngs=rngs)
-    self.attn = nnx.MultiHeadAttention(HEADS, D, decode=False, dropout_rate=0.1, rngs=rngs)
-    self.fc1, self.fc2 = nnx.Linear(D, 4 * D, rngs=rngs), nnx.Linear(4 * D, D, rngs=rngs)
-
-  def __call__(self, x, mask):
-    x = x + self.attn(self.ln1(x), mask=mask, deterministic=False)
-    return x + self.fc2(nnx.gelu(self.fc1(self.ln2(x))))
-
-
-class NnxLM(nnx.Module):
-  def __init__(self, rngs):
-    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
-    self.blocks = nnx.List([NnxBlock(rngs) for _ in range(2)])
-    self.ln, self.head = nnx.LayerNorm(D, rngs=rngs), nnx.Linear(D, VOCAB, rngs=rngs)
-
-  def __call__(self, ids):
-    x = self.embed(ids)
-    mask = nnx.make_causal_mask(ids)
-    for block in self.blocks:
-      x = block(x, mask)
-    return self.head(self.ln(x))
-
-
 class LinenBlock(nn.Module):
   @nn.compact
   def __call__(self, x, mask):
@@ -160,7 +136,7 @@ class LinenBlock(nn.Module):
 class LinenLM(nn.Module):
   @nn.compact
   def __call__(self, ids):
-    x = nn.Embed(VOCAB, D)(ids)
+    x = nn.Embed(VOCAB, D)(ids) + self.param("pos", nn.initializers.normal(0.02), (CTX, D))[: ids.shape[-1]]
     mask = nn.make_causal_mask(ids)
     for _ in range(2):
       x = LinenBlock()(x, mask)
@@ -171,7 +147,8 @@ EXPECTED_KERNELS = 2 * 6 + 2  # per block q, k, v, out, fc1, fc2; embedding; hea
 
 
 def _train_nnx(tx, capture, data):
-  model = NnxLM(nnx.Rngs(0, dropout=1))
+  model = models.CharTransformer(rngs=nnx.Rngs(0, dropout=1), vocab=VOCAB, d=D, heads=HEADS, context=CTX,
+                                 dropout=0.1)
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit

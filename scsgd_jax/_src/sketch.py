@@ -122,12 +122,15 @@ def _factor_from_compressed(
   n, k = q.shape
   floor = _floor(trace, n, eigenvalue_floor)
   b_inv = _inv_sqrt_psd(c_tilde, floor)
-  if k < n:
-    tail = jnp.maximum(trace - jnp.trace(c_tilde), (n - k) * floor)
-    a_inv = jnp.sqrt((n - k) / tail)
-  else:
-    a_inv = jnp.zeros((), c_tilde.dtype)
+  a_inv = _tail_inverse(trace, jnp.trace(c_tilde), n, k, floor)
   return _finite_or_identity(Factor(q, b_inv, a_inv.astype(c_tilde.dtype)), trace)
+
+
+def _tail_inverse(trace, captured, n: int, k: int, floor) -> jax.Array:
+  """``a^{-1} = sqrt((n - k) / (tr C - captured))`` (Theorem 2), the tail mean floored; 0 when ``k == n``."""
+  if k == n:
+    return jnp.zeros((), jnp.result_type(trace))
+  return jnp.sqrt((n - k) / jnp.maximum(trace - captured, (n - k) * floor))
 
 
 def _factor_from_basis(
@@ -277,11 +280,7 @@ def nystrom_factor(
   q = u[:, :rank]
   floor = _floor(trace, n, eigenvalue_floor)
   b_inv = jnp.diag(jax.lax.rsqrt(jnp.maximum(evals, floor)))
-  if rank < n:
-    tail = jnp.maximum(trace - jnp.sum(evals), (n - rank) * floor)
-    a_inv = jnp.sqrt((n - rank) / tail)
-  else:
-    a_inv = jnp.zeros((), y.dtype)
+  a_inv = _tail_inverse(trace, jnp.sum(evals), n, rank, floor)
   return _finite_or_identity(Factor(q, b_inv, a_inv.astype(y.dtype)), trace)
 
 
