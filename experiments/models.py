@@ -98,7 +98,7 @@ class CharTransformer(nnx.Module):
     self.ln, self.head = nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
 
   def __call__(self, ids, deterministic: bool = False):
-    x = self.embed(ids) + self.pos[...][: ids.shape[-1]]
+    x = self.embed(ids) + self.pos[...][None, : ids.shape[-1]]
     mask = nnx.make_causal_mask(ids)
     for block in self.blocks:
       x = block(x, mask, deterministic)

@@ -136,7 +136,7 @@ class LinenBlock(nn.Module):
 class LinenLM(nn.Module):
   @nn.compact
   def __call__(self, ids):
-    x = nn.Embed(VOCAB, D)(ids) + self.param("pos", nn.initializers.normal(0.02), (CTX, D))[: ids.shape[-1]]
+    x = nn.Embed(VOCAB, D)(ids) + self.param("pos", nn.initializers.normal(0.02), (CTX, D))[None, : ids.shape[-1]]
     mask = nn.make_causal_mask(ids)
     for _ in range(2):
       x = LinenBlock()(x, mask)

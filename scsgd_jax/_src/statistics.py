@@ -12,9 +12,11 @@ of :math:`C = E[x x^\top]`:
   embedding, whose one-hot inputs make ``C`` diagonal.
 
 Each starts either from the identity prior ``C_0 = I`` (the paper) or, with
-``identity_prior=False``, from nothing, with the bias correction
-:math:`C_t = S_t / (1 - (1 - \nu)^t)` (the warm start: the first batch already
-gives a data-driven conditioner).
+``identity_prior=False``, from nothing: with ``w_t = 1 - (1 - \nu)^t`` the weight of
+data folded so far, :math:`C_t = S_t / w_t + (1 - w_t) \frac{\mathrm{tr} C_t}{n} I`
+(the warm start: bias-corrected, with the missing weight filled by the isotropic
+matrix at the data's own scale, so the first batch already shapes the conditioner
+without a rank-deficient ``C`` amplifying unseen directions).
 """
 
 from __future__ import annotations
@@ -93,6 +95,17 @@ def _ema_mean(state: EmaState):
   return jax.tree.map(lambda s: s / w, state.moments)
 
 
+def _isotropic_fill(state: EmaState, trace: jax.Array, n: int) -> jax.Array:
+  """The weight ``1 - w`` not yet filled by data, times the mean eigenvalue ``tr C / n``.
+
+  Added to the bias-corrected ``C`` as ``(1 - w) (tr C / n) I``: the warm start's prior is the
+  isotropic matrix at the data's own scale (scale-free, unlike the paper's ``C_0 = I``), so a
+  rank-deficient early ``C`` (one batch of ``m < n`` rows) never amplifies the unseen directions; it
+  vanishes as ``w -> 1`` and is 0 with the identity prior (``w = 1`` throughout).
+  """
+  return jnp.where(state.weight > 0, (1.0 - state.weight) * trace / n, 0.0)
+
+
 def ema_correlation(
     rate: float = 0.05,
     *,
@@ -124,15 +137,20 @@ def ema_correlation(
   def update(state, rows):
     return _ema_fold(state, rows.T @ rows / rows.shape[0], rate)
 
-  def factor(state, key, rank):
+  def correlation(state):
     c = _ema_mean(state)
+    n = c.shape[-1]
+    return c + _isotropic_fill(state, jnp.trace(c), n) * jnp.eye(n, dtype=c.dtype)
+
+  def factor(state, key, rank):
+    c = correlation(state)
     if rank is None:
       return sketch.full_factor(c, eigenvalue_floor=eigenvalue_floor)
     return sketch.sketched_factor(
         key, c, rank, oversample=oversample, power_iterations=power_iterations,
         eigenvalue_floor=eigenvalue_floor)
 
-  return CorrelationStatistics(init, update, factor, _ema_mean, lambda s: jnp.trace(_ema_mean(s)))
+  return CorrelationStatistics(init, update, factor, correlation, lambda s: jnp.trace(_ema_mean(s)))
 
 
 class NystromState(NamedTuple):
@@ -187,11 +205,15 @@ def nystrom_correlation(
     del key
     if k is None:
       raise ValueError("nystrom_correlation keeps no dense C: it gives sketched factors only (rank=None asked).")
-    y, trace = _ema_mean(state.ema)
+    y, trace = filled(state)
     return sketch.nystrom_factor(y, state.omega, trace, k, eigenvalue_floor=eigenvalue_floor)
 
+  def filled(state):
+    y, trace = _ema_mean(state.ema)
+    return y + _isotropic_fill(state.ema, trace, y.shape[0]) * state.omega, trace
+
   def correlation(state):
-    y, _ = _ema_mean(state.ema)
+    y, _ = filled(state)
     core = state.omega.T @ y
     return y @ jnp.linalg.pinv(0.5 * (core + core.T), hermitian=True) @ y.T
 
@@ -228,9 +250,13 @@ def diagonal_correlation(
       batch = jnp.mean(rows * rows, axis=0)
     return _ema_fold(state, batch, rate)
 
+  def diagonal(state):
+    d = _ema_mean(state)
+    return d + _isotropic_fill(state, jnp.sum(d), d.shape[-1])
+
   def factor(state, key, rank):
     del key, rank
-    return sketch.diagonal_factor(_ema_mean(state), eigenvalue_floor=eigenvalue_floor)
+    return sketch.diagonal_factor(diagonal(state), eigenvalue_floor=eigenvalue_floor)
 
   return CorrelationStatistics(
-      init, update, factor, lambda s: jnp.diag(_ema_mean(s)), lambda s: jnp.sum(_ema_mean(s)), takes_ids)
+      init, update, factor, lambda s: jnp.diag(diagonal(s)), lambda s: jnp.sum(_ema_mean(s)), takes_ids)
