@@ -26,7 +26,7 @@ def test_streaming_sketch_is_exactly_the_dense_ema_times_omega():
     for _ in range(5):
       rows = jnp.asarray(rng.standard_normal((16, n)) * np.linspace(0.1, 3, n), jnp.float32)
       sd, ss = dense.update(sd, rows), stream.update(ss, rows)
-    c = np.asarray(dense.correlation(sd))
+    c = np.asarray(sd.moments) / float(sd.weight)  # the bias-corrected EMA itself (no isotropic fill)
     y, trace = (np.asarray(m) / float(ss.ema.weight) for m in ss.ema.moments)
     np.testing.assert_allclose(y, c @ np.asarray(ss.omega), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(trace, np.trace(c), rtol=1e-5)
@@ -84,7 +84,7 @@ def test_diagonal_factor_and_embedding_statistic_oracle():
 
 
 def test_bias_corrected_ema_is_the_weighted_mean_of_batches():
-  """Without the prior, C_t = sum_s nu (1-nu)^(t-s) B_s / (1 - (1-nu)^t): after one batch, C is that batch."""
+  """Without the prior, with w_t = 1 - (1-nu)^t: C_t = sum_s nu (1-nu)^(t-s) B_s / w_t + (1 - w_t) (tr C_t / n) I."""
   rng = np.random.default_rng(2)
   nu, n = 0.3, 4
   stats = sk.ema_correlation(nu, identity_prior=False)
@@ -93,8 +93,11 @@ def test_bias_corrected_ema_is_the_weighted_mean_of_batches():
   for t, b in enumerate(batches, start=1):
     s = stats.update(s, jnp.asarray(b, jnp.float32))
     weights = [nu * (1 - nu) ** (t - i) for i in range(1, t + 1)]
-    expected = sum(w * bb.T @ bb / 8 for w, bb in zip(weights, batches)) / (1 - (1 - nu) ** t)
+    w_t = 1 - (1 - nu) ** t
+    mean = sum(w * bb.T @ bb / 8 for w, bb in zip(weights, batches)) / w_t
+    expected = mean + (1 - w_t) * np.trace(mean) / n * np.eye(n)
     np.testing.assert_allclose(stats.correlation(s), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(stats.trace(s)), np.trace(mean), rtol=1e-5)
 
 
 # ---------------------------------------------------------------- memory
@@ -175,6 +178,7 @@ def test_warm_start_refreshes_after_1_2_4_8_folds_then_every_period():
 
 
 def test_warm_start_conditions_the_first_step_with_the_first_batch():
+  """Step 0 uses C = B + (1 - nu) (tr B / n) I from the first batch B (the paper's: (1 - nu) I + nu B)."""
   rng = np.random.default_rng(4)
   n = 5
   x = rng.standard_normal((32, n)) * np.linspace(0.2, 4, n)
@@ -183,7 +187,8 @@ def test_warm_start_conditions_the_first_step_with_the_first_batch():
   tx = sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense")
   u, _ = tx.update({"d": {"kernel": jnp.asarray(g, jnp.float32)}}, tx.init(params), params,
                    layer_inputs={"d": {"kernel": jnp.asarray(x, jnp.float32)}})
-  w, v = np.linalg.eigh(x.T @ x / 32)
+  b = x.T @ x / 32
+  w, v = np.linalg.eigh(b + 0.95 * np.trace(b) / n * np.eye(n))
   np.testing.assert_allclose(u["d"]["kernel"], (v / np.sqrt(w)) @ v.T @ g, rtol=1e-3, atol=1e-5)
 
 
