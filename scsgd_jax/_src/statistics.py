@@ -193,7 +193,8 @@ def nystrom_correlation(
 
   def init(n, key):
     omega, _ = jnp.linalg.qr(jax.random.normal(key, (n, width(n)), jnp.float32))
-    ema = _ema_init((omega, jnp.asarray(n, jnp.float32)), identity_prior)
+    # a copy: the same buffer twice in one state breaks buffer donation (donate_argnums)
+    ema = _ema_init((jnp.array(omega, copy=True), jnp.asarray(n, jnp.float32)), identity_prior)
     return NystromState(ema, omega)
 
   def update(state, rows):
