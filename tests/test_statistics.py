@@ -262,3 +262,16 @@ def test_guard_clips_rows_above_threshold_times_reference():
   # no reference yet (warm start, first batch): the batch median is the reference
   clipped, count = transform._guard_rows(rows, jnp.asarray(0.0), 100.0)
   assert int(count) == 2
+
+
+@pytest.mark.parametrize("warm_start", [False, True])
+def test_state_can_be_donated(warm_start):
+  """No buffer appears twice in the state (the paper-mode streaming state once held Omega twice)."""
+  tx = sk.scsgd(0.1, statistics="streaming", rank=2, warm_start=warm_start)
+  params = {"d": {"kernel": jnp.zeros((12, 3))}}
+  state = tx.init(params)
+  step = jax.jit(lambda g, s, li: tx.update(g, s, params, layer_inputs=li), donate_argnums=(1,))
+  li = {"d": {"kernel": jnp.ones((4, 12))}}
+  for _ in range(2):
+    _, state = step(jax.tree.map(jnp.ones_like, params), state, li)
+  assert np.all(np.isfinite(np.asarray(state[0].statistics["d/kernel"].ema.moments[0])))
