@@ -119,7 +119,7 @@ def ema_correlation(
   Folds each batch of rows as
   :math:`S \leftarrow (1 - \nu) S + \nu \frac{1}{m} \sum_i x_i x_i^\top`, from
   ``S = I`` (``identity_prior=True``, the paper) or ``S = 0`` with the bias
-  correction ``C = S / (1 - (1 - nu)^t)``. Memory ``O(n^2)``, fold ``O(m n^2)``;
+  correction and isotropic fill of the module docstring. Memory ``O(n^2)``, fold ``O(m n^2)``;
   refresh by :func:`~scsgd_jax.sketched_factor` (rank ``k``) or
   :func:`~scsgd_jax.full_factor`.
 
@@ -150,7 +150,10 @@ def ema_correlation(
         key, c, rank, oversample=oversample, power_iterations=power_iterations,
         eigenvalue_floor=eigenvalue_floor)
 
-  return CorrelationStatistics(init, update, factor, correlation, lambda s: jnp.trace(_ema_mean(s)))
+  def trace(state):  # read by the outlier guard every step: O(n), not a division of all of S
+    return jnp.trace(state.moments) / jnp.where(state.weight > 0, state.weight, 1.0)
+
+  return CorrelationStatistics(init, update, factor, correlation, trace)
 
 
 class NystromState(NamedTuple):

@@ -371,18 +371,11 @@ def scale_by_sketched_conditioning(
       check_rank(path, n, rank)
       return "streaming", rank, streaming(rank)
     # 'auto': the first option whose statistics + factor fit in n * p floats.
-    budget = n * p
-    options = []
-    if full or rank < n:
-      options.append(("dense", None if full else rank, dense_stats))
-    for k in range(min(rank, n - 1), 0, -1):
-      options.append(("streaming", k, streaming(k)))
-      if _state_floats("streaming", n, k, min(k + oversample, n)) <= budget:
-        break
-    options.append(("diagonal", 0, diag_stats))
-    for kind, k, stats in options:
-      if _state_floats(kind, n, k, min((k or 0) + oversample, n)) <= budget:
-        return kind, k, stats
+    options = [("dense", None if full else rank)] if full or rank < n else []
+    options += [("streaming", k) for k in range(min(rank, n - 1), 0, -1)] + [("diagonal", 0)]
+    for kind, k in options:
+      if _state_floats(kind, n, k, min((k or 0) + oversample, n)) <= n * p:
+        return kind, k, {"dense": dense_stats, "diagonal": diag_stats}.get(kind) or streaming(k)
     return None
 
   def plans(tree) -> dict[str, KernelPlan]:
