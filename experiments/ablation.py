@@ -1,27 +1,29 @@
 """SCSGD ablation on one config: rank, EMA rate, refresh period, row sampling, conditioner kind.
 
-  python -m experiments.ablation --config configs/mnist.py --steps 2000 --workdir workdir/ablation \
-      --out experiments/results/mnist_ablation --data_dir ../shared/tfds
+  python -m experiments.ablation --config configs/mnist_ablation.py --workdir workdir/ablation \
+      --results_dir experiments/results/mnist_ablation --data_dir ../shared/tfds
 
 Each variant is the config with one SCSGD setting changed, same seed (same init and batches),
-trained for ``--steps`` iterations; reported: test loss and error at the end and the best test
+trained for ``config.num_steps`` iterations; reported: test loss and error at the end and the best test
 loss seen, and the training time per step against SGD's, measured in the same run.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import os
-import shlex
-import sys
 
+from absl import flags
 from absl import logging
 
+from experiments import cli
+from experiments import errors
 from experiments import machine
+from experiments import metrics
 from experiments import report
 from experiments import train
+
+FLAGS = flags.FLAGS
 
 # name -> (description, overrides of config.optimizer / config)
 VARIANTS = {
@@ -40,32 +42,34 @@ VARIANTS = {
 }
 
 
-def load_config(path: str):
-  spec = importlib.util.spec_from_file_location("ablation_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
-def run(config, steps: int, workdir: str, names) -> dict:
-  results = {}
+def variant_configs(config, names) -> dict:
+  """``{name: config with the variant's overrides}``, every one validated before any runs."""
+  unknown = [n for n in names if n not in VARIANTS]
+  if unknown:
+    raise errors.ConfigError(f"--variants: unknown variant {unknown[0]!r}; choose from {sorted(VARIANTS)}.")
+  configs = {}
   for name in names:
-    desc, overrides = VARIANTS[name]
     cfg = config.copy_and_resolve_references()
     cfg.optimizer.name = "scsgd"
-    cfg.num_steps = steps
-    cfg.eval_every = min(cfg.eval_every, steps)
-    cfg.checkpoint_every = steps
-    cfg.progress_bar = False
-    for key, value in overrides.items():
+    cfg.eval_every = min(cfg.eval_every, cfg.num_steps)
+    for key, value in VARIANTS[name][1].items():
       target = cfg
       *parents, leaf = key.split(".")
       for p in parents:
         target = target[p]
       target[leaf] = value
+    train.validate_config(cfg)
+    configs[name] = cfg
+  return configs
+
+
+def run(config, workdir: str, names, *, allow_config_change: bool = False) -> dict:
+  results = {}
+  for name, cfg in variant_configs(config, names).items():
+    desc = VARIANTS[name][0]
     run_dir = os.path.join(workdir, name)
-    train.train_and_evaluate(cfg, run_dir)
-    rows = report.read_metrics(os.path.join(run_dir, train.METRICS_FILE))
+    train.train_and_evaluate(cfg, run_dir, allow_config_change=allow_config_change)
+    rows = metrics.read(os.path.join(run_dir, train.METRICS_FILE))
     tests = [r for r in rows if "test_loss" in r]
     results[name] = {
         "description": desc,
@@ -82,12 +86,12 @@ def run(config, steps: int, workdir: str, names) -> dict:
 
 def write(results: dict, out: str, command: str, steps: int) -> str:
   os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"command": command, "steps": steps, "machine": machine.describe(), "results": results}, f, indent=1)
   m = machine.describe()
-  lines = [f"# SCSGD ablation, {steps} iterations\n", "Produced by:\n", "```", command, "```\n",
-           f"Machine: {m['cpu']} ({m['cores']} cores), JAX {m['jax']}. Time per step counts training steps "
-           "only (compile and evaluation excluded), measured in this run against SGD.\n",
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump({"command": command, "steps": steps, "machine": m, "results": results}, f, indent=1)
+  lines = report.header(f"SCSGD ablation, {steps} iterations", command, m) + [
+           "Time per step counts training steps only (compile and evaluation excluded), measured in this run "
+           "against SGD.\n",
            f"| variant | what | test loss @ {steps} | test error @ {steps} | best test loss | ms/step | vs SGD |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
   for name, r in results.items():
@@ -97,25 +101,14 @@ def write(results: dict, out: str, command: str, steps: int) -> str:
   return report.write_markdown(out, lines)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--config", required=True)
-  parser.add_argument("--steps", type=int, default=2000)
-  parser.add_argument("--workdir", required=True)
-  parser.add_argument("--out", required=True)
-  parser.add_argument("--data_dir", default=None)
-  parser.add_argument("--variants", default=",".join(VARIANTS))
-  args = parser.parse_args()
-  config = load_config(args.config)
-  if args.data_dir:
-    config.data_dir = args.data_dir
-  names = args.variants.split(",")
-  unknown = [n for n in names if n not in VARIANTS]
-  if unknown:
-    parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
-  command = "python -m experiments.ablation " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-  print(open(write(run(config, args.steps, args.workdir, names), args.out, command, args.steps)).read())
+def main(argv):
+  del argv
+  config = cli.config()
+  results = run(config, FLAGS.workdir, FLAGS.variants, allow_config_change=FLAGS.allow_config_change)
+  print(open(write(results, FLAGS.results_dir, cli.command_line(), config.num_steps)).read())
 
 
 if __name__ == "__main__":
-  main()
+  cli.define_flags(workdir=True)
+  flags.DEFINE_list("variants", list(VARIANTS), "Variants to run.")
+  cli.run(main)

@@ -1,6 +1,6 @@
 """Wide layers and many kernels: step time and state memory of scsgd's statistics, same process.
 
-  python -m experiments.benchmark_scaling [--out experiments/results/benchmark_scaling.json]
+  python -m experiments.benchmark_scaling --config configs/benchmark_scaling.py [--results_dir experiments/results]
 
 Part 1, one Dense layer ``(n, 1024)``, batch 256, float32, n in {256, 1024, 4096, 16384}: for
 Nesterov SGD, Adam, and scsgd with dense (the paper's ``n x n`` EMA) and streaming (Nystrom,
@@ -18,23 +18,24 @@ timing noise, the floor for the others.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import flags
 from flax import nnx
 
 import scsgd_jax
+from experiments import cli
 from experiments import machine
 from experiments import models
 
 P, BATCH, RANK, PERIOD = 1024, 256, 32, 50
+FLAGS = flags.FLAGS
 
 
 def _bytes(tree) -> int:
@@ -153,26 +154,23 @@ def transformer(steps: int = 200, warmup: int = PERIOD) -> dict:
   return out
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--out", default="experiments/results/benchmark_scaling.json")
-  parser.add_argument("--dims", default="256,1024,4096,16384")
-  args = parser.parse_args(argv)
-  results = {"command": "python -m experiments.benchmark_scaling " + " ".join(argv or sys.argv[1:]),
-             "machine": machine.describe(),
+def main(argv):
+  del argv
+  config = cli.config()
+  results = {"command": cli.command_line(), "machine": machine.describe(),
              "setup": {"p": P, "batch": BATCH, "rank": RANK, "update_every": PERIOD, "dtype": "float32"},
              "dense_layer": {}, "transformer": None}
-  for n in (int(v) for v in args.dims.split(",")):
+  for n in config.dims:
     results["dense_layer"][str(n)] = dense_layer(n)
     print(n, json.dumps({k: {kk: round(vv, 3) if isinstance(vv, float) else vv for kk, vv in v.items()}
                          for k, v in results["dense_layer"][str(n)].items()}), flush=True)
-  results["transformer"] = transformer()
+  results["transformer"] = transformer(config.transformer_steps)
   print(json.dumps(results["transformer"], indent=1), flush=True)
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out, "w") as f:
+  os.makedirs(FLAGS.results_dir, exist_ok=True)
+  with open(os.path.join(FLAGS.results_dir, "benchmark_scaling.json"), "w") as f:
     json.dump(results, f, indent=1)
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.define_flags(workdir=False, data=False, results_dir=os.path.join(os.path.dirname(__file__), "results"))
+  cli.run(main)

@@ -1,6 +1,6 @@
 """Cost of a jitted LeNet train step (batch 64, float32): scsgd defaults vs Nesterov SGD, same process.
 
-  python -m experiments.benchmark_step [--steps 400] [--out experiments/results/benchmark_step.json]
+  python -m experiments.benchmark_step --config configs/benchmark_step.py [--results_dir experiments/results]
 
 Each optimizer's step is the full training step (forward with capture, backward, update).
 Optimizers are interleaved block by block so drift of the machine hits all alike. Reported per
@@ -12,7 +12,6 @@ in the same run; the target is on the block mean.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -20,14 +19,17 @@ import time
 import jax
 import numpy as np
 import optax
+from absl import flags
 from flax import nnx
 
 import scsgd_jax
+from experiments import cli
 from experiments import machine
 from experiments import models
 from experiments import train
 
 BASELINE = "sgd"
+FLAGS = flags.FLAGS
 
 
 def _variants():
@@ -97,15 +99,12 @@ def run(steps: int, block: int, batch: int = 64, seed: int = 0) -> dict:
   return out
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--steps", type=int, default=1000)
-  parser.add_argument("--block", type=int, default=50)
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "benchmark_step.json"))
-  args = parser.parse_args()
-  results = run(args.steps, args.block)
+def main(argv):
+  del argv
+  config = cli.config()
+  results = run(config.steps, config.block)
   record = {
-      "command": f"python -m experiments.benchmark_step --steps {args.steps} --block {args.block}",
+      "command": cli.command_line(),
       "machine": machine.describe(),
       "model": "LeNet (paper, Section 3), batch 64, float32",
       "baseline": "optax.sgd(0.01, momentum=0.9, nesterov=True)",
@@ -116,8 +115,8 @@ def main():
       "target": "scsgd mean_ratio_vs_sgd <= 1.25",
       "results": results,
   }
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
+  os.makedirs(FLAGS.results_dir, exist_ok=True)
+  with open(os.path.join(FLAGS.results_dir, "benchmark_step.json"), "w") as f:
     json.dump(record, f, indent=1)
   for name, r in results.items():
     print(f"{name:24s} mean in blocks {r['mean_ms_in_blocks']:7.2f} ms ({r['mean_ratio_vs_sgd']:.3f}x)  "
@@ -125,4 +124,5 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.define_flags(workdir=False, data=False, results_dir=os.path.join(os.path.dirname(__file__), "results"))
+  cli.run(main)

@@ -1,75 +1,68 @@
 """Runs several optimizers on one config and writes the paper's figures and a table beside its numbers.
 
   python -m experiments.compare --config configs/mnist.py --workdir workdir/mnist \
-      --results_dir experiments/results/mnist --optimizers sgd,scsgd,adam
+      --results_dir experiments/results/mnist --optimizers sgd,scsgd,adam --data_dir ../shared/tfds
 
-Every optimizer gets the same seed, hence the same initialisation and the same batches.
-Runs resume from their checkpoints in ``--workdir``.
+Every optimizer gets the same seed, hence the same initialisation and the same batches. Runs
+resume from their checkpoints in ``<workdir>/<optimizer>``. An optimizer that diverges is reported
+in one line and marked in the report, which is still written for all.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 
-from absl import app
 from absl import flags
-from absl import logging
-from ml_collections import config_flags
 
+from experiments import cli
+from experiments import compare_report
+from experiments import errors
 from experiments import machine
+from experiments import metrics
 from experiments import optimizers
-from experiments import report
-from experiments import data as data_lib
 from experiments import train
 
 FLAGS = flags.FLAGS
 
 
-def define_flags():
-  """Command-line flags, defined only when run as a script (so modules can be imported together)."""
-  flags.DEFINE_string("workdir", None, "Each optimizer trains in <workdir>/<name>.", required=True)
-  flags.DEFINE_string("results_dir", None, "Where metrics, figures and the table go (default: <workdir>/report).")
-  flags.DEFINE_list("optimizers", ["sgd", "scsgd", "adam"], "Optimizers to compare.")
-  flags.DEFINE_string("data_dir", None, "TFDS data dir (default: $TFDS_DATA_DIR, else tfds' own).")
-  config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
-
-
-def compare(config, workdir: str, names, results_dir: str, command: str) -> str:
-  for name in names:
-    if name not in optimizers.OPTIMIZERS:
-      raise train.ConfigError(f"--optimizers: unknown optimizer {name!r}; choose from {optimizers.OPTIMIZERS}.")
-  runs = {}
+def run_configs(config, names) -> dict:
+  """``{name: config with optimizer.name = name}``, every one validated before any runs."""
+  unknown = [n for n in names if n not in optimizers.OPTIMIZERS]
+  if unknown:
+    raise errors.ConfigError(f"--optimizers: unknown optimizer {unknown[0]!r}; choose from {list(optimizers.OPTIMIZERS)}.")
+  configs = {}
   for name in names:
     cfg = config.copy_and_resolve_references()
     cfg.optimizer.name = name
     train.validate_config(cfg)
-  for name in names:
-    cfg = config.copy_and_resolve_references()
-    cfg.optimizer.name = name
+    configs[name] = cfg
+  return configs
+
+
+def compare(config, workdir: str, names, results_dir: str, command: str, *,
+            allow_config_change: bool = False) -> str:
+  runs, diverged = {}, {}
+  for name, cfg in run_configs(config, names).items():
     run_dir = os.path.join(workdir, name)
-    train.train_and_evaluate(cfg, run_dir)
-    runs[name] = report.read_metrics(os.path.join(run_dir, train.METRICS_FILE))
-  return report.write_report(runs, config.dataset, results_dir, command, machine.describe())
+    try:
+      train.train_and_evaluate(cfg, run_dir, allow_config_change=allow_config_change)
+    except errors.DivergedError as e:
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      diverged[name] = e.step
+    runs[name] = metrics.read(os.path.join(run_dir, train.METRICS_FILE))
+  return compare_report.write_report(runs, config.dataset, results_dir, command, machine.describe(), diverged)
 
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
-  config = FLAGS.config
-  if FLAGS.data_dir:
-    config.data_dir = FLAGS.data_dir
   results_dir = FLAGS.results_dir or os.path.join(FLAGS.workdir, "report")
-  command = "python -m experiments.compare " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-  try:
-    path = compare(config, FLAGS.workdir, FLAGS.optimizers, results_dir, command)
-  except (data_lib.DataError, train.ConfigError) as e:  # bad data dir or config: a message, not a traceback
-    sys.exit(f"error: {e}")
+  path = compare(cli.config(), FLAGS.workdir, FLAGS.optimizers, results_dir, cli.command_line(),
+                 allow_config_change=FLAGS.allow_config_change)
   print(open(path).read())
 
 
 if __name__ == "__main__":
-  define_flags()
-  flags.mark_flags_as_required(["config"])
-  app.run(main)
+  cli.define_flags(workdir=True, results_dir="")
+  flags.DEFINE_list("optimizers", ["sgd", "scsgd", "adam"], "Optimizers to compare.")
+  cli.run(main)

@@ -1,13 +1,27 @@
-"""Optimizers of the experiments, built from a config: scsgd, sgd, adam."""
+"""The optimizers of the experiments: one factory from ``config.optimizer``.
+
+``config.optimizer.name`` picks one; ``config.optimizer[name]`` holds that optimizer's keyword
+arguments beyond the learning rate, passed with ``**`` (kfac-jax examples' shape), so a sub-config
+states only what differs from the library's own defaults. The learning rate comes from
+``config.schedule`` (the paper's Caffe "inv" policy) for every optimizer whose sub-config does not
+name its own ``learning_rate``.
+"""
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import ml_collections
 import optax
 
 import scsgd_jax
 
-OPTIMIZERS = ("scsgd", "sgd", "adam")
+
+class Optimizer(NamedTuple):
+  """A transformation and what its ``update`` needs from the forward pass."""
+
+  tx: optax.GradientTransformation
+  needs_layer_inputs: bool  # True: pass ``layer_inputs=`` (captured kernel inputs) to ``tx.update``
 
 
 def caffe_inv_schedule(base: float, gamma: float, power: float) -> optax.Schedule:
@@ -15,32 +29,40 @@ def caffe_inv_schedule(base: float, gamma: float, power: float) -> optax.Schedul
   return lambda t: base * (1.0 + gamma * t) ** (-power)
 
 
+SCHEDULES: dict[str, Callable[..., optax.Schedule]] = {
+    "inv": caffe_inv_schedule,
+    "constant": lambda base: optax.constant_schedule(base),
+}
+
+
 def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
-  s = config.schedule
-  if s.name == "inv":
-    return caffe_inv_schedule(s.base, s.gamma, s.power)
-  if s.name == "constant":
-    return optax.constant_schedule(s.base)
-  raise ValueError(f"unknown schedule {s.name!r}; choose 'inv' or 'constant'.")
+  s = dict(config.schedule)
+  return SCHEDULES[s.pop("name")](**s)
 
 
-def needs_layer_inputs(config: ml_collections.ConfigDict) -> bool:
-  return config.optimizer.name == "scsgd"
+def _scsgd(lr, kwargs, config):
+  return Optimizer(scsgd_jax.scsgd(lr, seed=config.seed, **kwargs), True)
 
 
-def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """The optimizer of ``config.optimizer``; with ``weight_decay > 0``, ``wd * w`` is added to every
-  gradient first, as Caffe's solver does (so SCSGD conditions the decayed gradient too)."""
+def _optax(fn):
+  return lambda lr, kwargs, config: Optimizer(fn(**{"learning_rate": lr, **kwargs}), False)
+
+
+# name -> builder(learning rate schedule, the sub-config as a dict, the whole config)
+BUILDERS = {
+    "scsgd": _scsgd,
+    "sgd": _optax(optax.sgd),
+    "adam": _optax(optax.adam),
+}
+OPTIMIZERS = tuple(BUILDERS)
+
+
+def create(config: ml_collections.ConfigDict) -> Optimizer:
+  """The optimizer ``config.optimizer.name`` with its sub-config; with ``weight_decay > 0``, ``wd * w``
+  is added to every gradient first, as Caffe's solver does (so SCSGD conditions the decayed gradient)."""
   o = config.optimizer
-  lr = learning_rate(config)
-  if o.name == "scsgd":
-    tx = scsgd_jax.scsgd(lr, momentum=o.momentum, nesterov=o.nesterov, seed=config.seed, **o.scsgd)
-  elif o.name == "sgd":
-    tx = optax.sgd(lr, momentum=o.momentum, nesterov=o.nesterov)
-  elif o.name == "adam":
-    tx = optax.adam(o.adam_learning_rate)
-  else:
-    raise ValueError(f"unknown optimizer {o.name!r}; choose one of {OPTIMIZERS}.")
+  kwargs = dict(o[o.name]) if o.name in o else {}
+  opt = BUILDERS[o.name](learning_rate(config), kwargs, config)
   if o.weight_decay:
-    tx = optax.chain(optax.add_decayed_weights(o.weight_decay), tx)
-  return tx
+    return opt._replace(tx=optax.chain(optax.add_decayed_weights(o.weight_decay), opt.tx))
+  return opt

@@ -1,10 +1,20 @@
-"""Training and evaluation loop (Flax-examples shape): ``train_and_evaluate(config, workdir)``."""
+"""Training and evaluation loop (Flax-examples shape): ``train_and_evaluate(config, workdir)``.
+
+A run never loses or mixes work: the config is checked before data is read or anything compiles;
+a workdir is held by one live run at a time (a lock) and continues only the config it recorded;
+checkpoints carry a checksum and a damaged newest one falls back to the previous; a torn last
+metrics line is dropped; a full disk, divergence and Ctrl-C each stop the run with one line,
+keeping everything already saved.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -13,41 +23,174 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 from tqdm.auto import tqdm
 
 import scsgd_jax
+from experiments import checkpoints as ckpt_lib
 from experiments import data as data_lib
+from experiments import errors
+from experiments import metrics as metrics_lib
 from experiments import models
 from experiments import optimizers
 
 METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+LOCK_FILE = "lock"
+# Keys that do not change what a run computes: a resumed run may differ in them.
+RUNTIME_KEYS = ("data_dir", "download", "progress_bar", "stop_after_steps")
+ConfigError = errors.ConfigError
 
 
-class ConfigError(ValueError):
-  """A config that cannot run (unknown dataset, model or optimizer, bad cadences)."""
+def _check(ok: bool, key: str, message: str) -> None:
+  if not ok:
+    raise ConfigError(f"config.{key} {message}")
+
+
+def _library_key(sub: str, kwargs: dict, e: Exception) -> str:
+  """The sub-config key a library's argument error names (it starts with or mentions the argument)."""
+  text = str(e)
+  for key in kwargs:
+    if text.startswith(key) or f"{key}=" in text or f" {key} " in text:
+      return f"{sub}.{key}"
+  return sub
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Checks a config before any data is read or any work compiled; raises :class:`ConfigError`."""
+  """Checks every value of ``config`` before data is read or anything compiles.
+
+  Raises :class:`ConfigError` whose message starts with the key: ``config.<key> ...``. The
+  optimizer's own arguments are checked by the library that owns them: the optimizer is built
+  and its state traced from shapes (``jax.eval_shape``; nothing runs).
+  """
   try:
     data_lib.check_dataset_name(config.dataset)
   except ValueError as e:
     raise ConfigError(f"config.dataset: {e}") from None
-  if config.model not in models.MODELS:
-    raise ConfigError(f"config.model: unknown model {config.model!r}; choose one of {sorted(models.MODELS)}.")
-  if config.optimizer.name not in optimizers.OPTIMIZERS:
-    raise ConfigError(
-        f"config.optimizer.name: unknown optimizer {config.optimizer.name!r}; choose one of {optimizers.OPTIMIZERS}.")
-  for key in ("num_steps", "batch_size", "train_log_every", "eval_every", "checkpoint_every"):
-    if int(config[key]) <= 0:
-      raise ConfigError(f"config.{key} must be positive, got {config[key]}.")
-  if config.checkpoint_every % config.train_log_every:
-    raise ConfigError(
-        f"config.checkpoint_every={config.checkpoint_every} must be a multiple of "
-        f"config.train_log_every={config.train_log_every} so a resumed run logs the same windows.")
+  _check(config.model in models.MODELS, "model", f"is {config.model!r}, not one of {sorted(models.MODELS)}.")
+  o = config.optimizer
+  _check(o.name in optimizers.OPTIMIZERS, "optimizer.name",
+         f"is {o.name!r}, not one of {list(optimizers.OPTIMIZERS)}.")
+  for key in ("num_steps", "batch_size", "train_log_every", "eval_every", "checkpoint_every", "eval_batch_size"):
+    _check(isinstance(config[key], int) and config[key] > 0, key, f"must be a positive int, got {config[key]!r}.")
+  for key in ("max_train_examples", "max_test_examples"):
+    _check(config[key] == -1 or config[key] > 0, key, f"must be -1 (all) or positive, got {config[key]!r}.")
+  _check(config.max_train_examples == -1 or config.batch_size <= config.max_train_examples, "batch_size",
+         f"={config.batch_size} is larger than config.max_train_examples={config.max_train_examples}.")
+  _check(config.max_rows >= 0, "max_rows", f"must be >= 0 (0: every row), got {config.max_rows!r}.")
+  _check(config.checkpoint_every % config.train_log_every == 0, "checkpoint_every",
+         f"={config.checkpoint_every} must be a multiple of config.train_log_every={config.train_log_every} "
+         "so a resumed run logs the same windows.")
+  s = config.schedule
+  _check(s.name in optimizers.SCHEDULES, "schedule.name",
+         f"is {s.name!r}, not one of {sorted(optimizers.SCHEDULES)}.")
+  _check(s.base > 0, "schedule.base", f"(the learning rate) must be positive, got {s.base!r}.")
+  if o.name in o and "learning_rate" in o[o.name]:
+    lr = o[o.name].learning_rate
+    _check(lr > 0, f"optimizer.{o.name}.learning_rate", f"must be positive, got {lr!r}.")
+  _check(o.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {o.weight_decay!r}.")
+  try:
+    optimizers.learning_rate(config)(0)
+  except TypeError as e:
+    raise ConfigError(f"config.schedule: {e}") from None
+  sub, kwargs = f"optimizer.{o.name}", dict(o[o.name]) if o.name in o else {}
+  try:
+    opt = optimizers.create(config)
+    _, num_classes = data_lib.DATASETS[config.dataset]
+    channels = data_lib.DATASETS[config.dataset][0][-1]
+    params = jax.eval_shape(lambda: nnx.as_pure(nnx.split(models.create_model(
+        config.model, seed=config.seed, num_classes=num_classes, channels=channels), nnx.Param)[1]))
+    jax.eval_shape(opt.tx.init, params)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config.{_library_key(sub, kwargs, e)}: {str(e).splitlines()[0]}") from None
+
+
+def config_differences(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+  """``(dotted key, old, new)`` for every key whose value differs, run-time-only keys excepted."""
+
+  def flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+      if isinstance(v, dict):
+        out.update(flat(v, f"{prefix}{k}."))
+      else:
+        out[f"{prefix}{k}"] = v
+    return out
+
+  a, b = flat(old), flat(new)
+  keys = sorted(set(a) | set(b), key=lambda k: (k not in a, k))
+  return [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in keys
+          if k not in RUNTIME_KEYS and a.get(k, "<absent>") != b.get(k, "<absent>")]
+
+
+def _recorded_config(config: ml_collections.ConfigDict) -> dict:
+  return json.loads(config.to_json_best_effort())
+
+
+def check_workdir_config(workdir: str, config: ml_collections.ConfigDict, allow_change: bool = False) -> None:
+  """Refuses to continue a workdir whose recorded config differs (naming the keys), unless ``allow_change``."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    return
+  try:
+    with open(path) as f:
+      old = json.load(f)
+  except ValueError:
+    raise errors.WorkdirError(f"{path} is not valid JSON: move it away to start over in {workdir}") from None
+  diff = config_differences(old, _recorded_config(config))
+  if not diff:
+    return
+  said = ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in diff[:8]) + (", ..." if len(diff) > 8 else "")
+  if not allow_change:
+    raise errors.WorkdirError(
+        f"{workdir} holds a run of another config: {said}. Use another --workdir, or pass "
+        "--allow_config_change to continue that run with the new config on purpose")
+  print(f"warning: continuing {workdir} with a changed config: {said}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str):
+  """Holds ``<workdir>/lock`` (``flock``, released by the OS even on ``kill -9``) for one live run."""
+  f = open(os.path.join(workdir, LOCK_FILE), "a+")
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    f.seek(0)
+    pid = f.read().strip() or "?"
+    f.close()
+    raise errors.WorkdirError(
+        f"{workdir} is in use by another run (pid {pid}): wait for it to finish, or use another --workdir") from None
+  try:
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    yield
+  finally:
+    fcntl.flock(f, fcntl.LOCK_UN)
+    f.close()
+
+
+@contextlib.contextmanager
+def _writing(path: str, kept: str):
+  """A fixable write failure (full disk, read-only) as one line naming ``path`` and what is kept."""
+  try:
+    yield
+  except Exception as e:
+    os_error = errors.disk_error(e)
+    if os_error is None:
+      raise
+    raise errors.WorkdirError(
+        f"cannot write {path}: {os_error.strerror}. {kept}: free space (or make it writable) and rerun "
+        "the same command to resume") from None
+
+
+def _write_json_atomic(path: str, text: str) -> None:
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
 
 
 def _logits_and_inputs(graphdef, params, images, key, capture: bool, max_rows):
@@ -95,31 +238,44 @@ def make_eval_fn(graphdef):
   return evaluate
 
 
-def _read_metrics(path: str, up_to_step: int) -> list[dict[str, Any]]:
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  return [r for r in rows if r["step"] <= up_to_step]
-
-
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       allow_config_change: bool = False) -> dict[str, Any]:
   """Trains ``config`` and writes metrics (JSON lines), checkpoints and the config into ``workdir``.
 
-  Resumes from the newest checkpoint in ``workdir`` if there is one: data order and
-  sketch randomness depend only on (seed, step), so a resumed run continues exactly.
+  Resumes from the newest usable checkpoint in ``workdir``: data order and sketch randomness
+  depend only on (seed, step), so a resumed run continues exactly.
 
   Returns:
     The last metrics row (with ``train_time``: seconds spent in training steps; compilation,
     evaluation and checkpointing excluded).
+
+  Raises:
+    ConfigError: a bad config value (before anything is read, written or compiled).
+    WorkdirError: the workdir is held by a live run, holds another config, or cannot be written.
+    DataError: the dataset is missing or damaged.
+    DivergedError: non-finite metrics (names the optimizer and the step).
+    Interrupted: Ctrl-C (the last checkpoint is kept; the same call resumes).
   """
   validate_config(config)
   workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=1))
+  with _writing(workdir, "Nothing was written"):
+    os.makedirs(workdir, exist_ok=True)
+    lock = workdir_lock(workdir)
+    lock.__enter__()
+  try:
+    return _train(config, workdir, allow_config_change)
+  finally:
+    lock.__exit__(None, None, None)
 
-  train = data_lib.load_split(config.dataset, "train", config.data_dir, config.max_train_examples, config.download)
+
+def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
+  check_workdir_config(workdir, config, allow_config_change)
+  name = config.optimizer.name
+  train_src = data_lib.open_split(config.dataset, "train", config.data_dir, config.download)
+  available = len(train_src) if config.max_train_examples < 0 else min(len(train_src), config.max_train_examples)
+  _check(config.batch_size <= available, "batch_size",
+         f"={config.batch_size} is larger than the {available} training examples of {config.dataset}.")
+  train = data_lib.decode(train_src, config.dataset, "train", config.max_train_examples)
   test = data_lib.load_split(config.dataset, "test", config.data_dir, config.max_test_examples, config.download)
   _, num_classes = data_lib.DATASETS[config.dataset]
 
@@ -127,76 +283,92 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                               channels=train.images.shape[-1])
   graphdef, params = nnx.split(model, nnx.Param)
   params = nnx.as_pure(params)
-  tx = optimizers.create_optimizer(config)
-  opt_state = tx.init(params)
-  capture = optimizers.needs_layer_inputs(config)
-  train_step = make_train_step(graphdef, tx, capture=capture, max_rows=config.max_rows or None)
+  opt = optimizers.create(config)
+  opt_state = opt.tx.init(params)
+  train_step = make_train_step(graphdef, opt.tx, capture=opt.needs_layer_inputs, max_rows=config.max_rows or None)
   evaluate = make_eval_fn(graphdef)
 
-  ckpt = ocp.CheckpointManager(
-      os.path.join(workdir, "checkpoints"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+  ckpts = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), os.path.join(workdir, "damaged_checkpoints"))
   step, train_time = 0, 0.0
-  if ckpt.latest_step() is not None:
-    target = {"params": params, "opt_state": opt_state, "train_time": 0.0}
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-    restored = ckpt.restore(ckpt.latest_step(), args=ocp.args.StandardRestore(abstract))
-    params, opt_state = restored["params"], restored["opt_state"]
-    step, train_time = int(ckpt.latest_step()), float(restored["train_time"])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          {"params": params, "opt_state": opt_state})
+  restored = ckpts.restore(abstract)
+  if restored is not None:
+    step, state, train_time = restored
+    params, opt_state = state["params"], state["opt_state"]
     logging.info("resumed %s from step %d", workdir, step)
+  saved_step = step
+
+  def kept() -> str:
+    return (f"{workdir} keeps the checkpoint of step {saved_step} and its metrics" if saved_step
+            else f"{workdir} holds no checkpoint yet")
+
+  config_path = os.path.join(workdir, CONFIG_FILE)
+  with _writing(config_path, kept()):
+    _write_json_atomic(config_path, config.to_json_best_effort(indent=1))
   metrics_path = os.path.join(workdir, METRICS_FILE)
-  rows = _read_metrics(metrics_path, step)
-  with open(metrics_path, "w") as f:
-    for r in rows:
-      f.write(json.dumps(r) + "\n")
+  rows = metrics_lib.read(metrics_path, up_to_step=step)
+  if not metrics_lib.is_clean(metrics_path, rows):  # rows past the checkpoint, or a torn last line
+    with _writing(metrics_path, kept()):
+      metrics_lib.write(metrics_path, rows)
 
   base_key = jax.random.PRNGKey(config.seed)
   sum_loss, sum_err, window = jnp.zeros(()), jnp.zeros(()), 0
   last: dict[str, Any] = rows[-1] if rows else {}
-  bar = tqdm(total=config.num_steps, initial=step, desc=f"{config.dataset}/{config.optimizer.name}",
+  bar = tqdm(total=config.num_steps, initial=step, desc=f"{config.dataset}/{name}",
              disable=not config.progress_bar, mininterval=2.0)
   t0 = None
-  with open(metrics_path, "a") as metrics_file:
-    while step < config.num_steps:
-      idx = data_lib.batch_indices(len(train.labels), config.batch_size, step, config.seed)
-      params, opt_state, loss, err = train_step(
-          params, opt_state, train.images[idx], train.labels[idx], jax.random.fold_in(base_key, step))
-      if t0 is None:  # the first step compiles: keep it out of the timing
-        jax.block_until_ready(loss)
+  failed = True
+  try:
+    with _writing(metrics_path, kept()), metrics_lib.Appender(metrics_path) as metrics_file:
+      while step < config.num_steps:
+        idx = data_lib.batch_indices(len(train.labels), config.batch_size, step, config.seed)
+        params, opt_state, loss, err = train_step(
+            params, opt_state, train.images[idx], train.labels[idx], jax.random.fold_in(base_key, step))
+        if t0 is None:  # the first step compiles: keep it out of the timing
+          jax.block_until_ready(loss)
+          t0 = time.perf_counter()
+        sum_loss, sum_err, window = sum_loss + loss, sum_err + err, window + 1
+        step += 1
+        bar.update(1)
+        log_train = step % config.train_log_every == 0
+        log_test = step % config.eval_every == 0 or step == config.num_steps
+        if not (log_train or log_test or step % config.checkpoint_every == 0):
+          continue
+        jax.block_until_ready(params)
+        now = time.perf_counter()
+        train_time += now - t0
+        row: dict[str, Any] = {"step": step, "train_time": train_time}
+        if log_train:
+          row["train_loss"] = float(sum_loss) / window
+          row["train_error"] = float(sum_err) / window
+          sum_loss, sum_err, window = jnp.zeros(()), jnp.zeros(()), 0
+        if log_test:
+          row.update(evaluate(params, test, config.eval_batch_size))
+        bad = [k for k, v in row.items() if not np.isfinite(v)]
+        if bad:
+          raise errors.DivergedError(name, step, (
+              f"{name} diverged at step {step} ({', '.join(f'{k}={row[k]}' for k in bad)}); "
+              f"{kept()}"))
+        metrics_file.append(row)
+        last = row
+        if "test_loss" in row:
+          bar.set_postfix(test_loss=f"{row['test_loss']:.4f}", test_err=f"{row['test_error']:.4f}")
+        if step % config.checkpoint_every == 0 or step == config.num_steps:
+          with _writing(ckpts.directory, kept()):
+            ckpts.save(step, {"params": params, "opt_state": opt_state}, train_time)
+          saved_step = step
         t0 = time.perf_counter()
-      sum_loss, sum_err, window = sum_loss + loss, sum_err + err, window + 1
-      step += 1
-      bar.update(1)
-      log_train = step % config.train_log_every == 0
-      log_test = step % config.eval_every == 0 or step == config.num_steps
-      if not (log_train or log_test or step % config.checkpoint_every == 0):
-        continue
-      jax.block_until_ready(params)
-      now = time.perf_counter()
-      train_time += now - t0
-      row: dict[str, Any] = {"step": step, "train_time": train_time}
-      if log_train:
-        row["train_loss"] = float(sum_loss) / window
-        row["train_error"] = float(sum_err) / window
-        sum_loss, sum_err, window = jnp.zeros(()), jnp.zeros(()), 0
-      if log_test:
-        row.update(evaluate(params, test, config.eval_batch_size))
-      if not all(np.isfinite(v) for v in row.values()):
-        raise FloatingPointError(f"non-finite metrics at step {step}: {row}")
-      metrics_file.write(json.dumps(row) + "\n")
-      metrics_file.flush()
-      last = row
-      if "test_loss" in row:
-        bar.set_postfix(test_loss=f"{row['test_loss']:.4f}", test_err=f"{row['test_error']:.4f}")
-      if step % config.checkpoint_every == 0 or step == config.num_steps:
-        ckpt.save(step, args=ocp.args.StandardSave(
-            {"params": params, "opt_state": opt_state, "train_time": train_time}))
-        # Finish the (otherwise asynchronous) save before timing resumes, so background checkpoint
-        # threads do not slow the next timed steps of one optimizer more than another's.
-        ckpt.wait_until_finished()
-      t0 = time.perf_counter()
-      if config.stop_after_steps and step >= config.stop_after_steps:  # for tests of resumption
-        break
-  ckpt.wait_until_finished()
-  bar.close()
+        if config.stop_after_steps and step >= config.stop_after_steps:  # for tests of resumption
+          break
+    failed = False
+  except KeyboardInterrupt:
+    raise errors.Interrupted(f"interrupted at step {step}; {kept()}: rerun the same command to resume") from None
+  finally:
+    bar.close()
+    try:
+      ckpts.close()
+    except Exception:
+      if not failed:  # else the first failure is the one to report
+        raise
   return last

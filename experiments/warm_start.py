@@ -1,6 +1,7 @@
 """The warm start measured: bias-corrected statistics + doubling refreshes vs the paper's C_0 = I.
 
-  python -m experiments.warm_start --data_dir ../shared/tfds [--out experiments/results/warm_start]
+  python -m experiments.warm_start --config configs/warm_start.py --workdir workdir/warm_start \
+      --results_dir experiments/results/warm_start --data_dir ../shared/tfds
 
 1. Convex: multinomial logistic regression on MNIST pixels (n = 785, the convex experiment's
    problem), batch 64, constant step (each method's best of one grid by final loss), 500 steps,
@@ -12,26 +13,28 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import flags
 
 import scsgd_jax
 from configs import convex_mnist
 from configs import mnist as mnist_config
-from experiments import convex
+from experiments import cli
+from experiments import metrics
+from experiments.convex import problem as convex
 from experiments import machine
 from experiments import report
 from experiments import train
 
 LEVELS = (1.0, 0.6, 0.4, 0.3, 0.25)
 STEP_SIZES = (0.03, 0.1, 0.3, 1.0, 3.0)
+FLAGS = flags.FLAGS
 
 
 def _convex_run(x, y, tx, steps, batch, seed=0):
@@ -84,7 +87,7 @@ def convex_part(data_dir: str, steps: int = 500, batch: int = 64) -> dict:
   return out
 
 
-def lenet_part(data_dir: str, workdir: str) -> dict:
+def lenet_part(data_dir: str, workdir: str, steps: int = 500) -> dict:
   variants = {
       "sgd": ("sgd", {}),
       "scsgd_paper_start": ("scsgd", {"warm_start": False}),
@@ -94,12 +97,12 @@ def lenet_part(data_dir: str, workdir: str) -> dict:
   for name, (opt, overrides) in variants.items():
     cfg = mnist_config.get_config()
     cfg.data_dir = data_dir
-    cfg.num_steps, cfg.eval_every, cfg.checkpoint_every, cfg.progress_bar = 500, 250, 500, False
+    cfg.num_steps, cfg.eval_every, cfg.checkpoint_every, cfg.progress_bar = steps, 250, steps, False
     cfg.optimizer.name = opt
     cfg.optimizer.scsgd.update(overrides)
     run_dir = os.path.join(workdir, name)
     train.train_and_evaluate(cfg, run_dir)
-    rows = report.read_metrics(os.path.join(run_dir, train.METRICS_FILE))
+    rows = metrics.read(os.path.join(run_dir, train.METRICS_FILE))
     out[name] = {str(r["step"]): {"test_loss": r["test_loss"], "test_error": r["test_error"]}
                  for r in rows if "test_loss" in r}
     print(name, json.dumps(out[name]), flush=True)
@@ -107,9 +110,7 @@ def lenet_part(data_dir: str, workdir: str) -> dict:
 
 
 def write_markdown(result: dict, out_dir: str) -> str:
-  lines = ["# Warm start vs the paper's C_0 = I", "", "Produced by:", "", "```", result["command"], "```", "",
-           f"Machine: {result['machine']['cpu']} ({result['machine']['cores']} cores), JAX {result['machine']['jax']}"
-           f" on {result['machine']['backend']}.", "",
+  lines = report.header("Warm start vs the paper's C_0 = I", result["command"], result["machine"]) + [
            "## Convex: MNIST logistic regression (n = 785), batch 64, A = C^{1/2}, each method's best constant step",
            "", "| method | step | " + " | ".join(f"iters to loss {lv}" for lv in LEVELS) + " | loss at 50 | final (500) |",
            "| --- | --- | " + " | ".join("---" for _ in LEVELS) + " | --- | --- |"]
@@ -124,22 +125,18 @@ def write_markdown(result: dict, out_dir: str) -> str:
   return report.write_markdown(out_dir, lines)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--data_dir", default="")
-  parser.add_argument("--out", default="experiments/results/warm_start")
-  parser.add_argument("--workdir", default="workdir/warm_start")
-  args = parser.parse_args(argv)
-  result = {"command": "python -m experiments.warm_start " + " ".join(argv or sys.argv[1:]),
-            "machine": machine.describe()}
-  result["convex"] = convex_part(args.data_dir)
-  result["lenet"] = lenet_part(args.data_dir, args.workdir)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "results.json"), "w") as f:
+def main(argv):
+  del argv
+  config = cli.config()
+  result = {"command": cli.command_line(), "machine": machine.describe()}
+  result["convex"] = convex_part(config.data_dir, config.convex_steps, config.convex_batch)
+  result["lenet"] = lenet_part(config.data_dir, FLAGS.workdir, config.lenet_steps)
+  os.makedirs(FLAGS.results_dir, exist_ok=True)
+  with open(os.path.join(FLAGS.results_dir, "results.json"), "w") as f:
     json.dump(result, f, indent=1)
-  print(write_markdown(result, args.out))
-  return 0
+  print(open(write_markdown(result, FLAGS.results_dir)).read())
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.define_flags(workdir=True)
+  cli.run(main)

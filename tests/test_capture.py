@@ -8,22 +8,7 @@ from flax import linen as nn
 from flax import nnx
 
 import scsgd_jax as sk
-
-
-def _im2col(x, window, stride, dilation, pads):
-  """Loop im2col of NHWC input: one row per output position, features in (kh, kw, cin) order."""
-  (kh, kw), (sh, sw), (dh, dw) = window, stride, dilation
-  xp = np.pad(x, [(0, 0), pads[0], pads[1], (0, 0)])
-  b, h, w, _ = xp.shape
-  oh = (h - (kh - 1) * dh - 1) // sh + 1
-  ow = (w - (kw - 1) * dw - 1) // sw + 1
-  rows = []
-  for bi in range(b):
-    for i in range(oh):
-      for j in range(ow):
-        rows.append(np.stack([xp[bi, i * sh + a * dh, j * sw + c * dw, :]
-                              for a in range(kh) for c in range(kw)]).reshape(-1))
-  return np.asarray(rows)
+from tests import helpers
 
 
 class NnxNet(nnx.Module):
@@ -57,9 +42,9 @@ def _same_pads(size, k, s, d):
 
 def _check(li, conv1, conv2, dense, x, h1, pooled):
   x, h1 = np.asarray(x), np.asarray(h1)
-  np.testing.assert_allclose(li[conv1]["kernel"], _im2col(x, (3, 3), (1, 1), (1, 1), [(0, 0), (0, 0)]), rtol=1e-6)
+  np.testing.assert_allclose(li[conv1]["kernel"], helpers.im2col(x, (3, 3), (1, 1), (1, 1), [(0, 0), (0, 0)]), rtol=1e-6)
   pads = [_same_pads(h1.shape[1], 2, 2, 1), _same_pads(h1.shape[2], 3, 1, 2)]
-  np.testing.assert_allclose(li[conv2]["kernel"], _im2col(h1, (2, 3), (2, 1), (1, 2), pads), rtol=1e-6)
+  np.testing.assert_allclose(li[conv2]["kernel"], helpers.im2col(h1, (2, 3), (2, 1), (1, 2), pads), rtol=1e-6)
   np.testing.assert_allclose(li[dense]["kernel"], np.asarray(pooled), rtol=1e-6)
 
 

@@ -9,6 +9,7 @@ from flax import linen as nn
 from flax import nnx
 
 import scsgd_jax as sk
+from tests import helpers
 
 LR = 0.1
 RNG = np.random.default_rng(0)
@@ -37,11 +38,6 @@ def _kernel_matrix(kernel, axes):
   moved = np.transpose(kernel, list(axes) + rest)
   n = int(np.prod([kernel.shape[a] for a in axes]))
   return moved.reshape(n, -1), moved.shape
-
-
-def _inv_sqrt(c):
-  w, v = np.linalg.eigh(c)
-  return (v / np.sqrt(w)) @ v.T
 
 
 def _nnx_layer(make):
@@ -101,7 +97,7 @@ def test_one_conditioned_step_equals_dense_oracle(name, make, _, x, axes):
     expected = g_mat / np.sqrt(np.maximum(counts, floor))[:, None]
   else:
     rows = np.asarray(li[param], np.float64)
-    expected = _inv_sqrt(rows.T @ rows / rows.shape[0]) @ g_mat
+    expected = helpers.psd_power(rows.T @ rows / rows.shape[0], -0.5) @ g_mat
   got, _ = _kernel_matrix(updates[param], axes)
   np.testing.assert_allclose(got, -LR * expected, rtol=2e-3, atol=1e-4)
 

@@ -6,11 +6,7 @@ import numpy as np
 import pytest
 
 import scsgd_jax as sk
-
-
-def _orthonormal(rng, n, k):
-  q, _ = np.linalg.qr(rng.standard_normal((n, k)))
-  return q
+from tests import helpers
 
 
 def _spd(rng, k):
@@ -18,19 +14,14 @@ def _spd(rng, k):
   return m @ m.T + k * np.eye(k)
 
 
-def _psd_sqrt(c):
-  w, v = np.linalg.eigh(c)
-  return (v * np.sqrt(np.clip(w, 0, None))) @ v.T
-
-
 def _decaying_data(rng, n, m, decay=0.3):
   """X (n x m) with singular values exp(-decay * i): the fast spectral decay of Theorem 3."""
-  u = _orthonormal(rng, n, n)
+  u = helpers.orthonormal(rng, n, n)
   return (u * np.exp(-decay * np.arange(n))) @ rng.standard_normal((n, m))
 
 
 def _random_factor(rng, n, k):
-  q = _orthonormal(rng, n, k)
+  q = helpers.orthonormal(rng, n, k)
   b = _spd(rng, k)
   a = 0.7
   dense_a = q @ b @ q.T + a * (np.eye(n) - q @ q.T)
@@ -76,7 +67,7 @@ def test_rank_n_sketch_equals_full_conditioner(from_data):
     f = sk.sketched_factor_from_data(key, jnp.asarray(x, jnp.float32), n)
   else:
     f = sk.sketched_factor(key, jnp.asarray(c, jnp.float32), n)
-  expected = np.linalg.inv(_psd_sqrt(c))
+  expected = np.linalg.inv(helpers.psd_power(c, 0.5))
   np.testing.assert_allclose(sk.inverse_matrix(f), expected, rtol=2e-3, atol=2e-3)
   np.testing.assert_allclose(sk.inverse_matrix(sk.full_factor(jnp.asarray(c, jnp.float32))), expected,
                              rtol=2e-3, atol=2e-3)
@@ -101,7 +92,7 @@ def test_low_rank_factor_matches_section_2_2():
 def test_sketch_from_data_and_from_correlation_agree_with_exact_low_rank_on_a_gap():
   rng = np.random.default_rng(4)
   n, m, k = 40, 500, 5
-  u = _orthonormal(rng, n, n)
+  u = helpers.orthonormal(rng, n, n)
   s = np.concatenate([np.full(k, 10.0), np.full(n - k, 0.1)])
   x = (u * s) @ rng.standard_normal((n, m)) / np.sqrt(m) * np.sqrt(m)
   c = x @ x.T / m
@@ -142,7 +133,7 @@ def test_bound_terms_match_dense_traces_and_theorem1_optimality():
     np.testing.assert_allclose(t.trace_a, np.trace(a), rtol=2e-3)
     np.testing.assert_allclose(t.trace_a_inv_c, np.trace(np.linalg.inv(a) @ c), rtol=2e-3)
   full = sk.bound_terms(sk.full_factor(cj), cj)
-  root = np.trace(_psd_sqrt(c))
+  root = np.trace(helpers.psd_power(c, 0.5))
   np.testing.assert_allclose(full.trace_a, root, rtol=2e-3)
   np.testing.assert_allclose(full.trace_a_inv_c, root, rtol=2e-3)
 

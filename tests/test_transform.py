@@ -8,14 +8,10 @@ import pytest
 from flax import nnx
 
 import scsgd_jax as sk
+from tests import helpers
 
 LR, NU = 0.1, 0.3
 PAPER = dict(statistics="dense", warm_start=False)  # the paper's C_0 = I EMA, refreshed every N from step 0
-
-
-def _inv_sqrt(c):
-  w, v = np.linalg.eigh(c)
-  return (v / np.sqrt(w)) @ v.T
 
 
 def _params(rng, n=6, p=3):
@@ -42,7 +38,7 @@ def test_dense_step_equals_hand_computed_full_conditioner():
   updates, state = jax.jit(tx.update)(grads, state, params, layer_inputs={"dense": {"kernel": jnp.asarray(x, jnp.float32)}})
   new = optax.apply_updates(params, updates)
   c = (1 - NU) * np.eye(6) + NU * x.T @ x / 16   # Section 3: EMA from C = I
-  expected = np.asarray(params["dense"]["kernel"]) - LR * _inv_sqrt(c) @ g   # W - eta A^{-1} G, (in, out) layout
+  expected = np.asarray(params["dense"]["kernel"]) - LR * helpers.psd_power(c, -0.5) @ g   # W - eta A^{-1} G, (in, out) layout
   np.testing.assert_allclose(new["dense"]["kernel"], expected, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(new["dense"]["bias"], -LR * np.ones(3), rtol=1e-6)  # biases pass through
   np.testing.assert_allclose(state[0].statistics["dense/kernel"].moments, c, rtol=1e-5, atol=1e-6)
@@ -66,21 +62,6 @@ def test_dense_step_equals_hand_computed_rank_k_conditioner():
   a = np.sqrt((np.trace(c) - w[:k].sum()) / (8 - k))
   a_inv = qk @ np.diag(w[:k] ** -0.5) @ qk.T + (np.eye(8) - qk @ qk.T) / a  # Lemma 2
   np.testing.assert_allclose(updates["dense"]["kernel"], -LR * a_inv @ g, rtol=1e-3, atol=1e-5)
-
-
-def _im2col_nhwc(x, kh, kw, stride, pad):
-  """Explicit im2col with loops: rows in (kh, kw, cin) order, one per output position."""
-  b, h, w, c = x.shape
-  (pt, pb), (pl, pr) = pad
-  xp = np.pad(x, [(0, 0), (pt, pb), (pl, pr), (0, 0)])
-  oh = (h + pt + pb - kh) // stride + 1
-  ow = (w + pl + pr - kw) // stride + 1
-  rows = []
-  for bi in range(b):
-    for i in range(oh):
-      for j in range(ow):
-        rows.append(xp[bi, i * stride:i * stride + kh, j * stride:j * stride + kw, :].reshape(-1))
-  return np.asarray(rows)
 
 
 class _ConvNet(nnx.Module):
@@ -107,11 +88,11 @@ def test_conv_step_equals_explicit_im2col_with_stride2_same_padding():
   grads = nnx.as_pure(grads)
   updates, _ = tx.update(grads, state, params, layer_inputs=layer_inputs)
   # SAME with stride 2 on 7: out 4, total pad 2 -> (1, 1).
-  rows = _im2col_nhwc(x, 3, 3, 2, [(1, 1), (1, 1)])
+  rows = helpers.im2col(x, (3, 3), (2, 2), (1, 1), [(1, 1), (1, 1)])
   np.testing.assert_allclose(layer_inputs["conv"]["kernel"], rows, rtol=1e-6)
   c = (1 - NU) * np.eye(18) + NU * rows.T @ rows / rows.shape[0]
   g = np.asarray(grads["conv"]["kernel"]).reshape(18, 3)
-  expected = -LR * (_inv_sqrt(c) @ g).reshape(3, 3, 2, 3)
+  expected = -LR * (helpers.psd_power(c, -0.5) @ g).reshape(3, 3, 2, 3)
   np.testing.assert_allclose(updates["conv"]["kernel"], expected, rtol=1e-3, atol=1e-5)
   # the gradient itself is the im2col product: dL/dW = rows^T dL/dy
   y = rows @ np.asarray(params["conv"]["kernel"]).reshape(18, 3) + np.asarray(params["conv"]["bias"])
@@ -411,4 +392,4 @@ def test_custom_statistics_plug_in():
   g = rng.standard_normal((3, 2))
   u, state = tx.update({"dense": {"kernel": jnp.asarray(g, jnp.float32)}}, tx.init(params), params,
                        layer_inputs={"dense": {"kernel": jnp.asarray(x, jnp.float32)}})
-  np.testing.assert_allclose(u["dense"]["kernel"], _inv_sqrt(x.T @ x / 20) @ g, rtol=1e-3, atol=1e-5)
+  np.testing.assert_allclose(u["dense"]["kernel"], helpers.psd_power(x.T @ x / 20, -0.5) @ g, rtol=1e-3, atol=1e-5)

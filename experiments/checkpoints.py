@@ -1,0 +1,105 @@
+"""The checkpoint format: its one writer and one reader (orbax), with a checksum of the saved state.
+
+A checkpoint ``<dir>/<step>`` holds the state (``params``, ``opt_state``) and a JSON ``meta`` with
+the SHA-256 of the state's bytes and the training time so far. :meth:`Checkpoints.restore` takes
+the newest checkpoint that restores and matches its checksum; a damaged one (truncated, missing
+files, flipped bits) is reported in one line naming it, moved aside to ``<workdir>/damaged_checkpoints``
+and the previous kept one is used. If none is usable the run stops with a :class:`WorkdirError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from experiments import errors
+
+KEEP = 2  # checkpoints kept: the newest and one to fall back to
+
+
+def checksum(tree: Any) -> str:
+  """SHA-256 over every leaf's path, dtype, shape and bytes (PRNG keys by their key data)."""
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    a = np.ascontiguousarray(np.asarray(leaf))
+    h.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}|".encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {text[0][:160]}" if text else type(e).__name__
+
+
+class Checkpoints:
+  """Saves and restores ``(step, state, train_time)`` in ``directory``."""
+
+  def __init__(self, directory: str, damaged_dir: str):
+    self.directory = directory
+    self.damaged_dir = damaged_dir
+    self._manager = self._open()
+
+  def _open(self) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=KEEP, create=True))
+
+  def latest_step(self) -> Optional[int]:
+    return self._manager.latest_step()
+
+  def _restore_one(self, step: int, abstract_state):
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    state, meta = restored["state"], restored["meta"]
+    if checksum(state) != meta["sha256"]:
+      raise ValueError("the restored state does not match its checksum")
+    return state, float(meta["train_time"])
+
+  def restore(self, abstract_state) -> Optional[tuple[int, Any, float]]:
+    """The newest usable ``(step, state, train_time)``; ``None`` if there is no checkpoint."""
+    damaged = []
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        state, train_time = self._restore_one(step, abstract_state)
+      except Exception as e:  # orbax raises many types for truncated or missing files
+        if "not compatible with the stored shape" in str(e):  # sound files, another state layout
+          raise errors.WorkdirError(
+              f"checkpoint {os.path.join(self.directory, str(step))} holds a state of other shapes than this "
+              f"config's ({_first_line(e)}): a changed config can continue a run only if it keeps the state's "
+              "layout (same model, optimizer and rank)") from None
+        damaged.append((step, _first_line(e)))
+        continue
+      for bad, why in damaged:
+        src = os.path.join(self.directory, str(bad))
+        dst = os.path.join(self.damaged_dir, str(bad))
+        os.makedirs(self.damaged_dir, exist_ok=True)
+        os.replace(src, dst)
+        print(f"warning: checkpoint {src} is damaged ({why}); moved to {dst}, resuming from step {step}",
+              file=sys.stderr, flush=True)
+      if damaged:
+        self._manager.close()
+        self._manager = self._open()
+      return step, state, train_time
+    if damaged:
+      what = "; ".join(f"{os.path.join(self.directory, str(s))}: {why}" for s, why in damaged)
+      raise errors.WorkdirError(
+          f"every checkpoint is damaged ({what}); use a new --workdir, or delete {self.directory} to start over")
+    return None
+
+  def save(self, step: int, state: Any, train_time: float) -> None:
+    """Saves and waits for the write (so timing resumes on an idle machine, and failures surface here)."""
+    meta = {"sha256": checksum(state), "train_time": train_time, "step": step}
+    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      meta=ocp.args.JsonSave(meta)))
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()

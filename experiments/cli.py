@@ -1,0 +1,90 @@
+"""Start-up shared by every entry point: flags, the recorded command line, errors as one line.
+
+Every entry point has the same face (the Flax examples' shape)::
+
+  python -m experiments.<name> --config configs/<file>.py [--config.<key>=<value> ...]
+      [--workdir DIR] [--data_dir DIR] [--results_dir DIR]
+
+``run(main)`` runs ``main`` under absl and turns what can stop an experiment into one line on
+stderr and a non-zero exit, never a traceback: an :class:`errors.ExperimentError` (bad config,
+missing or corrupt data, an unusable workdir, divergence), an unwritable disk, and Ctrl-C (exit 130).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Callable, Optional
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from experiments import errors
+
+FLAGS = flags.FLAGS
+
+
+def define_flags(*, workdir: bool, results: bool = True, results_dir: Optional[str] = None, data: bool = True) -> None:
+  """The flags of an entry point; called only when run as a script (so modules import together).
+
+  ``results_dir=None`` makes ``--results_dir`` required; a string is its default.
+  """
+  config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
+  flags.mark_flags_as_required(["config"])
+  if data:
+    flags.DEFINE_string("data_dir", None, "TFDS data dir (default: $TFDS_DATA_DIR, else tfds' own).")
+  if workdir:
+    flags.DEFINE_string("workdir", None, "Directory of the run(s): metrics, checkpoints, config.", required=True)
+    flags.DEFINE_bool("allow_config_change", False,
+                      "Continue a workdir whose recorded config differs from --config (on purpose).")
+  if results:
+    flags.DEFINE_string("results_dir", results_dir, "Where the results (report, figures, JSON) are written.",
+                        required=results_dir is None)
+
+
+def config():
+  """``--config`` with ``--data_dir`` applied (the one place a flag reaches into the config)."""
+  cfg = FLAGS.config
+  if "data_dir" in FLAGS and FLAGS.data_dir:
+    cfg.data_dir = FLAGS.data_dir
+  return cfg
+
+
+def command_line(argv: Optional[list[str]] = None) -> str:
+  """The command as the user typed it, ``python -m experiments.<name> ...``, for result headers."""
+  argv = sys.argv if argv is None else argv
+  module = sys.modules["__main__"].__spec__.name if getattr(sys.modules["__main__"], "__spec__", None) else argv[0]
+  return f"python -m {module} " + " ".join(shlex.quote(a) for a in argv[1:])
+
+
+def message(e: BaseException) -> tuple[str, int]:
+  """The one line and exit status for what stopped a run."""
+  if isinstance(e, errors.ExperimentError):
+    return f"error: {e}", e.exit_code
+  if isinstance(e, KeyboardInterrupt):
+    return "interrupted before training began; rerun the same command to start", 130
+  os_error = errors.disk_error(e)
+  if os_error is not None:
+    return f"error: cannot write {os_error.filename or 'to disk'}: {os_error.strerror}", 1
+  raise e
+
+
+def guarded(main: Callable[[list[str]], object]) -> Callable[[list[str]], object]:
+  """``main`` with what can stop an experiment turned into one line on stderr and an exit status."""
+
+  def wrapped(argv):
+    logging.set_verbosity(logging.WARNING)
+    try:
+      return main(argv)
+    except (errors.ExperimentError, KeyboardInterrupt, OSError) as e:
+      line, code = message(e)
+      print(line.splitlines()[0] if line else line, file=sys.stderr, flush=True)
+      sys.exit(code)
+
+  return wrapped
+
+
+def run(main: Callable[[list[str]], object]) -> None:
+  app.run(guarded(main))

@@ -1,0 +1,64 @@
+"""The optimizer factory: schedule, per-optimizer sub-configs passed with **, what update needs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import scsgd_jax
+from configs import default
+from experiments import optimizers
+from tests import helpers
+
+
+def test_schedule_values():
+  lr = optimizers.learning_rate(helpers.smoke_config())
+  np.testing.assert_allclose(lr(0), 0.01)
+  np.testing.assert_allclose(lr(1000), 0.01 * 1.1 ** -0.75, rtol=1e-6)
+  np.testing.assert_allclose(lr(10000), 0.01 * 2.0 ** -0.75, rtol=1e-6)
+
+
+def test_weight_decay_is_added_to_the_gradient_first():
+  config = helpers.smoke_config()
+  config.optimizer.name = "sgd"
+  config.optimizer.sgd.momentum = None
+  config.optimizer.weight_decay = 0.1
+  tx = optimizers.create(config).tx
+  params = {"w": jnp.ones(3)}
+  updates, _ = tx.update({"w": jnp.zeros(3)}, tx.init(params), params)
+  np.testing.assert_allclose(updates["w"], -0.01 * 0.1 * np.ones(3), rtol=1e-6)
+
+
+def test_factory_says_what_the_update_needs():
+  config = helpers.smoke_config()
+  for name, needs in (("scsgd", True), ("sgd", False), ("adam", False)):
+    config.optimizer.name = name
+    assert optimizers.create(config).needs_layer_inputs is needs, name
+
+
+def test_sub_config_reaches_the_optimizer_and_defaults_stay_the_librarys():
+  """The default scsgd sub-config is empty, so the state is exactly the library default's; a key set in
+  the sub-config (rank) reaches the library, where the old flat config pinned full_max_dim = 128."""
+  config = default.get_config()
+  assert dict(config.optimizer.scsgd) == {}
+  params = {"dense": {"kernel": jnp.zeros((200, 1000))}}
+  ours = jax.eval_shape(optimizers.create(config).tx.init, params)
+  library = jax.eval_shape(scsgd_jax.scsgd(optimizers.learning_rate(config), seed=config.seed).init, params)
+  assert jax.tree.structure(ours) == jax.tree.structure(library)
+  assert [x.shape for x in jax.tree.leaves(ours)] == [x.shape for x in jax.tree.leaves(library)]
+  config.optimizer.scsgd.rank = 8  # the library then derives full_max_dim = 4 * 8 = 32 < 200: sketched at rank 8
+  state = jax.eval_shape(optimizers.create(config).tx.init, params)
+  assert state[0].factors["dense/kernel"].q.shape == (200, 8)
+
+
+def test_adam_takes_its_own_learning_rate_from_its_sub_config():
+  config = helpers.smoke_config()
+  config.optimizer.name = "adam"
+  config.optimizer.adam.learning_rate = 0.5
+  tx = optimizers.create(config).tx
+  params = {"w": jnp.zeros(2)}
+  updates, _ = tx.update({"w": jnp.array([1.0, -2.0])}, tx.init(params), params)
+  np.testing.assert_allclose(updates["w"], [-0.5, 0.5], rtol=1e-3)
+  ref = optax.adam(0.5)
+  expected, _ = ref.update({"w": jnp.array([1.0, -2.0])}, ref.init(params), params)
+  np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-6)
