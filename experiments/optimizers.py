@@ -9,7 +9,8 @@ name its own ``learning_rate``.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import inspect
+from typing import Any, Callable, NamedTuple
 
 import ml_collections
 import optax
@@ -55,13 +56,43 @@ BUILDERS = {
     "adam": _optax(optax.adam),
 }
 OPTIMIZERS = tuple(BUILDERS)
+# name -> the function whose keyword arguments its sub-config holds
+FUNCTIONS = {"scsgd": scsgd_jax.scsgd, "sgd": optax.sgd, "adam": optax.adam}
+NOT_IN_SUB_CONFIG = ("learning_rate", "seed")  # from config.schedule / config.seed
+
+
+def _placeholder_type(param: inspect.Parameter) -> Any:
+  if isinstance(param.default, (bool, int, float, str)):
+    return type(param.default)
+  text = str(param.annotation)
+  if param.default is None and "Callable" not in text and "Mapping" not in text:
+    return float if ("float" in text or "complex" in text) else int if "int" in text else None
+  return None
+
+
+def sub_config(name: str, **values) -> ml_collections.ConfigDict:
+  """The sub-config of optimizer ``name``: every scalar keyword argument of its function as a placeholder.
+
+  A placeholder left ``None`` means "the library's default" (the factory does not pass it), so the
+  config never restates a default, yet ``--config.optimizer.<name>.<arg>=...`` works on the command
+  line for every argument. ``values`` are the settings that differ from the defaults.
+  """
+  fields = {}
+  for arg, param in inspect.signature(FUNCTIONS[name]).parameters.items():
+    kind = _placeholder_type(param)
+    if arg not in NOT_IN_SUB_CONFIG and kind is not None:
+      fields[arg] = ml_collections.config_dict.placeholder(kind)
+  config = ml_collections.ConfigDict(fields)
+  for arg, value in values.items():
+    config[arg] = value
+  return config
 
 
 def create(config: ml_collections.ConfigDict) -> Optimizer:
   """The optimizer ``config.optimizer.name`` with its sub-config; with ``weight_decay > 0``, ``wd * w``
   is added to every gradient first, as Caffe's solver does (so SCSGD conditions the decayed gradient)."""
   o = config.optimizer
-  kwargs = dict(o[o.name]) if o.name in o else {}
+  kwargs = {k: v for k, v in (o[o.name].to_dict() if o.name in o else {}).items() if v is not None}
   opt = BUILDERS[o.name](learning_rate(config), kwargs, config)
   if o.weight_decay:
     return opt._replace(tx=optax.chain(optax.add_decayed_weights(o.weight_decay), opt.tx))

@@ -45,16 +45,18 @@ ConfigError = errors.ConfigError
 
 def _check(ok: bool, key: str, message: str) -> None:
   if not ok:
-    raise ConfigError(f"config.{key} {message}")
+    raise ConfigError(f"config.{key}{'' if message.startswith('=') else ' '}{message}")
 
 
 def _library_key(sub: str, kwargs: dict, e: Exception) -> str:
-  """The sub-config key a library's argument error names (it starts with or mentions the argument)."""
+  """The sub-config key a library's argument error names: the one mentioned first in its message."""
   text = str(e)
+  found = []
   for key in kwargs:
-    if text.startswith(key) or f"{key}=" in text or f" {key} " in text:
-      return f"{sub}.{key}"
-  return sub
+    at = [i for i in (0 if text.startswith(key) else -1, text.find(f"{key}="), text.find(f" {key} ")) if i >= 0]
+    if at:
+      found.append((min(at), key))
+  return f"{sub}.{min(found)[1]}" if found else sub
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:

@@ -7,7 +7,9 @@ import tensorflow_datasets as tfds
 
 import scsgd_jax as sk
 from configs import convex_smoke
-from experiments import convex
+from experiments.convex import experiment as convex_experiment
+from experiments.convex import problem as convex
+from experiments.convex import report as convex_report
 
 
 def _problem(seed=0, n=30, m=3000, p=3):
@@ -61,8 +63,8 @@ def test_command_runs_end_to_end_on_a_tiny_subset(tmp_path):
   config = convex_smoke.get_config()
   config.download = False
   with tfds.testing.mock_data(num_examples=2000):
-    result = convex.run_experiment(config)
-  path = convex.write_report(result, str(tmp_path), "python -m experiments.convex --config configs/convex_smoke.py")
+    result = convex_experiment.run_experiment(config)
+  path = convex_report.write_report(result, str(tmp_path), "python -m experiments.convex --config configs/convex_smoke.py")
   text = open(path).read()
   assert "Lemma 3" in text and "tr(C^(1/2))" in text
   for f in ("results.json", "spectrum.png", "suboptimality_batch1.png", "suboptimality_batch16.png", "timing.png"):

@@ -1,0 +1,107 @@
+"""Every entry point's face: absl flags with --config.* overrides, and one line (no traceback) for
+what stops a run. Subprocesses run the real commands."""
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments import cli
+from experiments import errors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_TFDS = os.path.join(ROOT, "..", "shared", "tfds")
+
+
+def _run(*args, timeout=300):
+  return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _one_error_line(out):
+  lines = [l for l in out.stderr.splitlines() if l.strip() and not l.startswith(("WARNING", "W", "I"))]
+  assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+  return lines
+
+
+def test_unknown_config_key_is_refused_by_the_flags(tmp_path):
+  out = _run("experiments.main", "--config", "configs/smoke.py", "--workdir", str(tmp_path),
+             "--config.optimizer.learning_rte=0.1")
+  assert out.returncode != 0 and "learning_rte" in out.stderr
+
+
+def test_bad_config_value_is_one_line_from_main_and_ablation(tmp_path):
+  out = _run("experiments.main", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "m"),
+             "--config.optimizer.scsgd.ema_rate=0.0")
+  assert _one_error_line(out)[-1] == "error: config.optimizer.scsgd.ema_rate: ema_rate must lie in (0, 1], got 0.0."
+  # the ablation takes --config.* overrides too (it used argparse, and printed tracebacks)
+  out = _run("experiments.ablation", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "a"),
+             "--results_dir", str(tmp_path / "r"), "--config.max_rows=-1", "--variants=default")
+  assert _one_error_line(out)[-1] == "error: config.max_rows must be >= 0 (0: every row), got -1."
+  assert not (tmp_path / "a" / "default").exists()
+
+
+def test_missing_dataset_and_unknown_optimizer_are_one_line(tmp_path):
+  out = _run("experiments.main", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "w"),
+             "--data_dir", str(tmp_path / "nothing_here"), "--config.download=False")
+  assert _one_error_line(out)[-1].startswith("error: dataset 'mnist' (split 'train') is not prepared")
+  out = _run("experiments.compare", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "c"),
+             "--optimizers", "sgd,lion")
+  assert "unknown optimizer 'lion'" in _one_error_line(out)[-1]
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_TFDS, "mnist")), reason="needs ../shared/tfds")
+def test_live_run_holds_its_workdir_and_ctrl_c_exits_cleanly(tmp_path):
+  workdir = str(tmp_path / "run")
+  args = ["experiments.main", "--config", "configs/smoke.py", "--workdir", workdir, "--data_dir", SHARED_TFDS,
+          "--config.num_steps=1000000"]
+  proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True)
+  try:
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    deadline = time.time() + 240
+    while time.time() < deadline and (not os.path.exists(metrics) or open(metrics).read().count("\n") < 2):
+      time.sleep(0.5)  # until step 20 is logged and checkpointed
+    assert proc.poll() is None
+    second = _run(*args)
+    assert _one_error_line(second)[-1] == (f"error: {workdir} is in use by another run (pid {proc.pid}): "
+                                           "wait for it to finish, or use another --workdir")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 130 and "Traceback" not in err, err
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("error: interrupted at step ") and "rerun the same command to resume" in last, last
+
+
+def _exit(main):
+  with pytest.raises(SystemExit) as info:
+    cli.guarded(main)([])
+  return info.value.code
+
+
+@pytest.mark.parametrize("raised,line,code", [
+    (errors.DivergedError("sgd", 40, "sgd diverged at step 40 (train_loss=nan)"),
+     "error: sgd diverged at step 40 (train_loss=nan)", 1),
+    (OSError(errno.ENOSPC, "No space left on device", "/w/metrics.jsonl"),
+     "error: cannot write /w/metrics.jsonl: No space left on device", 1),
+    (KeyboardInterrupt(), "interrupted before training began; rerun the same command to start", 130),
+])
+def test_guarded_main_turns_what_stops_a_run_into_one_line(capsys, raised, line, code):
+  def main(argv):
+    raise raised
+
+  assert _exit(main) == code
+  assert capsys.readouterr().err.strip() == line
+
+
+def test_guarded_main_lets_bugs_raise():
+  def main(argv):
+    raise OSError(errno.EBADF, "bad file descriptor")
+
+  with pytest.raises(OSError):
+    cli.guarded(main)([])

@@ -1,0 +1,76 @@
+"""Every config value is checked before data is read or anything compiles: one line naming the key."""
+
+import pytest
+import tensorflow_datasets as tfds
+
+from experiments import errors
+from experiments import train
+from tests import helpers
+
+
+def _set(config, key, value):
+  *parents, leaf = key.split(".")
+  for p in parents:
+    config = config[p]
+  config[leaf] = value
+
+
+BAD = [
+    # (key set, value, key named in the message, words of the message)
+    ("batch_size", 200, "batch_size", "larger than config.max_train_examples=100"),
+    ("max_rows", -1, "max_rows", "must be >= 0"),
+    ("eval_batch_size", 0, "eval_batch_size", "positive"),
+    ("max_train_examples", 0, "max_train_examples", "-1 (all) or positive"),
+    ("max_test_examples", 0, "max_test_examples", "-1 (all) or positive"),
+    ("optimizer.scsgd.rank", 0, "optimizer.scsgd.rank", "rank must be an int >= 1"),
+    ("optimizer.scsgd.ema_rate", 0.0, "optimizer.scsgd.ema_rate", "ema_rate must lie in (0, 1]"),
+    ("optimizer.scsgd.ema_rate", 1.5, "optimizer.scsgd.ema_rate", "ema_rate must lie in (0, 1]"),
+    ("optimizer.scsgd.update_every", 0, "optimizer.scsgd.update_every", "update_every must be an int >= 1"),
+    ("schedule.name", "cosine", "schedule.name", "not one of ['constant', 'inv']"),
+    ("schedule.base", -0.1, "schedule.base", "must be positive"),
+    ("optimizer.name", "lion", "optimizer.name", "not one of"),
+    ("num_steps", 0, "num_steps", "positive"),
+]
+
+
+@pytest.mark.parametrize("key,value,named,words", BAD, ids=[f"{k}={v}" for k, v, _, _ in BAD])
+def test_bad_value_is_one_line_naming_the_key_before_data_is_read(tmp_path, key, value, named, words):
+  config = helpers.smoke_config(max_train_examples=100)
+  config.data_dir = str(tmp_path / "no_data_here")  # reading data would fail with a DataError instead
+  _set(config, key, value)
+  with pytest.raises(errors.ConfigError) as info:
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+  text = str(info.value)
+  assert text.startswith(f"config.{named}") and words in text and "\n" not in text, text
+  assert not (tmp_path / "run").exists()  # nothing written either
+
+
+def test_rank_at_least_a_sketched_kernels_n_names_the_kernel(tmp_path):
+  config = helpers.smoke_config()
+  config.data_dir = str(tmp_path / "no_data_here")
+  config.optimizer.scsgd.conditioner = "sketched"
+  config.optimizer.scsgd.rank = 25  # conv1's n = 5 * 5 * 1
+  with pytest.raises(errors.ConfigError, match=r"^config\.optimizer\.scsgd\.rank: rank=25 must be < n=25, "
+                                               r"the input dimension of kernel 'conv1/kernel'"):
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+def test_adam_learning_rate_must_be_positive(tmp_path):
+  config = helpers.smoke_config()
+  config.optimizer.name = "adam"
+  config.optimizer.adam.learning_rate = -1e-3
+  with pytest.raises(errors.ConfigError, match=r"^config\.optimizer\.adam\.learning_rate must be positive"):
+    train.validate_config(config)
+
+
+def test_batch_larger_than_the_dataset_is_caught_before_decoding(tmp_path, monkeypatch):
+  from experiments import data as data_lib
+
+  def no_decoding(*args, **kwargs):
+    raise AssertionError("decoded before checking the batch size")
+
+  monkeypatch.setattr(data_lib, "decode", no_decoding)
+  config = helpers.smoke_config(batch_size=1000, max_train_examples=-1)  # mock data has 600 examples
+  with tfds.testing.mock_data(num_examples=600):
+    with pytest.raises(errors.ConfigError, match=r"^config\.batch_size=1000 is larger than the 600 training examples"):
+      train.train_and_evaluate(config, str(tmp_path))

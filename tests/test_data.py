@@ -1,0 +1,35 @@
+"""Data: a missing dataset and a damaged file are one message naming what to do or the file."""
+
+import os
+import shutil
+
+import pytest
+
+from experiments import data as data_lib
+from experiments import errors
+
+SHARED_MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tfds", "mnist")
+
+
+def test_data_dir_without_dataset_is_a_clear_error(tmp_path):
+  with pytest.raises(errors.DataError, match="not prepared in .*empty"):
+    data_lib.load_split("mnist", "train", str(tmp_path / "empty"), download=False)
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED_MNIST), reason="needs the prepared MNIST in ../shared/tfds")
+@pytest.mark.parametrize("damage", ["overwrite", "truncate"])
+def test_a_damaged_dataset_file_is_named(tmp_path, damage):
+  shutil.copytree(SHARED_MNIST, tmp_path / "mnist")
+  for root, dirs, files in os.walk(tmp_path):
+    for name in dirs + files:
+      os.chmod(os.path.join(root, name), 0o755 if name in dirs else 0o644)
+  (path,) = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f.startswith("mnist-test.array_record")]
+  size = os.path.getsize(path)
+  if damage == "overwrite":
+    with open(path, "r+b") as f:
+      f.seek(size // 3)
+      f.write(b"\xff" * 65536)
+  else:
+    os.truncate(path, size // 2)
+  with pytest.raises(errors.DataError, match=f"cannot be read from {path}.*damaged"):
+    data_lib.load_split("mnist", "test", str(tmp_path), download=False)
