@@ -105,3 +105,14 @@ def test_guarded_main_lets_bugs_raise():
 
   with pytest.raises(OSError):
     cli.guarded(main)([])
+
+
+def test_benchmark_takes_config_overrides_and_writes_its_results_file(tmp_path):
+  out = _run("experiments.benchmark_step", "--config", "configs/benchmark_step.py", "--config.steps=10",
+             "--config.block=5", "--results_dir", str(tmp_path))
+  assert out.returncode == 0, out.stderr[-2000:]
+  import json
+
+  record = json.load(open(tmp_path / "benchmark_step.json"))
+  assert record["command"].startswith("python -m experiments.benchmark_step --config configs/benchmark_step.py")
+  assert record["results"]["sgd"]["mean_ratio_vs_sgd"] == 1.0
