@@ -55,7 +55,8 @@ def config():
 def command_line(argv: Optional[list[str]] = None) -> str:
   """The command as the user typed it, ``python -m experiments.<name> ...``, for result headers."""
   argv = sys.argv if argv is None else argv
-  module = sys.modules["__main__"].__spec__.name if getattr(sys.modules["__main__"], "__spec__", None) else argv[0]
+  spec = getattr(sys.modules["__main__"], "__spec__", None)
+  module = spec.name.removesuffix(".__main__") if spec else argv[0]  # a package's __main__: its package
   return f"python -m {module} " + " ".join(shlex.quote(a) for a in argv[1:])
 
 

@@ -116,3 +116,13 @@ def test_benchmark_takes_config_overrides_and_writes_its_results_file(tmp_path):
   record = json.load(open(tmp_path / "benchmark_step.json"))
   assert record["command"].startswith("python -m experiments.benchmark_step --config configs/benchmark_step.py")
   assert record["results"]["sgd"]["mean_ratio_vs_sgd"] == 1.0
+
+
+def test_recorded_command_names_the_package_of_a_package_main(monkeypatch):
+  import types
+
+  main = types.ModuleType("__main__")
+  main.__spec__ = types.SimpleNamespace(name="experiments.convex.__main__")
+  monkeypatch.setitem(sys.modules, "__main__", main)
+  assert cli.command_line(["x", "--config", "configs/convex smoke.py"]) == (
+      "python -m experiments.convex --config 'configs/convex smoke.py'")
