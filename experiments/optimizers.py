@@ -16,6 +16,7 @@ import ml_collections
 import optax
 
 import scsgd_jax
+from experiments import peers
 
 
 class Optimizer(NamedTuple):
@@ -49,15 +50,32 @@ def _optax(fn):
   return lambda lr, kwargs, config: Optimizer(fn(**{"learning_rate": lr, **kwargs}), False)
 
 
+def _scsgd_adamw(lr, kwargs, config):
+  """SCSGD's conditioning in front of AdamW: Adam's moments see the conditioned gradients."""
+  adamw_args = {k[len("adamw_"):]: kwargs.pop(k) for k in list(kwargs) if k.startswith("adamw_")}
+  tx = optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs),
+                   optax.adamw(lr, **adamw_args))
+  return Optimizer(tx, True)
+
+
 # name -> builder(learning rate schedule, the sub-config as a dict, the whole config)
 BUILDERS = {
     "scsgd": _scsgd,
     "sgd": _optax(optax.sgd),
     "adam": _optax(optax.adam),
+    "adamw": _optax(optax.adamw),
+    "nadamw": _optax(optax.nadamw),
+    "scsgd_adamw": _scsgd_adamw,
+    # peers from other packages (the optional `bench` extra), with their patches: experiments/peers.py
+    "muon": _optax(peers.muon),
+    "shampoo": _optax(peers.shampoo),
+    "sketchy": _optax(peers.sketchy),
 }
 OPTIMIZERS = tuple(BUILDERS)
 # name -> the function whose keyword arguments its sub-config holds
-FUNCTIONS = {"scsgd": scsgd_jax.scsgd, "sgd": optax.sgd, "adam": optax.adam}
+FUNCTIONS = {"scsgd": scsgd_jax.scsgd, "sgd": optax.sgd, "adam": optax.adam, "adamw": optax.adamw,
+             "nadamw": optax.nadamw, "scsgd_adamw": scsgd_jax.scale_by_sketched_conditioning,
+             "muon": peers.muon, "shampoo": peers.shampoo, "sketchy": peers.sketchy}
 NOT_IN_SUB_CONFIG = ("learning_rate", "seed")  # from config.schedule / config.seed
 
 

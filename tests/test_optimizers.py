@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import scsgd_jax
 from configs import default
@@ -64,3 +65,21 @@ def test_adam_takes_its_own_learning_rate_from_its_sub_config():
   ref = optax.adam(0.5)
   expected, _ = ref.update({"w": jnp.array([1.0, -2.0])}, ref.init(params), params)
   np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adamw", "nadamw", "scsgd_adamw", "muon", "shampoo", "sketchy"])
+def test_every_benchmark_optimizer_builds_from_its_sub_config_and_steps(name):
+  pytest.importorskip("precondition")
+  config = helpers.smoke_config()
+  config.optimizer.name = name
+  config.optimizer[name] = optimizers.sub_config(name)
+  if name == "sketchy":
+    config.optimizer.sketchy.compression_rank = 2  # < the kernel's input side, 6
+  opt = optimizers.create(config)
+  assert opt.needs_layer_inputs is (name == "scsgd_adamw")
+  params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
+  grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.5), params)
+  extra = {"layer_inputs": {"dense": {"kernel": jnp.eye(6)}}} if opt.needs_layer_inputs else {}
+  with jax.numpy_rank_promotion("allow"):
+    updates, _ = opt.tx.update(grads, opt.tx.init(params), params, **extra)
+  assert all(np.all(np.isfinite(u)) and np.abs(u).max() > 0 for u in jax.tree.leaves(updates))

@@ -1,0 +1,91 @@
+"""Optimizers from other packages for the head-to-head benchmark, and the patches they need today.
+
+Installed by the optional ``bench`` extra (``pip install -e '.[bench]'``), never by the core
+install; ``scsgd_jax`` never imports this module. Each patch is applied only where the upstream
+package still needs it, and ``tests/test_peers.py`` has a test that fails once it no longer does,
+so a patch is removed as soon as its package is fixed.
+
+- ``precondition-opt`` 0.3.0 (Shampoo, Sketchy) calls ``jax.tree_map`` / ``jax.tree_flatten`` /
+  ``jax.tree_unflatten``, which JAX removed: :func:`patch_precondition` restores them as aliases of
+  ``jax.tree.*``.
+- ``kfac-jax`` 0.0.8's graph evaluator unpacks ``primitive.get_bind_params(params)`` as a pair
+  ``(subfuns, params)``; JAX >= 0.9.2 returns the params dict alone, so the first step fails with
+  "too many values to unpack": :func:`patch_kfac` accepts both forms.
+"""
+
+from __future__ import annotations
+
+import jax
+
+PRECONDITION_ALIASES = {"tree_map": jax.tree.map, "tree_flatten": jax.tree.flatten,
+                        "tree_unflatten": jax.tree.unflatten}
+
+
+def patch_precondition() -> list[str]:
+  """Restores the JAX aliases precondition-opt 0.3.0 uses; returns the names it had to add."""
+  added = [name for name in PRECONDITION_ALIASES if not hasattr(jax, name)]
+  for name in added:
+    setattr(jax, name, PRECONDITION_ALIASES[name])
+  return added
+
+
+def patch_kfac() -> bool:
+  """Lets kfac-jax 0.0.8 evaluate equations whose ``get_bind_params`` returns a dict; True if patched."""
+  from kfac_jax._src import tag_graph_matcher as tgm
+
+  if getattr(tgm.eval_jaxpr_eqn, "_scsgd_patched", False):
+    return True
+
+  def eval_jaxpr_eqn(eqn, in_values):
+    bind = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = ([], bind) if isinstance(bind, dict) else bind
+    with tgm.jex.source_info_util.user_context(eqn.source_info.traceback):
+      output = eqn.primitive.bind(*subfuns, *in_values, **params)
+    return output if isinstance(output, list) else [output]
+
+  eval_jaxpr_eqn._scsgd_patched = True
+  tgm.eval_jaxpr_eqn = eval_jaxpr_eqn
+  return True
+
+
+def shampoo(learning_rate, block_size: int = 1024, **kwargs):
+  """Input-side Shampoo (``precondtioner_type`` sic), as the benchmark's protocol sets it.
+
+  ``block_size`` (required upstream, no default there): 1024 keeps every kernel of the benchmark's
+  models in one block (LeNet's largest input side is 800).
+  """
+  patch_precondition()
+  from precondition import distributed_shampoo as ds
+
+  settings = dict(precondtioner_type=ds.PreconditionerType.INPUT, best_effort_shape_interpretation=False,
+                  skip_preconditioning_rank_lt=2)
+  return ds.distributed_shampoo(learning_rate, block_size, **{**settings, **kwargs})
+
+
+def sketchy(learning_rate, compression_rank: int = 32, **kwargs):
+  """One-sided Sketchy: input-side Shampoo with frequent directions at ``compression_rank``."""
+  return shampoo(learning_rate, frequent_directions=True, compression_rank=compression_rank,
+                 reuse_preconditioner=True, **kwargs)
+
+
+def muon_dimension_numbers(params):
+  """Muon for every kernel (conv kernels flattened as (kh, kw, cin) x cout), AdamW for the rest.
+
+  optax's default gives Muon only to 2-D kernels and silently sends 4-D conv kernels to AdamW.
+  Embedding tables stay with AdamW, as Muon's authors do.
+  """
+  import optax.contrib
+
+  def numbers(path, leaf):
+    name = jax.tree_util.keystr(path).lower()
+    if leaf.ndim < 2 or "embed" in name:
+      return None
+    return optax.contrib.MuonDimensionNumbers(reduction_axis=tuple(range(leaf.ndim - 1)), output_axis=(leaf.ndim - 1,))
+
+  return jax.tree_util.tree_map_with_path(numbers, params)
+
+
+def muon(learning_rate, **kwargs):
+  import optax.contrib
+
+  return optax.contrib.muon(learning_rate, muon_weight_dimension_numbers=muon_dimension_numbers, **kwargs)

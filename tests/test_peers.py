@@ -1,0 +1,112 @@
+"""The benchmark's peers (optional `bench` extra): each compatibility patch is still needed (these
+tests fail once upstream no longer needs it: remove the patch then), and each peer takes a step."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+pytest.importorskip("precondition")
+pytest.importorskip("kfac_jax")
+
+from experiments import peers  # noqa: E402
+
+@pytest.fixture(autouse=True)
+def allow_rank_promotion():
+  """The peers broadcast implicitly; the library's own tests keep rank promotion an error (conftest)."""
+  with jax.numpy_rank_promotion("allow"):
+    yield
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+KFAC_STEP = """
+import jax, jax.numpy as jnp, optax, kfac_jax
+def loss_fn(params, batch):
+  x, y = batch
+  logits = jnp.tanh(x @ params["w1"]) @ params["w2"]
+  kfac_jax.register_softmax_cross_entropy_loss(logits, y)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+params = {"w1": jnp.ones((5, 4)) * 0.1, "w2": jnp.ones((4, 3)) * 0.1}
+x = jax.random.normal(jax.random.PRNGKey(0), (16, 5)); y = jnp.arange(16) % 3
+pre = kfac_jax.OptaxPreconditioner(loss_fn, damping=0.1, distributed_inverses=False, distributed_precon_apply=False)
+tx = optax.chain(pre.as_gradient_transform(), optax.sgd(0.05, momentum=0.9, nesterov=True))
+ps, s = pre.init((params, (x, y)), jax.random.PRNGKey(1)), tx.init(params)
+first = float(loss_fn(params, (x, y)))
+for i in range(5):
+  ps = pre.maybe_update(ps, (params, (x, y)), jax.random.PRNGKey(i))
+  u, s = tx.update(jax.grad(loss_fn)(params, (x, y)), s, params, precond_state=ps)
+  params, ps = optax.apply_updates(params, u), pre.increment_count(ps)
+print("LOSS", first, float(loss_fn(params, (x, y))))
+"""
+
+SHAMPOO_STEP = """
+import jax, jax.numpy as jnp
+from precondition import distributed_shampoo as ds
+params = {"w": jnp.ones((8, 4))}
+tx = ds.distributed_shampoo(0.01, 128, precondtioner_type=ds.PreconditionerType.INPUT,
+                             best_effort_shape_interpretation=False, skip_preconditioning_rank_lt=2)
+u, _ = tx.update(params, tx.init(params), params)
+"""
+
+
+def _python(code):
+  return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_precondition_still_needs_the_jax_aliases():
+  out = _python(SHAMPOO_STEP)  # a fresh process, unpatched
+  assert out.returncode != 0 and "module 'jax' has no attribute 'tree_map'" in out.stderr, out.stderr[-500:]
+  patched = _python("from experiments import peers; peers.patch_precondition()\n" + SHAMPOO_STEP)
+  assert patched.returncode == 0, patched.stderr[-2000:]
+
+
+def test_kfac_still_needs_the_bind_params_patch_and_then_learns():
+  out = _python(KFAC_STEP)
+  assert out.returncode != 0 and "too many values to unpack" in out.stderr, out.stderr[-500:]
+  patched = _python("from experiments import peers; peers.patch_kfac()\n" + KFAC_STEP)
+  assert patched.returncode == 0, patched.stderr[-2000:]
+  first, last = map(float, patched.stdout.split("LOSS")[1].split())
+  assert last < first
+
+
+def _step(tx, params, grads):
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  return updates
+
+
+@pytest.mark.parametrize("name", ["shampoo", "sketchy"])
+def test_input_side_shampoo_and_sketchy_condition_only_the_input_side(name):
+  """Input-side only: a kernel's update is G times nothing on the output side, i.e. P G with P from
+  the input statistics; for a gradient G = u v^T the update stays in span(v) on the output side."""
+  rng = np.random.default_rng(0)
+  u, v = rng.standard_normal((8, 1)), rng.standard_normal((1, 4))
+  params = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
+  grads = {"w": jnp.asarray(u @ v, jnp.float32), "b": jnp.ones(4)}
+  kwargs = {"compression_rank": 4} if name == "sketchy" else {}
+  tx = getattr(peers, name)(0.1, start_preconditioning_step=1, preconditioning_compute_steps=1, **kwargs)
+  upd = np.asarray(_step(tx, params, grads)["w"])
+  assert np.all(np.isfinite(upd)) and np.abs(upd).max() > 0
+  # every row of the update is a multiple of v (no output-side mixing)
+  resid = upd - (upd @ v.T) @ v / (v @ v.T)
+  assert np.abs(resid).max() < 1e-4 * np.abs(upd).max()
+
+
+def test_muon_gets_conv_kernels_too():
+  params = {"conv": {"kernel": jnp.zeros((3, 3, 2, 4)), "bias": jnp.zeros(4)},
+            "embed": {"embedding": jnp.zeros((10, 4))}, "dense": {"kernel": jnp.zeros((6, 5))}}
+  dims = peers.muon_dimension_numbers(params)
+  assert dims["conv"]["kernel"].reduction_axis == (0, 1, 2) and dims["conv"]["kernel"].output_axis == (3,)
+  assert dims["dense"]["kernel"].reduction_axis == (0,)
+  assert dims["conv"]["bias"] is None and dims["embed"]["embedding"] is None
+  rng = np.random.default_rng(0)
+  grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+  upd = _step(peers.muon(0.1), params, grads)
+  # Muon orthogonalises the (kh*kw*cin, cout) matrix of the conv update: its singular values are equal
+  s = np.linalg.svd(np.asarray(upd["conv"]["kernel"]).reshape(18, 4), compute_uv=False)
+  assert s.max() / s.min() < 1.6, s
