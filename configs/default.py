@@ -13,6 +13,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.download = True  # let tfds download and prepare if the data is missing (needs TensorFlow)
   config.max_train_examples = -1
   config.max_test_examples = -1
+  config.eval_split = "test"  # the split evaluated every eval_every steps (the paper reports test)
   config.seed = 0
   config.batch_size = 64
   config.num_steps = 10_000

@@ -35,6 +35,17 @@ def checksum(tree: Any) -> str:
   return h.hexdigest()
 
 
+def _storable(tree: Any) -> Any:
+  """``tree`` with zero-size arrays dropped (orbax refuses them; e.g. Shampoo's empty statistics)."""
+  return jax.tree.map(lambda x: x if x.size else None, tree)
+
+
+def _refill(abstract: Any, stored: Any) -> Any:
+  """Puts the zero-size arrays that :func:`_storable` dropped back, as zeros of their shape."""
+  leaves = iter(jax.tree.leaves(stored))
+  return jax.tree.map(lambda a: next(leaves) if a.size else np.zeros(a.shape, a.dtype), abstract)
+
+
 def _first_line(e: BaseException) -> str:
   text = str(e).strip().splitlines()
   return f"{type(e).__name__}: {text[0][:160]}" if text else type(e).__name__
@@ -56,8 +67,8 @@ class Checkpoints:
 
   def _restore_one(self, step: int, abstract_state):
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-    state, meta = restored["state"], restored["meta"]
+        state=ocp.args.StandardRestore(_storable(abstract_state)), meta=ocp.args.JsonRestore()))
+    state, meta = _refill(abstract_state, restored["state"]), restored["meta"]
     if checksum(state) != meta["sha256"]:
       raise ValueError("the restored state does not match its checksum")
     return state, float(meta["train_time"])
@@ -96,7 +107,7 @@ class Checkpoints:
   def save(self, step: int, state: Any, train_time: float) -> None:
     """Saves and waits for the write (so timing resumes on an idle machine, and failures surface here)."""
     meta = {"sha256": checksum(state), "train_time": train_time, "step": step}
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_storable(state)),
                                                       meta=ocp.args.JsonSave(meta)))
     self._manager.wait_until_finished()
 

@@ -1,12 +1,16 @@
-"""Image classification data from ``tfds.data_source`` (ArrayRecord; no TensorFlow needed to read).
+"""Data from ``tfds.data_source`` (ArrayRecord; no TensorFlow needed to read).
 
 The whole split is decoded once into memory (MNIST: 60k images, ~3 s with Pillow) and
 batches are drawn from a per-epoch permutation that depends only on the seed, so every
-optimizer run with the same seed sees the same batches in the same order.
+optimizer run with the same seed sees the same batches in the same order. A text dataset
+(``tiny_shakespeare``: one example per split holding the whole text) becomes characters, cut
+into non-overlapping windows of ``context + 1``: inputs are a window's first ``context``
+characters, labels the next character at each position (a character LM).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import NamedTuple, Optional
@@ -15,16 +19,17 @@ import numpy as np
 
 from experiments import errors
 
-# name -> (image shape, number of classes)
-DATASETS = {"mnist": ((28, 28, 1), 10), "svhn_cropped": ((32, 32, 3), 10)}
+# name -> (input shape of one example, number of classes); text: (context,), vocabulary size
+DATASETS = {"mnist": ((28, 28, 1), 10), "svhn_cropped": ((32, 32, 3), 10), "tiny_shakespeare": ((64,), 65)}
+TEXT = ("tiny_shakespeare",)
 
 
 DataError = errors.DataError
 
 
 class Split(NamedTuple):
-  images: np.ndarray  # float32 in [0, 1], NHWC
-  labels: np.ndarray  # int32
+  inputs: np.ndarray  # images: float32 in [0, 1], NHWC; text: int32 character ids (N, context)
+  labels: np.ndarray  # int32: (N,) classes, or (N, context) next characters
 
 
 def resolve_data_dir(data_dir: Optional[str]) -> Optional[str]:
@@ -82,19 +87,46 @@ def _files(source, split: str) -> str:
     return f"the files of split '{split}'"
 
 
+_decoded: Optional[dict] = None
+
+
+@contextlib.contextmanager
+def reuse_decoded_splits():
+  """Within it, a split decoded once is reused (the benchmark trains many runs on one dataset)."""
+  global _decoded
+  _decoded = {}
+  try:
+    yield
+  finally:
+    _decoded = None
+
+
 def decode(source, name: str, split: str, max_examples: int = -1) -> Split:
   """Decodes the first ``max_examples`` (all if negative) of ``source`` into memory, pixels in [0, 1].
 
   A file that cannot be read or decoded (corrupt, truncated) is a :class:`DataError` naming it.
   """
+  if _decoded is not None:
+    key = (name, split, max_examples, str(getattr(getattr(source, "dataset_info", None), "data_dir", "")))
+    if key not in _decoded:
+      _decoded[key] = _decode(source, name, split, max_examples)
+    return _decoded[key]
+  return _decode(source, name, split, max_examples)
+
+
+def _decode(source, name: str, split: str, max_examples: int) -> Split:
   n = len(source) if max_examples is None or max_examples < 0 else min(max_examples, len(source))
   try:
     try:
       examples = source.__getitems__(list(range(n)))  # one batched read of the ArrayRecord file
     except TypeError:  # sources without batched reads (e.g. tfds.testing.mock_data's)
       examples = [source[i] for i in range(n)]
+    if name in TEXT:
+      return _windows(name, "".join(_text(ex["text"]) for ex in examples))
     images = np.stack([np.asarray(ex["image"]) for ex in examples]).astype(np.float32) / 255.0
     labels = np.asarray([ex["label"] for ex in examples], np.int32)
+  except DataError:
+    raise
   except Exception as e:
     first = str(e).splitlines()[0][:200] if str(e) else ""
     raise DataError(f"dataset '{name}' (split '{split}') cannot be read from {_files(source, split)}: "
@@ -103,6 +135,29 @@ def decode(source, name: str, split: str, max_examples: int = -1) -> Split:
   if images.shape[1:] != expected:
     raise DataError(f"dataset '{name}' has images of shape {images.shape[1:]}, expected {expected}.")
   return Split(images, labels)
+
+
+def _text(value) -> str:
+  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+# tiny_shakespeare's 65 characters, in code-point order (the vocabulary of tfds' copy of char-rnn's input.txt)
+SHAKESPEARE_CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def _windows(name: str, text: str) -> Split:
+  (context,), vocab = DATASETS[name]
+  table = {c: i for i, c in enumerate(SHAKESPEARE_CHARS)}
+  unknown = sorted(set(text) - set(table))
+  if unknown:
+    raise DataError(f"dataset '{name}' has characters outside its {vocab}-character vocabulary: {unknown[:10]}")
+  ids = np.asarray([table[c] for c in text], np.int32)
+  n = (len(ids) - 1) // context
+  if n == 0:
+    raise DataError(f"dataset '{name}' has {len(ids)} characters, fewer than one window of {context + 1}.")
+  inputs = ids[: n * context].reshape(n, context)
+  labels = ids[1: n * context + 1].reshape(n, context)
+  return Split(inputs, labels)
 
 
 def load_split(name: str, split: str, data_dir: Optional[str] = None, max_examples: int = -1,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -105,10 +107,29 @@ class CharTransformer(nnx.Module):
     return self.head(self.ln(x))
 
 
-MODELS = {"lenet": LeNet, "svhn_net": SVHNNet}
+class LogisticRegression(nnx.Module):
+  """Multinomial logistic regression on the flattened input (the convex case), starting at W = 0."""
+
+  def __init__(self, *, rngs: nnx.Rngs, num_inputs: int, num_classes: int):
+    self.dense = nnx.Linear(num_inputs, num_classes, kernel_init=nnx.initializers.zeros, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense(x.reshape(x.shape[0], -1))
 
 
-def create_model(name: str, *, seed: int, num_classes: int, channels: int) -> nnx.Module:
+# name -> constructor(rngs, number of classes (text: vocabulary), input shape of one example)
+MODELS = {
+    "lenet": lambda rngs, classes, shape: LeNet(rngs=rngs, num_classes=classes, channels=shape[-1]),
+    "svhn_net": lambda rngs, classes, shape: SVHNNet(rngs=rngs, num_classes=classes, channels=shape[-1]),
+    "logreg": lambda rngs, classes, shape: LogisticRegression(rngs=rngs, num_inputs=math.prod(shape),
+                                                              num_classes=classes),
+    # ~0.6M parameters: d = 128, 4 heads, 3 pre-LayerNorm blocks, context = the data's window
+    "char_transformer": lambda rngs, classes, shape: CharTransformer(rngs=rngs, vocab=classes, d=128, heads=4,
+                                                                     layers=3, context=shape[0]),
+}
+
+
+def create_model(name: str, *, seed: int, num_classes: int, input_shape: tuple[int, ...]) -> nnx.Module:
   if name not in MODELS:
     raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}.")
-  return MODELS[name](rngs=nnx.Rngs(seed), num_classes=num_classes, channels=channels)
+  return MODELS[name](nnx.Rngs(seed), num_classes, tuple(input_shape))

@@ -99,13 +99,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   sub, kwargs = f"optimizer.{o.name}", dict(o[o.name]) if o.name in o else {}
   try:
     opt = optimizers.create(config)
-    _, num_classes = data_lib.DATASETS[config.dataset]
-    channels = data_lib.DATASETS[config.dataset][0][-1]
-    params = jax.eval_shape(lambda: nnx.as_pure(nnx.split(models.create_model(
-        config.model, seed=config.seed, num_classes=num_classes, channels=channels), nnx.Param)[1]))
-    jax.eval_shape(opt.tx.init, params)
+    jax.eval_shape(opt.tx.init, abstract_params(config))
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.{_library_key(sub, kwargs, e)}: {str(e).splitlines()[0]}") from None
+
+
+def abstract_params(config: ml_collections.ConfigDict):
+  """The model's parameters as shapes and dtypes (nothing computed)."""
+  input_shape, num_classes = data_lib.DATASETS[config.dataset]
+  return jax.eval_shape(lambda: nnx.as_pure(nnx.split(models.create_model(
+      config.model, seed=config.seed, num_classes=num_classes, input_shape=input_shape), nnx.Param)[1]))
 
 
 def config_differences(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
@@ -232,10 +235,11 @@ def make_eval_fn(graphdef):
   def evaluate(params, split: data_lib.Split, batch_size: int) -> dict[str, float]:
     total_loss, total_err, n = 0.0, 0.0, len(split.labels)
     for start in range(0, n, batch_size):
-      l, e = eval_batch(params, split.images[start:start + batch_size], split.labels[start:start + batch_size])
+      l, e = eval_batch(params, split.inputs[start:start + batch_size], split.labels[start:start + batch_size])
       total_loss += float(l)
       total_err += float(e)
-    return {"test_loss": total_loss / n, "test_error": total_err / n}
+    predictions = split.labels.size  # one per example, or per position of a text window
+    return {"test_loss": total_loss / predictions, "test_error": total_err / predictions}
 
   return evaluate
 
@@ -278,11 +282,10 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
   _check(config.batch_size <= available, "batch_size",
          f"={config.batch_size} is larger than the {available} training examples of {config.dataset}.")
   train = data_lib.decode(train_src, config.dataset, "train", config.max_train_examples)
-  test = data_lib.load_split(config.dataset, "test", config.data_dir, config.max_test_examples, config.download)
-  _, num_classes = data_lib.DATASETS[config.dataset]
-
-  model = models.create_model(config.model, seed=config.seed, num_classes=num_classes,
-                              channels=train.images.shape[-1])
+  test = data_lib.load_split(config.dataset, config.eval_split, config.data_dir, config.max_test_examples,
+                             config.download)
+  input_shape, num_classes = data_lib.DATASETS[config.dataset]
+  model = models.create_model(config.model, seed=config.seed, num_classes=num_classes, input_shape=input_shape)
   graphdef, params = nnx.split(model, nnx.Param)
   params = nnx.as_pure(params)
   opt = optimizers.create(config)
@@ -319,17 +322,19 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
   last: dict[str, Any] = rows[-1] if rows else {}
   bar = tqdm(total=config.num_steps, initial=step, desc=f"{config.dataset}/{name}",
              disable=not config.progress_bar, mininterval=2.0)
-  t0 = None
+  t0, compile_time = None, 0.0
+  t_first = time.perf_counter()
   failed = True
   try:
     with _writing(metrics_path, kept()), metrics_lib.Appender(metrics_path) as metrics_file:
       while step < config.num_steps:
         idx = data_lib.batch_indices(len(train.labels), config.batch_size, step, config.seed)
         params, opt_state, loss, err = train_step(
-            params, opt_state, train.images[idx], train.labels[idx], jax.random.fold_in(base_key, step))
+            params, opt_state, train.inputs[idx], train.labels[idx], jax.random.fold_in(base_key, step))
         if t0 is None:  # the first step compiles: keep it out of the timing
           jax.block_until_ready(loss)
           t0 = time.perf_counter()
+          compile_time = t0 - t_first
         sum_loss, sum_err, window = sum_loss + loss, sum_err + err, window + 1
         step += 1
         bar.update(1)
@@ -340,7 +345,7 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
         jax.block_until_ready(params)
         now = time.perf_counter()
         train_time += now - t0
-        row: dict[str, Any] = {"step": step, "train_time": train_time}
+        row: dict[str, Any] = {"step": step, "train_time": train_time, "compile_time": compile_time}
         if log_train:
           row["train_loss"] = float(sum_loss) / window
           row["train_error"] = float(sum_err) / window

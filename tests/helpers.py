@@ -57,7 +57,7 @@ def final_params(workdir):
   from experiments import optimizers
 
   config = smoke_config()
-  graphdef, params = nnx.split(models.create_model("lenet", seed=0, num_classes=10, channels=1), nnx.Param)
+  graphdef, params = nnx.split(models.create_model("lenet", seed=0, num_classes=10, input_shape=(28, 28, 1)), nnx.Param)
   params = nnx.as_pure(params)
   del graphdef
   ckpts = checkpoints.Checkpoints(os.path.join(workdir, "checkpoints"), os.path.join(workdir, "damaged"))

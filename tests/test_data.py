@@ -3,6 +3,7 @@
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from experiments import data as data_lib
@@ -33,3 +34,18 @@ def test_a_damaged_dataset_file_is_named(tmp_path, damage):
     os.truncate(path, size // 2)
   with pytest.raises(errors.DataError, match=f"cannot be read from {path}.*damaged"):
     data_lib.load_split("mnist", "test", str(tmp_path), download=False)
+
+
+SHARED_TFDS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tfds")
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_TFDS, "tiny_shakespeare")), reason="needs ../shared/tfds")
+def test_text_is_cut_into_windows_whose_labels_are_the_next_characters():
+  split = data_lib.load_split("tiny_shakespeare", "validation", SHARED_TFDS, download=False)
+  (context,), vocab = data_lib.DATASETS["tiny_shakespeare"]
+  assert split.inputs.shape == split.labels.shape == ((55_770 - 1) // context, context)
+  np.testing.assert_array_equal(split.labels[:, :-1], split.inputs[:, 1:])
+  np.testing.assert_array_equal(split.labels[:-1, -1], split.inputs[1:, 0])
+  assert split.inputs.max() < vocab
+  text = "".join(data_lib.SHAKESPEARE_CHARS[i] for i in split.inputs[0])
+  assert text.startswith("?\n\nGREMIO:")  # the validation split of tfds' copy begins mid-play

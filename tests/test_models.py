@@ -1,5 +1,6 @@
 """The experiments' models: shapes, the paper's LeNet dimensions, Xavier (Caffe) initialisation."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from experiments import models
 
 @pytest.mark.parametrize("name,shape", [("lenet", (3, 28, 28, 1)), ("svhn_net", (3, 32, 32, 3))])
 def test_forward_shapes_and_xavier_init(name, shape):
-  model = models.create_model(name, seed=0, num_classes=10, channels=shape[-1])
+  model = models.create_model(name, seed=0, num_classes=10, input_shape=shape[1:])
   assert model(jnp.zeros(shape)).shape == (3, 10)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   for layer, p in params.items():
@@ -31,3 +32,23 @@ def test_lenet_layer_dims_match_the_paper():
   assert params["conv2"]["kernel"].shape == (5, 5, 20, 50)
   assert params["dense1"]["kernel"].shape == (800, 500)
   assert params["dense2"]["kernel"].shape == (500, 10)
+
+
+def test_logistic_regression_starts_at_zero_and_is_linear():
+  model = models.create_model("logreg", seed=0, num_classes=10, input_shape=(28, 28, 1))
+  x = np.random.default_rng(0).random((3, 28, 28, 1)).astype(np.float32)
+  np.testing.assert_array_equal(model(jnp.asarray(x)), 0.0)
+  model.dense.kernel[...] = jnp.ones((784, 10))
+  np.testing.assert_allclose(model(jnp.asarray(x)), np.repeat(x.reshape(3, -1).sum(1, keepdims=True), 10, 1), rtol=1e-5)
+
+
+def test_char_transformer_is_causal_and_sized_for_the_benchmark():
+  model = models.create_model("char_transformer", seed=0, num_classes=65, input_shape=(64,))
+  params = nnx.state(model, nnx.Param)
+  count = sum(x.size for x in jax.tree.leaves(params))
+  assert 500_000 <= count <= 1_000_000, count
+  ids = np.random.default_rng(0).integers(0, 65, (2, 64))
+  out = np.asarray(model(jnp.asarray(ids)))
+  changed = ids.copy()
+  changed[:, 40:] = (changed[:, 40:] + 1) % 65  # the future must not change the past's logits
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(changed)))[:, :40], out[:, :40], rtol=1e-5, atol=1e-5)

@@ -227,3 +227,20 @@ def test_ctrl_c_stops_cleanly_and_the_same_call_resumes(tmp_path, straight, monk
   monkeypatch.undo()
   train.train_and_evaluate(helpers.smoke_config(), workdir)
   _assert_equal_to(straight, workdir)
+
+
+def test_a_state_with_zero_size_arrays_is_saved_and_restored(tmp_path):
+  """Orbax refuses zero-size arrays (Shampoo's state has some); the checkpoint keeps them by shape."""
+  import jax.numpy as jnp
+
+  from experiments import checkpoints
+
+  state = {"w": jnp.arange(6.0).reshape(2, 3), "empty": jnp.zeros((0, 4), jnp.int32), "n": jnp.asarray(3)}
+  ckpts = checkpoints.Checkpoints(str(tmp_path / "c"), str(tmp_path / "d"))
+  ckpts.save(5, state, 1.5)
+  step, restored, seconds = ckpts.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+  ckpts.close()
+  assert (step, seconds) == (5, 1.5)
+  assert restored["empty"].shape == (0, 4) and restored["empty"].dtype == jnp.int32
+  np.testing.assert_array_equal(restored["w"], state["w"])
+  assert int(restored["n"]) == 3

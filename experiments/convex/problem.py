@@ -19,7 +19,7 @@ RHO = float(np.sqrt(2.0))  # the multiclass log loss is sqrt(2)-Lipschitz in the
 def load_features(config) -> tuple[np.ndarray, np.ndarray]:
   split = data_lib.load_split(config.dataset, "train", config.data_dir or None, config.max_train_examples,
                               config.download)
-  x = split.images.reshape(len(split.labels), -1)
+  x = split.inputs.reshape(len(split.labels), -1)
   if config.bias_coordinate:
     x = np.concatenate([x, np.ones((x.shape[0], 1), np.float32)], axis=1)
   return x.astype(np.float32), split.labels

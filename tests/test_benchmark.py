@@ -1,0 +1,74 @@
+"""The head-to-head harness: grid, choice of rate, target and ratios (hand-computed), a tiny run on mock data."""
+
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from configs.benchmark import convex
+from experiments import benchmark
+from experiments import errors
+
+
+def _config():
+  config = convex.get_config()
+  config.benchmark.optimizers = ("sgd", "adamw", "scsgd")
+  config.benchmark.seeds = (0, 1)
+  return config
+
+
+def test_grid_is_log_spaced_around_each_default():
+  config = _config()
+  assert benchmark.learning_rates(config, "sgd") == [0.001, 0.00316, 0.01, 0.0316, 0.1]
+  assert benchmark.learning_rates(config, "adamw") == [0.0001, 0.000316, 0.001, 0.00316, 0.01]
+  config.benchmark.optimizers = ("sgd,lion",)
+  with pytest.raises(errors.ConfigError, match="unknown optimizer 'lion'"):
+    benchmark.names(config)
+
+
+def _rows(losses, ms_per_step):
+  return [{"step": 100 * (i + 1), "train_time": ms_per_step * 0.1 * (i + 1), "test_loss": v, "test_error": v / 10,
+           "compile_time": 1.0} for i, v in enumerate(losses)]
+
+
+def test_target_iterations_and_ratios_by_hand():
+  config = _config()
+  seeds = lambda a, b: {0: {"rows": a, "diverged": False}, 1: {"rows": b, "diverged": False}}  # noqa: E731
+  out = {"tune_steps": 100, "optimizers": {
+      # final losses: sgd median 0.45, adamw median 0.40 -> target 0.40
+      "sgd": {"seeds": seeds(_rows([0.9, 0.6, 0.5], 10), _rows([0.9, 0.5, 0.4], 10)), "state_bytes": 100},
+      "adamw": {"seeds": seeds(_rows([0.8, 0.5, 0.4], 10), _rows([0.7, 0.45, 0.4], 10)), "state_bytes": 200},
+      "scsgd": {"seeds": seeds(_rows([0.5, 0.4, 0.3], 20), _rows([0.4, 0.35, 0.3], 20)), "state_bytes": 120},
+  }}
+  s = benchmark.summarize(config, out)
+  assert s["target"] == pytest.approx(0.40)
+  sgd, adamw, scsgd = (s["optimizers"][n]["summary"] for n in ("sgd", "adamw", "scsgd"))
+  assert sgd["reached"] == "1/2" and sgd["iterations_median"] is None and sgd["iterations_range"] == [300, 300]
+  assert adamw["iterations_median"] == 300 and adamw["seconds_median"] == pytest.approx(3.0)
+  assert scsgd["iterations_range"] == [100, 200] and scsgd["iterations_median"] == 150
+  assert scsgd["seconds_median"] == pytest.approx(3.0)  # 20 ms/step: (2 + 4) / 2 seconds
+  assert scsgd["iterations_vs_best"] == 1.0 and adamw["iterations_vs_best"] == 2.0
+  assert adamw["time_to_target_vs_best"] == pytest.approx(1.0) and scsgd["time_to_target_vs_best"] == pytest.approx(1.0)
+  assert scsgd["state_vs_smallest"] == pytest.approx(1.2)
+  assert scsgd["step_ms_median"] == pytest.approx(20.0)
+
+
+def test_tiny_benchmark_on_mock_data_writes_its_report(tmp_path):
+  config = _config()
+  config.download = False
+  config.max_train_examples, config.max_test_examples = 512, 128
+  config.num_steps, config.eval_every, config.train_log_every, config.checkpoint_every = 20, 10, 10, 10
+  config.benchmark.optimizers = ("sgd", "scsgd")
+  config.benchmark.grid = (0.1, 1.0)
+  config.benchmark.target_from = ("sgd",)
+  with tfds.testing.mock_data(num_examples=600):
+    out = benchmark.benchmark(config, str(tmp_path / "runs"))
+  for name, o in out["optimizers"].items():
+    tuning = {float(k): v for k, v in o["tuning"].items()}
+    assert o["learning_rate"] == min(tuning, key=tuning.get)  # the lowest final loss of the grid
+    assert set(o["seeds"]) == {0, 1} and all(len(s["rows"]) == 2 for s in o["seeds"].values())
+  path = benchmark.write_report(config, out, str(tmp_path / "report"), "cmd")
+  text = open(path).read()
+  assert "| sgd |" in text and "| scsgd |" in text and "Tuning" in text
+  for f in ("loss_vs_step.png", "loss_vs_train_time.png", "results.json", "metrics_scsgd_seed1.jsonl"):
+    assert (tmp_path / "report" / f).exists(), f
