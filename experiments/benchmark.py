@@ -221,12 +221,35 @@ def write_report(config, out: dict, results_dir: str, command: str) -> str:
   return report.write_markdown(results_dir, lines)
 
 
+def write_summary(root: str) -> str:
+  """``<root>/README.md``: one table, task x optimizer, from every ``<root>/<task>/results.json``."""
+  lines = ["# Head to head: summary", "",
+           "Per task: time to the target (the best final loss of Nesterov SGD and AdamW, median of seeds) against "
+           "the fastest optimizer of the task, iterations to it, final loss (median of seeds), optimizer-state "
+           "bytes. Each task's folder holds its report, curves and raw metrics; commands are in each report.", "",
+           "| task | optimizer | lr | time to target vs best | iterations to target | final loss | state bytes |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+  for task in sorted(os.listdir(root)):
+    path = os.path.join(root, task, "results.json")
+    if not os.path.exists(path):
+      continue
+    result = json.load(open(path))
+    for name, o in result["optimizers"].items():
+      s = o["summary"]
+      lines.append(f"| [{task}]({task}/README.md) | {name} | {o['learning_rate']:g} | "
+                   f"{_fmt(s['time_to_target_vs_best'], '.2f', 'not reached by every seed')} | "
+                   f"{_fmt(s['iterations_median'], '.0f')} ({s['reached']}) | {s['final_loss_median']:.4f} | "
+                   f"{s['state_bytes']:,} |")
+  return report.write_markdown(root, lines)
+
+
 def main(argv):
   del argv
   config = cli.config()
   with data_lib.reuse_decoded_splits():
     out = benchmark(config, FLAGS.workdir)
   print(open(write_report(config, out, FLAGS.results_dir, cli.command_line())).read())
+  write_summary(os.path.dirname(os.path.abspath(FLAGS.results_dir)))
 
 
 if __name__ == "__main__":

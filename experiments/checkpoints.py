@@ -111,6 +111,10 @@ class Checkpoints:
                                                       meta=ocp.args.JsonSave(meta)))
     self._manager.wait_until_finished()
 
-  def close(self) -> None:
+  def wait(self) -> None:
+    """Blocks until every started save is on disk."""
     self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.wait()
     self._manager.close()

@@ -14,7 +14,9 @@ import fcntl
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -191,6 +193,32 @@ def _writing(path: str, kept: str):
         "the same command to resume") from None
 
 
+class _StopRequest:
+  """Ctrl-C asks the loop to stop at the next step boundary, after saving a checkpoint of that step.
+
+  A KeyboardInterrupt raised anywhere in the loop could land inside a checkpoint write (Orbax logs
+  the interrupted save with a traceback) and loses the steps since the last checkpoint; a request
+  is honoured between steps instead. A second Ctrl-C interrupts at once (the handler is restored).
+  """
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def _handle(self, signum, frame):
+    self.requested = True
+    signal.signal(signal.SIGINT, self._previous)
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+      self._previous = signal.signal(signal.SIGINT, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+
+
 def _write_json_atomic(path: str, text: str) -> None:
   tmp = f"{path}.tmp"
   with open(tmp, "w") as f:
@@ -260,7 +288,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     WorkdirError: the workdir is held by a live run, holds another config, or cannot be written.
     DataError: the dataset is missing or damaged.
     DivergedError: non-finite metrics (names the optimizer and the step).
-    Interrupted: Ctrl-C (the last checkpoint is kept; the same call resumes).
+    Interrupted: Ctrl-C (the run stops after the step in flight and checkpoints it; the same call
+      resumes; a second Ctrl-C stops at once, keeping the last checkpoint).
   """
   validate_config(config)
   workdir = os.path.abspath(workdir)
@@ -326,7 +355,8 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
   t_first = time.perf_counter()
   failed = True
   try:
-    with _writing(metrics_path, kept()), metrics_lib.Appender(metrics_path) as metrics_file:
+    with (_writing(metrics_path, kept()), metrics_lib.Appender(metrics_path) as metrics_file,
+          _StopRequest() as stop):
       while step < config.num_steps:
         idx = data_lib.batch_indices(len(train.labels), config.batch_size, step, config.seed)
         params, opt_state, loss, err = train_step(
@@ -340,7 +370,8 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
         bar.update(1)
         log_train = step % config.train_log_every == 0
         log_test = step % config.eval_every == 0 or step == config.num_steps
-        if not (log_train or log_test or step % config.checkpoint_every == 0):
+        save = step % config.checkpoint_every == 0 or step == config.num_steps or stop.requested
+        if not (log_train or log_test or save):
           continue
         jax.block_until_ready(params)
         now = time.perf_counter()
@@ -357,14 +388,18 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
           raise errors.DivergedError(name, step, (
               f"{name} diverged at step {step} ({', '.join(f'{k}={row[k]}' for k in bad)}); "
               f"{kept()}"))
-        metrics_file.append(row)
-        last = row
+        if log_train or log_test or step % config.checkpoint_every == 0:
+          metrics_file.append(row)
+          last = row
         if "test_loss" in row:
           bar.set_postfix(test_loss=f"{row['test_loss']:.4f}", test_err=f"{row['test_error']:.4f}")
-        if step % config.checkpoint_every == 0 or step == config.num_steps:
+        if save:
           with _writing(ckpts.directory, kept()):
             ckpts.save(step, {"params": params, "opt_state": opt_state}, train_time)
           saved_step = step
+        if stop.requested:
+          ckpts.wait()  # the save is on disk before the run says so
+          raise errors.Interrupted(f"interrupted at step {step}; {kept()}: rerun the same command to resume")
         t0 = time.perf_counter()
         if config.stop_after_steps and step >= config.stop_after_steps:  # for tests of resumption
           break

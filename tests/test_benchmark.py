@@ -72,3 +72,5 @@ def test_tiny_benchmark_on_mock_data_writes_its_report(tmp_path):
   assert "| sgd |" in text and "| scsgd |" in text and "Tuning" in text
   for f in ("loss_vs_step.png", "loss_vs_train_time.png", "results.json", "metrics_scsgd_seed1.jsonl"):
     assert (tmp_path / "report" / f).exists(), f
+  summary = open(benchmark.write_summary(str(tmp_path))).read()
+  assert "| [report](report/README.md) | scsgd |" in summary and "| [report](report/README.md) | sgd |" in summary

@@ -8,6 +8,7 @@ checks the one-line error, that nothing saved was lost, and that the same call t
 import errno
 import json
 import os
+import signal
 
 import jax
 import numpy as np
@@ -212,7 +213,26 @@ def test_divergence_names_the_optimizer_and_the_step(tmp_path):
   assert (info.value.optimizer, info.value.step) == ("sgd", 10)
 
 
-def test_ctrl_c_stops_cleanly_and_the_same_call_resumes(tmp_path, straight, monkeypatch):
+def test_ctrl_c_finishes_the_step_checkpoints_it_and_the_same_call_resumes(tmp_path, straight, monkeypatch):
+  workdir = str(tmp_path)
+  real = data_lib.batch_indices
+
+  def ctrl_c_during_step_25(num, batch, step, seed):
+    if step == 25:
+      os.kill(os.getpid(), signal.SIGINT)
+    return real(num, batch, step, seed)
+
+  monkeypatch.setattr(data_lib, "batch_indices", ctrl_c_during_step_25)
+  with pytest.raises(errors.Interrupted, match=f"interrupted at step 26; {workdir} keeps the checkpoint of step 26"):
+    train.train_and_evaluate(helpers.smoke_config(), workdir)
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+  monkeypatch.undo()
+  assert helpers.final_params(workdir)[1] == 26
+  train.train_and_evaluate(helpers.smoke_config(), workdir)
+  _assert_equal_to(straight, workdir)
+
+
+def test_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(tmp_path, straight, monkeypatch):
   workdir = str(tmp_path)
   real = data_lib.batch_indices
 
