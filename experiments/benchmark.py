@@ -5,7 +5,8 @@
 
 Protocol (``config.benchmark``): each optimizer's learning rate from one log-spaced grid of the same
 size centred on its documented default, chosen by the final loss on ``config.eval_split`` after
-``tune_fraction`` of the budget on seed 0 (a diverged rate loses); then every seed of ``seeds`` at the
+``tune_fraction`` of the budget on seed 0 (a diverged rate loses; a best rate at an end of the grid
+grows the grid past that end, ``extend_edge`` steps at most); then every seed of ``seeds`` at the
 full budget and the chosen rate. The target is the best final loss (median over seeds) of the
 ``target_from`` optimizers (Nesterov SGD and AdamW). Every run goes through ``train.train_and_evaluate``
 in its own workdir, so the whole set resumes. All runs of a task run back to back in one process.
@@ -81,6 +82,27 @@ def _final(rows, key="test_loss"):
   return evals[-1][key] if evals else float("inf")
 
 
+def tune(loss, lrs: list[float], extend_edge: int) -> dict[float, float]:
+  """``{lr: loss(lr)}`` over ``lrs``; while the best is at an end of the grid, the grid grows one more
+  step (its own ratio) past that end, at most ``extend_edge`` times per end, so the rate a peer gets
+  is bracketed rather than cut off by where its grid happened to be centred."""
+  tried = {lr: loss(lr) for lr in lrs}
+  ratio = lrs[-1] / lrs[-2] if len(lrs) > 1 else 1.0
+  grown = {+1: 0, -1: 0}
+  while ratio > 1.0:
+    best = min(tried, key=lambda lr: (tried[lr], lr))
+    if not np.isfinite(tried[best]):
+      side = -1  # every rate diverged: smaller ones
+    else:
+      side = +1 if best == max(tried) else -1 if best == min(tried) else 0
+    if side == 0 or grown[side] == extend_edge:
+      break
+    grown[side] += 1
+    lr = float(f"{best * ratio ** side:.3g}")
+    tried[lr] = loss(lr)
+  return dict(sorted(tried.items()))
+
+
 def validate(config) -> None:
   for name in names(config):
     for lr in learning_rates(config, name):
@@ -93,10 +115,12 @@ def benchmark(config, workdir: str) -> dict:
   tune_steps -= tune_steps % config.checkpoint_every if tune_steps > config.checkpoint_every else 0
   out = {"tune_steps": tune_steps, "optimizers": {}}
   for name in names(config):
-    tuning = {}
-    for lr in learning_rates(config, name):
+
+    def tune_loss(lr, name=name):
       rows, diverged = _run(run_config(config, name, lr, 0, tune_steps), os.path.join(workdir, name, f"tune_lr{lr:g}"))
-      tuning[lr] = float("inf") if diverged else _final(rows)
+      return float("inf") if diverged else _final(rows)
+
+    tuning = tune(tune_loss, learning_rates(config, name), config.benchmark.extend_edge)
     best = min(tuning, key=lambda lr: (tuning[lr], lr))
     seeds = {}
     for seed in config.benchmark.seeds:
@@ -213,11 +237,12 @@ def write_report(config, out: dict, results_dir: str, command: str) -> str:
                  f"{secs} | {_fmt(s['time_to_target_vs_best'], '.2f')} | {s['final_loss_median']:.4f} | "
                  f"{100 * s['final_error_median']:.2f}% | {s['step_ms_median']:.1f} | {s['compile_s_median']:.1f} | "
                  f"{s['state_bytes']:,} | {s['state_vs_smallest']:.2f} |")
-  lines += ["", "(edge): the chosen rate is at the end of the grid, so the grid may not bracket the best rate.",
-            "", "Tuning (final loss after the tuning budget, seed 0; inf = diverged):", "",
-            "| optimizer | " + " | ".join(f"x{g:g}" for g in b.grid) + " |", "|" + " --- |" * (1 + len(b.grid))]
+  lines += ["", f"(edge): the chosen rate is at an end of the grid even after growing it {b.extend_edge} steps past "
+            "that end, so the grid may not bracket the best rate.",
+            "", "Tuning (learning rate: final loss after the tuning budget, seed 0; inf = diverged):", "",
+            "| optimizer | rates tried |", "| --- | --- |"]
   for name, o in out["optimizers"].items():
-    lines.append(f"| {name} | " + " | ".join(f"{lr}: {v:.4f}" for lr, v in o["tuning"].items()) + " |")
+    lines.append(f"| {name} | " + ", ".join(f"{lr}: {v:.4f}" for lr, v in o["tuning"].items()) + " |")
   return report.write_markdown(results_dir, lines)
 
 

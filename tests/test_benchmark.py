@@ -26,6 +26,21 @@ def test_grid_is_log_spaced_around_each_default():
     benchmark.names(config)
 
 
+def test_tuning_grows_the_grid_past_an_edge_that_wins_and_stops_at_a_bracket():
+  calls = []
+
+  def loss(lr):  # a bowl in log lr with its bottom at 0.1; diverges above 0.5
+    calls.append(lr)
+    return float("inf") if lr > 0.5 else (np.log10(lr) + 1.0) ** 2
+
+  tried = benchmark.tune(loss, [0.001, 0.00316, 0.01], extend_edge=3)
+  assert list(tried) == [0.001, 0.00316, 0.01, 0.0316, 0.1, 0.316]  # 0.1 wins, 0.316 brackets it
+  assert min(tried, key=tried.get) == 0.1 and len(calls) == len(set(calls)) == 6
+  assert list(benchmark.tune(loss, [0.001, 0.00316, 0.01], extend_edge=1)) == [0.001, 0.00316, 0.01, 0.0316]
+  assert list(benchmark.tune(loss, [0.0316, 0.1, 0.316], extend_edge=2)) == [0.0316, 0.1, 0.316]  # bracketed
+  assert list(benchmark.tune(loss, [10.0, 31.6], extend_edge=2)) == [1.0, 3.16, 10.0, 31.6]  # all diverge: down
+
+
 def _rows(losses, ms_per_step):
   return [{"step": 100 * (i + 1), "train_time": ms_per_step * 0.1 * (i + 1), "test_loss": v, "test_error": v / 10,
            "compile_time": 1.0} for i, v in enumerate(losses)]

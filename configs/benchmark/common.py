@@ -23,6 +23,7 @@ def get_config():
   config.benchmark.optimizers = tuple(DEFAULT_LR)
   config.benchmark.default_lr = ml_collections.ConfigDict(DEFAULT_LR)
   config.benchmark.grid = (0.1, 0.316, 1.0, 3.16, 10.0)  # x the default: 5 log-spaced values, one decade each way
+  config.benchmark.extend_edge = 2  # a best rate at an end of the grid: grow it past that end, at most 2 steps
   config.benchmark.tune_fraction = 0.2  # the grid runs a fifth of the budget, seed 0
   config.benchmark.seeds = (0, 1, 2)  # then these seeds at the full budget and the chosen rate
   config.benchmark.target_from = ("sgd", "adamw")  # target: the best of their final losses
