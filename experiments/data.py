@@ -160,6 +160,14 @@ def _windows(name: str, text: str) -> Split:
   return Split(inputs, labels)
 
 
+def example_batch(name: str, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """Zeros shaped and typed as a training batch of ``name`` (inputs, labels), for tracing a model."""
+  shape, _ = DATASETS[name]
+  if name in TEXT:  # token windows, and the next token at every position
+    return np.zeros((batch_size,) + shape, np.int32), np.zeros((batch_size,) + shape, np.int32)
+  return np.zeros((batch_size,) + shape, np.float32), np.zeros((batch_size,), np.int32)
+
+
 def load_split(name: str, split: str, data_dir: Optional[str] = None, max_examples: int = -1,
                download: bool = True) -> Split:
   """:func:`open_split` then :func:`decode`."""

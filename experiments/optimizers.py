@@ -20,10 +20,19 @@ from experiments import peers
 
 
 class Optimizer(NamedTuple):
-  """A transformation and what its ``update`` needs from the forward pass."""
+  """A transformation and what its ``update`` needs from the training step."""
 
   tx: optax.GradientTransformation
   needs_layer_inputs: bool  # True: pass ``layer_inputs=`` (captured kernel inputs) to ``tx.update``
+  needs_batch: bool = False  # True: pass ``batch=(inputs, labels), key=`` to ``tx.update`` (K-FAC)
+
+
+class Forward(NamedTuple):
+  """The model, for an optimizer that runs it itself (K-FAC): ``apply_fn(params, inputs) -> logits``
+  and a batch of the right shapes (values unused)."""
+
+  apply_fn: Callable
+  example_batch: tuple
 
 
 def caffe_inv_schedule(base: float, gamma: float, power: float) -> optax.Schedule:
@@ -42,15 +51,22 @@ def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
   return SCHEDULES[s.pop("name")](**s)
 
 
-def _scsgd(lr, kwargs, config):
+def _scsgd(lr, kwargs, config, forward):
   return Optimizer(scsgd_jax.scsgd(lr, seed=config.seed, **kwargs), True)
 
 
 def _optax(fn):
-  return lambda lr, kwargs, config: Optimizer(fn(**{"learning_rate": lr, **kwargs}), False)
+  return lambda lr, kwargs, config, forward: Optimizer(fn(**{"learning_rate": lr, **kwargs}), False)
 
 
-def _scsgd_adamw(lr, kwargs, config):
+def _kfac(lr, kwargs, config, forward):
+  if forward is None:
+    raise ValueError("kfac runs the model itself: optimizers.create needs forward=Forward(apply_fn, example_batch)")
+  return Optimizer(peers.kfac(lr, apply_fn=forward.apply_fn, example_batch=forward.example_batch, **kwargs),
+                   False, True)
+
+
+def _scsgd_adamw(lr, kwargs, config, forward):
   """SCSGD's conditioning in front of AdamW: Adam's moments see the conditioned gradients."""
   adamw_args = {k[len("adamw_"):]: kwargs.pop(k) for k in list(kwargs) if k.startswith("adamw_")}
   tx = optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs),
@@ -58,7 +74,7 @@ def _scsgd_adamw(lr, kwargs, config):
   return Optimizer(tx, True)
 
 
-# name -> builder(learning rate schedule, the sub-config as a dict, the whole config)
+# name -> builder(learning rate schedule, the sub-config as a dict, the whole config, the model's Forward)
 BUILDERS = {
     "scsgd": _scsgd,
     "sgd": _optax(optax.sgd),
@@ -70,13 +86,14 @@ BUILDERS = {
     "muon": _optax(peers.muon),
     "shampoo": _optax(peers.shampoo),
     "sketchy": _optax(peers.sketchy),
+    "kfac": _kfac,
 }
 OPTIMIZERS = tuple(BUILDERS)
 # name -> the function whose keyword arguments its sub-config holds
 FUNCTIONS = {"scsgd": scsgd_jax.scsgd, "sgd": optax.sgd, "adam": optax.adam, "adamw": optax.adamw,
              "nadamw": optax.nadamw, "scsgd_adamw": scsgd_jax.scale_by_sketched_conditioning,
-             "muon": peers.muon, "shampoo": peers.shampoo, "sketchy": peers.sketchy}
-NOT_IN_SUB_CONFIG = ("learning_rate", "seed")  # from config.schedule / config.seed
+             "muon": peers.muon, "shampoo": peers.shampoo, "sketchy": peers.sketchy, "kfac": peers.kfac}
+NOT_IN_SUB_CONFIG = ("learning_rate", "seed", "apply_fn", "example_batch")  # from config.schedule / .seed / the model
 
 
 def _placeholder_type(param: inspect.Parameter) -> Any:
@@ -106,12 +123,13 @@ def sub_config(name: str, **values) -> ml_collections.ConfigDict:
   return config
 
 
-def create(config: ml_collections.ConfigDict) -> Optimizer:
+def create(config: ml_collections.ConfigDict, forward: Forward | None = None) -> Optimizer:
   """The optimizer ``config.optimizer.name`` with its sub-config; with ``weight_decay > 0``, ``wd * w``
-  is added to every gradient first, as Caffe's solver does (so SCSGD conditions the decayed gradient)."""
+  is added to every gradient first, as Caffe's solver does (so SCSGD conditions the decayed gradient).
+  ``forward``: the model, for an optimizer that runs it (``train.forward(config)``)."""
   o = config.optimizer
   kwargs = {k: v for k, v in (o[o.name].to_dict() if o.name in o else {}).items() if v is not None}
-  opt = BUILDERS[o.name](learning_rate(config), kwargs, config)
+  opt = BUILDERS[o.name](learning_rate(config), kwargs, config, forward)
   if o.weight_decay:
     return opt._replace(tx=optax.chain(optax.add_decayed_weights(o.weight_decay), opt.tx))
   return opt

@@ -15,7 +15,11 @@ so a patch is removed as soon as its package is fixed.
 
 from __future__ import annotations
 
+from typing import Any, Callable, NamedTuple
+
 import jax
+import jax.numpy as jnp
+import optax
 
 PRECONDITION_ALIASES = {"tree_map": jax.tree.map, "tree_flatten": jax.tree.flatten,
                         "tree_unflatten": jax.tree.unflatten}
@@ -95,3 +99,54 @@ def muon(learning_rate, **kwargs):
   import optax.contrib
 
   return optax.contrib.muon(learning_rate, muon_weight_dimension_numbers=muon_dimension_numbers, **kwargs)
+
+
+class KfacState(NamedTuple):
+  preconditioner: Any  # kfac_jax's OptaxPreconditionState: curvature factors, cached inverses, count
+  sgd: optax.OptState
+
+
+def kfac_loss(apply_fn: Callable, params, batch):
+  """Mean softmax cross-entropy of ``apply_fn(params, inputs)``, registered with K-FAC (one case per
+  prediction: per image, or per position of a text window)."""
+  import kfac_jax
+
+  inputs, labels = batch
+  logits = apply_fn(params, inputs)
+  logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, labels)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def kfac(learning_rate, *, apply_fn: Callable, example_batch, damping: float = 1e-3, momentum: float = 0.9,
+         nesterov: bool = True, inverse_update_period: int = 5, curvature_ema: float = 0.95,
+         **kwargs) -> optax.GradientTransformationExtraArgs:
+  """K-FAC preconditioning chained with Nesterov SGD, as one transformation.
+
+  kfac-jax's ``OptaxPreconditioner`` (its optax interface) estimates the Fisher's Kronecker factors
+  from the model itself, so ``update`` needs the batch and a key: ``update(grads, state, params,
+  batch=(inputs, labels), key=key)``. ``apply_fn(params, inputs) -> logits`` is the model;
+  ``example_batch`` (any values, the right shapes) lets ``init`` trace it to find the layers.
+  ``damping`` (no default upstream) 1e-3; ``inverse_update_period`` 5 and ``curvature_ema`` 0.95 are
+  upstream's defaults; the inverses are computed on this device (``distributed_*=False``, outside pmap).
+  """
+  patch_kfac()
+  import kfac_jax
+
+  pre = kfac_jax.OptaxPreconditioner(
+      lambda params, batch: kfac_loss(apply_fn, params, batch), damping=damping,
+      inverse_update_period=inverse_update_period, curvature_ema=curvature_ema,
+      distributed_inverses=False, distributed_precon_apply=False,
+      batch_size_extractor=lambda batch: batch[1].size, **kwargs)
+  sgd = optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)
+
+  def init(params):
+    return KfacState(pre.init((params, example_batch), jax.random.PRNGKey(0)), sgd.init(params))
+
+  def update(grads, state, params=None, *, batch, key, **extra):
+    del extra
+    ps = pre.maybe_update(state.preconditioner, (params, batch), key)
+    updates, sgd_state = sgd.update(pre.apply(grads, ps), state.sgd, params)
+    return updates, KfacState(pre.increment_count(ps), sgd_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)

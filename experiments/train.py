@@ -100,10 +100,23 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.schedule: {e}") from None
   sub, kwargs = f"optimizer.{o.name}", dict(o[o.name]) if o.name in o else {}
   try:
-    opt = optimizers.create(config)
+    opt = optimizers.create(config, forward(config))
     jax.eval_shape(opt.tx.init, abstract_params(config))
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.{_library_key(sub, kwargs, e)}: {str(e).splitlines()[0]}") from None
+
+
+def _abstract_model(config: ml_collections.ConfigDict):
+  input_shape, num_classes = data_lib.DATASETS[config.dataset]
+  return nnx.eval_shape(lambda: models.create_model(config.model, seed=config.seed, num_classes=num_classes,
+                                                    input_shape=input_shape))
+
+
+def forward(config: ml_collections.ConfigDict, graphdef=None) -> optimizers.Forward:
+  """The model as an optimizer that runs it needs it (K-FAC): ``apply_fn(params, inputs)`` and a batch."""
+  graphdef = nnx.split(_abstract_model(config), nnx.Param)[0] if graphdef is None else graphdef
+  return optimizers.Forward(lambda params, inputs: nnx.merge(graphdef, params)(inputs),
+                            data_lib.example_batch(config.dataset, config.batch_size))
 
 
 def abstract_params(config: ml_collections.ConfigDict):
@@ -233,8 +246,10 @@ def _logits_and_inputs(graphdef, params, images, key, capture: bool, max_rows):
   return model(images), None
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, *, capture: bool, max_rows):
-  """The jitted step: loss and captured layer inputs from one forward pass, then ``tx.update``."""
+def make_train_step(graphdef, tx: optax.GradientTransformation, *, capture: bool, max_rows,
+                    pass_batch: bool = False):
+  """The jitted step: loss and captured layer inputs from one forward pass, then ``tx.update``
+  (given ``layer_inputs=`` if ``capture``, ``batch=`` and ``key=`` if ``pass_batch``)."""
 
   def loss_fn(params, images, labels, key):
     logits, layer_inputs = _logits_and_inputs(graphdef, params, images, key, capture, max_rows)
@@ -246,6 +261,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, capture: bool
   def train_step(params, opt_state, images, labels, key):
     (loss, (err, layer_inputs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, images, labels, key)
     extra = {"layer_inputs": layer_inputs} if capture else {}
+    if pass_batch:
+      extra.update(batch=(images, labels), key=jax.random.fold_in(key, 1))
     updates, opt_state = tx.update(grads, opt_state, params, **extra)
     params = optax.apply_updates(params, updates)
     return params, opt_state, loss, err
@@ -317,9 +334,10 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
   model = models.create_model(config.model, seed=config.seed, num_classes=num_classes, input_shape=input_shape)
   graphdef, params = nnx.split(model, nnx.Param)
   params = nnx.as_pure(params)
-  opt = optimizers.create(config)
+  opt = optimizers.create(config, forward(config, graphdef))
   opt_state = opt.tx.init(params)
-  train_step = make_train_step(graphdef, opt.tx, capture=opt.needs_layer_inputs, max_rows=config.max_rows or None)
+  train_step = make_train_step(graphdef, opt.tx, capture=opt.needs_layer_inputs, max_rows=config.max_rows or None,
+                               pass_batch=opt.needs_batch)
   evaluate = make_eval_fn(graphdef)
 
   ckpts = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), os.path.join(workdir, "damaged_checkpoints"))

@@ -110,3 +110,28 @@ def test_muon_gets_conv_kernels_too():
   # Muon orthogonalises the (kh*kw*cin, cout) matrix of the conv update: its singular values are equal
   s = np.linalg.svd(np.asarray(upd["conv"]["kernel"]).reshape(18, 4), compute_uv=False)
   assert s.max() / s.min() < 1.6, s
+
+
+def test_kfac_step_is_the_pi_damped_kronecker_inverse_of_the_input_and_output_factors():
+  """kfac-jax's input factor of a dense layer is SCSGD's C (inputs with a ones column for the bias):
+  after one step it is exactly [X, 1]^T [X, 1] / B, and the first update is Nesterov SGD's
+  -lr (1 + momentum) of (A + pi sqrt(l) I)^-1 [g_W; g_b] (G + sqrt(l)/pi I)^-1, pi^2 = (tr A/7)/(tr G/3)."""
+  params = {"dense": {"kernel": jnp.zeros((6, 3)), "bias": jnp.zeros(3)}}
+
+  def apply_fn(p, inputs):
+    return inputs @ p["dense"]["kernel"] + p["dense"]["bias"]
+
+  x, y = jax.random.normal(jax.random.PRNGKey(1), (8, 6)), jnp.arange(8) % 3
+  lr, momentum, damping = 0.1, 0.9, 1e-3
+  tx = peers.kfac(lr, apply_fn=apply_fn, example_batch=(jnp.zeros_like(x), y), damping=damping, momentum=momentum)
+  grads = jax.grad(lambda p: peers.kfac_loss(apply_fn, p, (x, y)))(params)
+  updates, state = tx.update(grads, tx.init(params), params, batch=(x, y), key=jax.random.PRNGKey(2))
+  a, g = (f.value for f in state.preconditioner.estimator_state.blocks_states[0].factors)
+  x1 = np.concatenate([np.asarray(x), np.ones((8, 1))], 1)
+  np.testing.assert_allclose(a, x1.T @ x1 / 8, rtol=1e-5, atol=1e-6)
+  pi = np.sqrt((np.trace(a) / 7) / (np.trace(g) / 3))
+  gm = np.concatenate([grads["dense"]["kernel"], grads["dense"]["bias"][None]], 0)
+  p = np.linalg.solve(a + pi * np.sqrt(damping) * np.eye(7), gm) @ np.linalg.inv(g + np.sqrt(damping) / pi * np.eye(3))
+  got = np.concatenate([updates["dense"]["kernel"], updates["dense"]["bias"][None]], 0)
+  np.testing.assert_allclose(got, -lr * (1 + momentum) * p, rtol=1e-4, atol=1e-6)
+  assert int(state.preconditioner.count) == 1

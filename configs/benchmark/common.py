@@ -7,9 +7,11 @@ from experiments import optimizers
 
 # Each optimizer's documented default learning rate: the centre of its grid.
 #   sgd, scsgd: the paper's 0.01 (Caffe's LeNet solver); adamw, nadamw, scsgd_adamw: optax's/Adam's 1e-3;
-#   muon: 0.02 (Muon's reference setting); shampoo, sketchy: 1e-3 (distributed_shampoo grafts onto Adam).
+#   muon: 0.02 (Muon's reference setting); shampoo, sketchy: 1e-3 (distributed_shampoo grafts onto Adam);
+#   kfac: no documented default for its optax interface (kfac-jax's own optimizer adapts it): SGD's 0.01,
+#   as it is chained with the same Nesterov SGD.
 DEFAULT_LR = dict(sgd=0.01, scsgd=0.01, adamw=1e-3, nadamw=1e-3, muon=0.02, shampoo=1e-3, sketchy=1e-3,
-                  scsgd_adamw=1e-3)
+                  scsgd_adamw=1e-3, kfac=0.01)
 
 
 def get_config():
