@@ -127,8 +127,11 @@ def benchmark(config, workdir: str) -> dict:
     seeds = {}
     for seed in config.benchmark.seeds:
       cfg = run_config(config, name, best, seed, config.num_steps)
-      rows, diverged = _run(cfg, os.path.join(workdir, name, f"lr{best:g}_seed{seed}"))
+      run_dir = os.path.join(workdir, name, f"lr{best:g}_seed{seed}")
+      rows, diverged = _run(cfg, run_dir)
       seeds[seed] = {"rows": rows, "diverged": diverged}
+      if config.benchmark.report_split and not diverged:
+        seeds[seed]["report"] = train.evaluate_checkpoint(cfg, run_dir, config.benchmark.report_split)
     lrs = sorted(tuning)
     out["optimizers"][name] = {"tuning": {f"{lr:g}": v for lr, v in tuning.items()}, "learning_rate": best,
                                "at_grid_edge": best in (lrs[0], lrs[-1]),
@@ -142,6 +145,13 @@ def _to_target(rows, target):
     if r.get("test_loss", float("inf")) <= target:
       return r["step"], r["train_time"]
   return None, None
+
+
+def _median_report(seeds: dict, key: str):
+  """Median over seeds of the final parameters' ``config.benchmark.report_split`` figure (None: not
+  evaluated, or a seed diverged)."""
+  values = [s["report"][key] for s in seeds.values() if "report" in s]
+  return float(np.median(values)) if values and len(values) == len(seeds) else None
 
 
 def summarize(config, out: dict) -> dict:
@@ -163,6 +173,8 @@ def summarize(config, out: dict) -> dict:
         "seconds_range": [min(secs), max(secs)] if secs else None,
         "final_loss_median": finals[name],
         "final_error_median": float(np.median([_final(s["rows"], "test_error") for s in o["seeds"].values()])),
+        "report_loss_median": _median_report(o["seeds"], "loss"),
+        "report_error_median": _median_report(o["seeds"], "error"),
         "step_ms_median": float(np.median([1e3 * r["train_time"] / r["step"] for r in last])),
         "compile_s_median": float(np.median([r.get("compile_time", float("nan")) for r in last])),
         "state_bytes": o["state_bytes"],
@@ -228,16 +240,21 @@ def write_report(config, out: dict, results_dir: str, command: str) -> str:
       f"of {', '.join(b.target_from)}. Every other setting is the optimizer's documented default.\n",
       "Figures: " + report.figure_links(figs) + "\n",
       "| optimizer | lr | reached | iterations to target (median [range]) | vs best | seconds to target | vs best | "
-      f"final {config.eval_split} loss | final error | ms/step | compile s | state bytes | vs smallest |",
-      "|" + " --- |" * 13]
+      f"final {config.eval_split} loss | final error | "
+      + (f"final {b.report_split} loss | {b.report_split} error | " if b.report_split else "")
+      + "ms/step | compile s | state bytes | vs smallest |",
+      "|" + " --- |" * (15 if b.report_split else 13)]
   for name, o in out["optimizers"].items():
     s = o["summary"]
+    reported = (f"{_fmt(s['report_loss_median'], '.4f')} | "
+                f"{_fmt(s['report_error_median'] and 100 * s['report_error_median'], '.2f')}% | "
+                if b.report_split else "")
     its = f"{_fmt(s['iterations_median'], '.0f')} [{', '.join(map(str, s['iterations_range'] or []))}]"
     secs = f"{_fmt(s['seconds_median'], '.1f')} [{', '.join(f'{v:.1f}' for v in s['seconds_range'] or [])}]"
     edge = " (edge)" if o["at_grid_edge"] else ""
     lines.append(f"| {name} | {o['learning_rate']:g}{edge} | {s['reached']} | {its} | {_fmt(s['iterations_vs_best'], '.2f')} | "
                  f"{secs} | {_fmt(s['time_to_target_vs_best'], '.2f')} | {s['final_loss_median']:.4f} | "
-                 f"{100 * s['final_error_median']:.2f}% | {s['step_ms_median']:.1f} | {s['compile_s_median']:.1f} | "
+                 f"{100 * s['final_error_median']:.2f}% | {reported}{s['step_ms_median']:.1f} | {s['compile_s_median']:.1f} | "
                  f"{s['state_bytes']:,} | {s['state_vs_smallest']:.2f} |")
   lines += ["", f"(edge): the chosen rate is at an end of the grid even after growing it {b.extend_edge} steps past "
             "that end, so the grid may not bracket the best rate.",

@@ -119,7 +119,7 @@ def _decode(source, name: str, split: str, max_examples: int) -> Split:
   try:
     try:
       examples = source.__getitems__(list(range(n)))  # one batched read of the ArrayRecord file
-    except TypeError:  # sources without batched reads (e.g. tfds.testing.mock_data's)
+    except (TypeError, AttributeError):  # sources without batched reads (tfds.testing.mock_data's, a list)
       examples = [source[i] for i in range(n)]
     if name in TEXT:
       return _windows(name, "".join(_text(ex["text"]) for ex in examples))

@@ -289,6 +289,28 @@ def make_eval_fn(graphdef):
   return evaluate
 
 
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, split: str) -> dict[str, float]:
+  """The newest checkpoint of ``workdir`` (a run of ``config``) evaluated on ``split`` of its dataset:
+  ``{"step", "loss", "error"}``."""
+  input_shape, num_classes = data_lib.DATASETS[config.dataset]
+  graphdef, params = nnx.split(models.create_model(config.model, seed=config.seed, num_classes=num_classes,
+                                                   input_shape=input_shape), nnx.Param)
+  params = nnx.as_pure(params)
+  opt = optimizers.create(config, forward(config, graphdef))
+  abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": opt.tx.init(p)}, params)
+  ckpts = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), os.path.join(workdir, "damaged_checkpoints"))
+  try:
+    restored = ckpts.restore(abstract)
+  finally:
+    ckpts.close()
+  if restored is None:
+    raise errors.WorkdirError(f"{workdir} holds no checkpoint to evaluate")
+  step, state, _ = restored
+  data = data_lib.load_split(config.dataset, split, config.data_dir, config.max_test_examples, config.download)
+  out = make_eval_fn(graphdef)(state["params"], data, config.eval_batch_size)
+  return {"step": step, "loss": out["test_loss"], "error": out["test_error"]}
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        allow_config_change: bool = False) -> dict[str, Any]:
   """Trains ``config`` and writes metrics (JSON lines), checkpoints and the config into ``workdir``.

@@ -76,16 +76,50 @@ def test_tiny_benchmark_on_mock_data_writes_its_report(tmp_path):
   config.benchmark.optimizers = ("sgd", "scsgd")
   config.benchmark.grid = (0.1, 1.0)
   config.benchmark.target_from = ("sgd",)
+  config.benchmark.report_split = "test"  # = eval_split here, so it must equal the last logged test loss
   with tfds.testing.mock_data(num_examples=600):
     out = benchmark.benchmark(config, str(tmp_path / "runs"))
   for name, o in out["optimizers"].items():
     tuning = {float(k): v for k, v in o["tuning"].items()}
     assert o["learning_rate"] == min(tuning, key=tuning.get)  # the lowest final loss of the grid
     assert set(o["seeds"]) == {0, 1} and all(len(s["rows"]) == 2 for s in o["seeds"].values())
+    for s in o["seeds"].values():
+      assert s["report"]["step"] == 20
+      assert s["report"]["loss"] == pytest.approx(s["rows"][-1]["test_loss"], rel=1e-5)
+      assert s["report"]["error"] == pytest.approx(s["rows"][-1]["test_error"])
   path = benchmark.write_report(config, out, str(tmp_path / "report"), "cmd")
   text = open(path).read()
-  assert "| sgd |" in text and "| scsgd |" in text and "Tuning" in text
+  assert "| sgd |" in text and "| scsgd |" in text and "Tuning" in text and "final test loss" in text
   for f in ("loss_vs_step.png", "loss_vs_train_time.png", "results.json", "metrics_scsgd_seed1.jsonl"):
     assert (tmp_path / "report" / f).exists(), f
   summary = open(benchmark.write_summary(str(tmp_path))).read()
   assert "| [report](report/README.md) | scsgd |" in summary and "| [report](report/README.md) | sgd |" in summary
+
+
+def _shakespeare_source(*args, **kwargs):
+  """tiny_shakespeare's shape (one example holding a whole text) in its 65-character vocabulary."""
+  from experiments import data
+
+  chars = np.random.default_rng(0).choice(list(data.SHAKESPEARE_CHARS), 64 * 40 + 1)
+  return [{"text": "".join(chars).encode()}]
+
+
+@pytest.mark.parametrize("task", ["convex", "mnist", "shakespeare"])
+def test_every_optimizer_takes_steps_on_every_task(task, tmp_path):
+  """Each task's own model and settings, every optimizer of its protocol, two steps on mock data."""
+  import importlib
+
+  from experiments import train
+
+  config = importlib.import_module(f"configs.benchmark.{task}").get_config()
+  config.download = False
+  config.batch_size, config.max_train_examples, config.max_test_examples, config.eval_batch_size = 8, 64, 16, 16
+  config.num_steps, config.train_log_every, config.eval_every, config.checkpoint_every = 2, 1, 2, 2
+  source = dict(as_data_source_fn=_shakespeare_source) if config.dataset == "tiny_shakespeare" else {}
+  names = benchmark.names(config)
+  assert {"sgd", "scsgd", "adamw", "nadamw", "muon", "shampoo", "sketchy", "kfac", "scsgd_adamw"} <= set(names)
+  with tfds.testing.mock_data(num_examples=64, **source):
+    for name in names:
+      lr = config.benchmark.default_lr[name]
+      last = train.train_and_evaluate(benchmark.run_config(config, name, lr, 0, 2), str(tmp_path / name))
+      assert last["step"] == 2 and np.isfinite(last["test_loss"]) and np.isfinite(last["train_loss"]), name

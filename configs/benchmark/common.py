@@ -29,4 +29,5 @@ def get_config():
   config.benchmark.tune_fraction = 0.2  # the grid runs a fifth of the budget, seed 0
   config.benchmark.seeds = (0, 1, 2)  # then these seeds at the full budget and the chosen rate
   config.benchmark.target_from = ("sgd", "adamw")  # target: the best of their final losses
+  config.benchmark.report_split = ""  # a split the final parameters are also evaluated on ("": none)
   return config
