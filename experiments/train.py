@@ -127,7 +127,14 @@ def abstract_params(config: ml_collections.ConfigDict):
 
 
 def config_differences(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
-  """``(dotted key, old, new)`` for every key whose value differs, run-time-only keys excepted."""
+  """``(dotted key, old, new)`` for every key whose value differs, run-time-only keys excepted, and the
+  sub-configs of optimizers the run does not use (editing AdamW's settings does not change an SGD run)."""
+
+  def used(d):
+    o = d.get("optimizer", {})
+    names = {old.get("optimizer", {}).get("name"), new.get("optimizer", {}).get("name")}
+    kept = {k: v for k, v in o.items() if not isinstance(v, dict) or k in names}
+    return {**d, "optimizer": kept} if "optimizer" in d else d
 
   def flat(d, prefix=""):
     out = {}
@@ -138,7 +145,7 @@ def config_differences(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
         out[f"{prefix}{k}"] = v
     return out
 
-  a, b = flat(old), flat(new)
+  a, b = flat(used(old)), flat(used(new))
   keys = sorted(set(a) | set(b), key=lambda k: (k not in a, k))
   return [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in keys
           if k not in RUNTIME_KEYS and a.get(k, "<absent>") != b.get(k, "<absent>")]

@@ -1,5 +1,6 @@
 """Every config value is checked before data is read or anything compiles: one line naming the key."""
 
+import json
 import pytest
 import tensorflow_datasets as tfds
 
@@ -74,3 +75,18 @@ def test_batch_larger_than_the_dataset_is_caught_before_decoding(tmp_path, monke
   with tfds.testing.mock_data(num_examples=600):
     with pytest.raises(errors.ConfigError, match=r"^config\.batch_size=1000 is larger than the 600 training examples"):
       train.train_and_evaluate(config, str(tmp_path))
+
+
+def test_only_the_used_optimizers_sub_config_is_part_of_a_run():
+  old = {"seed": 0, "optimizer": {"name": "sgd", "weight_decay": 0.0, "sgd": {"momentum": 0.9}, "adamw": {"b1": None}}}
+  new = json.loads(json.dumps(old))
+  new["optimizer"]["adamw"]["b1"] = 0.8  # another optimizer's setting
+  new["optimizer"]["kfac"] = {"damping": None}  # an optimizer added to the config since
+  assert train.config_differences(old, new) == []
+  new["optimizer"]["sgd"]["momentum"] = 0.5
+  new["optimizer"]["weight_decay"] = 1e-4
+  assert train.config_differences(old, new) == [("optimizer.sgd.momentum", 0.9, 0.5),
+                                                ("optimizer.weight_decay", 0.0, 1e-4)]
+  new["optimizer"]["name"] = "adamw"  # another optimizer: its name and both sub-configs count
+  assert [k for k, _, _ in train.config_differences(old, new)] == [
+      "optimizer.adamw.b1", "optimizer.name", "optimizer.sgd.momentum", "optimizer.weight_decay"]
