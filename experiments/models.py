@@ -73,12 +73,40 @@ class SVHNNet(nnx.Module):
     return jnp.mean(x, axis=(1, 2))
 
 
-class TransformerBlock(nnx.Module):
-  """Pre-LayerNorm block: causal multi-head attention, then a 4x MLP (GELU), each residual."""
+class CausalSelfAttention(nnx.Module):
+  """Multi-head causal self-attention with 2-D kernels (GPT-2's layout): one ``Linear(d, 3d)`` for q, k, v
+  and one ``Linear(d, d)`` out. Every peer of the benchmark reads these kernels as (input, output):
+  kfac-jax 0.0.8's dense block cannot take ``MultiHeadAttention``'s (in, heads, head_dim) outputs, and
+  Muon and Shampoo would read a 3-D kernel's head axis as an input axis."""
 
-  def __init__(self, d: int, heads: int, dropout: float, rngs: nnx.Rngs):
+  def __init__(self, d: int, heads: int, rngs: nnx.Rngs):
+    self.heads = heads
+    self.qkv, self.out = nnx.Linear(d, 3 * d, rngs=rngs), nnx.Linear(d, d, rngs=rngs)
+
+  def __call__(self, x, mask, deterministic: bool = True):
+    del deterministic  # no dropout
+    b, t, d = x.shape
+    q, k, v = (z.reshape(b, t, self.heads, d // self.heads) for z in jnp.split(self.qkv(x), 3, axis=-1))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads).astype(x.dtype)
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    return self.out(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).reshape(b, t, d))
+
+
+class TransformerBlock(nnx.Module):
+  """Pre-LayerNorm block: causal multi-head attention, then a 4x MLP (GELU), each residual.
+
+  ``attention``: "mha" (``nnx.MultiHeadAttention``, its q/k/v/out ``LinearGeneral`` kernels) or
+  "linear" (:class:`CausalSelfAttention`, 2-D kernels).
+  """
+
+  def __init__(self, d: int, heads: int, dropout: float, rngs: nnx.Rngs, attention: str = "mha"):
     self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
-    self.attn = nnx.MultiHeadAttention(heads, d, decode=False, dropout_rate=dropout, rngs=rngs)
+    if attention == "mha":
+      self.attn = nnx.MultiHeadAttention(heads, d, decode=False, dropout_rate=dropout, rngs=rngs)
+    elif attention == "linear" and dropout == 0:
+      self.attn = CausalSelfAttention(d, heads, rngs)
+    else:
+      raise ValueError(f"attention={attention!r} (dropout {dropout}): 'mha', or 'linear' without dropout")
     self.fc1, self.fc2 = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
 
   def __call__(self, x, mask, deterministic: bool):
@@ -93,10 +121,10 @@ class CharTransformer(nnx.Module):
   """
 
   def __init__(self, *, rngs: nnx.Rngs, vocab: int, d: int = 64, heads: int = 4, layers: int = 2,
-               context: int = 64, dropout: float = 0.0):
+               context: int = 64, dropout: float = 0.0, attention: str = "mha"):
     self.embed = nnx.Embed(vocab, d, rngs=rngs)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (context, d)))
-    self.blocks = nnx.List([TransformerBlock(d, heads, dropout, rngs) for _ in range(layers)])
+    self.blocks = nnx.List([TransformerBlock(d, heads, dropout, rngs, attention) for _ in range(layers)])
     self.ln, self.head = nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
 
   def __call__(self, ids, deterministic: bool = False):
@@ -123,9 +151,11 @@ MODELS = {
     "svhn_net": lambda rngs, classes, shape: SVHNNet(rngs=rngs, num_classes=classes, channels=shape[-1]),
     "logreg": lambda rngs, classes, shape: LogisticRegression(rngs=rngs, num_inputs=math.prod(shape),
                                                               num_classes=classes),
-    # ~0.6M parameters: d = 128, 4 heads, 3 pre-LayerNorm blocks, context = the data's window
+    # ~0.6M parameters: d = 128, 4 heads, 3 pre-LayerNorm blocks, context = the data's window; GPT-2's
+    # 2-D attention kernels, so that every optimizer of the head to head reads them alike
     "char_transformer": lambda rngs, classes, shape: CharTransformer(rngs=rngs, vocab=classes, d=128, heads=4,
-                                                                     layers=3, context=shape[0]),
+                                                                     layers=3, context=shape[0],
+                                                                     attention="linear"),
 }
 
 

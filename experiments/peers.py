@@ -107,14 +107,15 @@ class KfacState(NamedTuple):
 
 
 def kfac_loss(apply_fn: Callable, params, batch):
-  """Mean softmax cross-entropy of ``apply_fn(params, inputs)``, registered with K-FAC (one case per
-  prediction: per image, or per position of a text window)."""
+  """Mean softmax cross-entropy of ``apply_fn(params, inputs)`` over every prediction (per image, or per
+  position of a text window), registered with K-FAC. K-FAC takes a loss as ``weight * sum / B`` with
+  ``B`` the batch's first dimension (a sequence's positions are its layers' repeats), so the mean over
+  ``labels.size`` predictions has ``weight = B / labels.size``."""
   import kfac_jax
 
   inputs, labels = batch
   logits = apply_fn(params, inputs)
-  logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-  kfac_jax.register_softmax_cross_entropy_loss(logits, labels)
+  kfac_jax.register_softmax_cross_entropy_loss(logits, labels, weight=labels.shape[0] / labels.size)
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
@@ -136,8 +137,7 @@ def kfac(learning_rate, *, apply_fn: Callable, example_batch, damping: float = 1
   pre = kfac_jax.OptaxPreconditioner(
       lambda params, batch: kfac_loss(apply_fn, params, batch), damping=damping,
       inverse_update_period=inverse_update_period, curvature_ema=curvature_ema,
-      distributed_inverses=False, distributed_precon_apply=False,
-      batch_size_extractor=lambda batch: batch[1].size, **kwargs)
+      distributed_inverses=False, distributed_precon_apply=False, **kwargs)
   sgd = optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)
 
   def init(params):

@@ -353,10 +353,15 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
   check_workdir_config(workdir, config, allow_config_change)
   name = config.optimizer.name
   train_src = data_lib.open_split(config.dataset, "train", config.data_dir, config.download)
-  available = len(train_src) if config.max_train_examples < 0 else min(len(train_src), config.max_train_examples)
-  _check(config.batch_size <= available, "batch_size",
-         f"={config.batch_size} is larger than the {available} training examples of {config.dataset}.")
+  text = config.dataset in data_lib.TEXT  # one record holds the text: its examples are windows, known once read
+  if not text:  # checked before decoding
+    available = len(train_src) if config.max_train_examples < 0 else min(len(train_src), config.max_train_examples)
+    _check(config.batch_size <= available, "batch_size",
+           f"={config.batch_size} is larger than the {available} training examples of {config.dataset}.")
   train = data_lib.decode(train_src, config.dataset, "train", config.max_train_examples)
+  if text:
+    _check(config.batch_size <= len(train.labels), "batch_size",
+           f"={config.batch_size} is larger than the {len(train.labels)} training windows of {config.dataset}.")
   test = data_lib.load_split(config.dataset, config.eval_split, config.data_dir, config.max_test_examples,
                              config.download)
   input_shape, num_classes = data_lib.DATASETS[config.dataset]

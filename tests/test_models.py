@@ -52,3 +52,21 @@ def test_char_transformer_is_causal_and_sized_for_the_benchmark():
   changed = ids.copy()
   changed[:, 40:] = (changed[:, 40:] + 1) % 65  # the future must not change the past's logits
   np.testing.assert_allclose(np.asarray(model(jnp.asarray(changed)))[:, :40], out[:, :40], rtol=1e-5, atol=1e-5)
+
+
+def test_two_d_attention_is_causal_softmax_attention_head_by_head():
+  """CausalSelfAttention against numpy: per head, softmax(q k^T / sqrt(dh) + causal mask) v, then out."""
+  attn = models.CausalSelfAttention(8, 2, nnx.Rngs(0))
+  x = np.random.default_rng(1).normal(size=(2, 5, 8)).astype(np.float32)
+  mask = nnx.make_causal_mask(jnp.zeros((2, 5)))
+  got = np.asarray(attn(jnp.asarray(x), mask))
+  wqkv, bqkv = np.asarray(attn.qkv.kernel[...]), np.asarray(attn.qkv.bias[...])
+  q, k, v = np.split(x @ wqkv + bqkv, 3, axis=-1)
+  heads = []
+  for h in range(2):
+    s = q[..., 4 * h:4 * h + 4] @ np.swapaxes(k[..., 4 * h:4 * h + 4], 1, 2) / 2.0
+    s = np.where(np.tril(np.ones((5, 5), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    heads.append((p / p.sum(-1, keepdims=True)) @ v[..., 4 * h:4 * h + 4])
+  want = np.concatenate(heads, -1) @ np.asarray(attn.out.kernel[...]) + np.asarray(attn.out.bias[...])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
