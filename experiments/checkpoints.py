@@ -55,8 +55,9 @@ class Checkpoints:
   """Saves and restores ``(step, state, train_time)`` in ``directory``."""
 
   def __init__(self, directory: str, damaged_dir: str):
-    self.directory = directory
-    self.damaged_dir = damaged_dir
+    # Orbax needs absolute paths; a relative one failed every restore, which read as damage
+    self.directory = os.path.abspath(directory)
+    self.damaged_dir = os.path.abspath(damaged_dir)
     self._manager = self._open()
 
   def _open(self) -> ocp.CheckpointManager:

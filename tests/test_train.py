@@ -264,3 +264,21 @@ def test_a_state_with_zero_size_arrays_is_saved_and_restored(tmp_path):
   assert restored["empty"].shape == (0, 4) and restored["empty"].dtype == jnp.int32
   np.testing.assert_array_equal(restored["w"], state["w"])
   assert int(restored["n"]) == 3
+
+
+def test_checkpoints_in_a_relative_directory_are_read_back(tmp_path, monkeypatch):
+  """Orbax refuses relative paths; every restore from one failed and read as 'every checkpoint is damaged'."""
+  import jax.numpy as jnp
+
+  from experiments import checkpoints
+
+  monkeypatch.chdir(tmp_path)
+  state = {"w": jnp.arange(3.0)}
+  ckpts = checkpoints.Checkpoints("run/checkpoints", "run/damaged")
+  ckpts.save(7, state, 0.5)
+  ckpts.close()
+  again = checkpoints.Checkpoints("run/checkpoints", "run/damaged")
+  step, restored, _ = again.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+  again.close()
+  assert step == 7
+  np.testing.assert_array_equal(restored["w"], state["w"])
