@@ -422,7 +422,8 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
         bar.update(1)
         log_train = step % config.train_log_every == 0
         log_test = step % config.eval_every == 0 or step == config.num_steps
-        save = step % config.checkpoint_every == 0 or step == config.num_steps or stop.requested
+        stopping = stop.requested  # read once: a Ctrl-C landing later in this block waits for the next step
+        save = step % config.checkpoint_every == 0 or step == config.num_steps or stopping
         if not (log_train or log_test or save):
           continue
         jax.block_until_ready(params)
@@ -449,7 +450,7 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
           with _writing(ckpts.directory, kept()):
             ckpts.save(step, {"params": params, "opt_state": opt_state}, train_time)
           saved_step = step
-        if stop.requested:
+        if stopping:
           ckpts.wait()  # the save is on disk before the run says so
           raise errors.Interrupted(f"interrupted at step {step}; {kept()}: rerun the same command to resume")
         t0 = time.perf_counter()
