@@ -107,7 +107,8 @@ def _shakespeare_source(*args, **kwargs):
 
 @pytest.mark.parametrize("task", ["convex", "mnist", "shakespeare"])
 def test_every_optimizer_takes_steps_on_every_task(task, tmp_path):
-  """Each task's own model and settings, every optimizer of its protocol, two steps on mock data."""
+  """Each task's own model and settings, every optimizer of its protocol, two steps on mock data
+  (one for Sketchy on LeNet)."""
   import importlib
 
   from experiments import train
@@ -127,6 +128,10 @@ def test_every_optimizer_takes_steps_on_every_task(task, tmp_path):
       with pytest.raises(errors.ConfigError, match="=41 is larger than the 40 training windows of tiny_shakespeare"):
         train.train_and_evaluate(too_big, str(tmp_path / "too_big"))
     for name in names:
+      # precondition-opt 0.3.0 gives an axis shorter than Sketchy's rank + 2 (LeNet's 1, 5, 5, 20) a full
+      # inverse root padded to the largest statistic (800) at every step: ~50 s a step on this CPU, so
+      # Sketchy takes one step on LeNet (the second step runs the same compiled code)
+      steps = 1 if (task, name) == ("mnist", "sketchy") else 2
       lr = config.benchmark.default_lr[name]
-      last = train.train_and_evaluate(benchmark.run_config(config, name, lr, 0, 2), str(tmp_path / name))
-      assert last["step"] == 2 and np.isfinite(last["test_loss"]) and np.isfinite(last["train_loss"]), name
+      last = train.train_and_evaluate(benchmark.run_config(config, name, lr, 0, steps), str(tmp_path / name))
+      assert last["step"] == steps and np.isfinite(last["test_loss"]) and np.isfinite(last["train_loss"]), name
