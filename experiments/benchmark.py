@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -265,8 +266,15 @@ def write_report(config, out: dict, results_dir: str, command: str) -> str:
   return report.write_markdown(results_dir, lines)
 
 
-def write_summary(root: str) -> str:
-  """``<root>/README.md``: one table, task x optimizer, from every ``<root>/<task>/results.json``."""
+def task_names(config_file: str) -> list[str]:
+  """The benchmark's tasks: the configs beside ``config_file`` (``configs/benchmark/<task>.py``)."""
+  folder = os.path.dirname(os.path.abspath(config_file))
+  return sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".py") and f not in ("common.py", "__init__.py"))
+
+
+def write_summary(root: str, tasks: Sequence[str] = ()) -> str:
+  """``<root>/README.md``: one table, task x optimizer, from every ``<root>/<task>/results.json``; a
+  line names each of ``tasks`` that has no results there yet."""
   lines = ["# Head to head: summary", "",
            "Per task: time to the target (the best final loss of Nesterov SGD and AdamW, median of seeds) against "
            "the fastest optimizer of the task, iterations to it, final loss (median of seeds), optimizer-state "
@@ -284,6 +292,10 @@ def write_summary(root: str) -> str:
                    f"{_fmt(s['time_to_target_vs_best'], '.2f', 'not reached by every seed')} | "
                    f"{_fmt(s['iterations_median'], '.0f')} ({s['reached']}) | {s['final_loss_median']:.4f} | "
                    f"{s['state_bytes']:,} |")
+  missing = [t for t in tasks if not os.path.exists(os.path.join(root, t, "results.json"))]
+  if missing:
+    lines += ["", f"No results yet for: {', '.join(missing)} (`configs/benchmark/<task>.py`; the commands are in the "
+              "repository's README)."]
   return report.write_markdown(root, lines)
 
 
@@ -293,7 +305,7 @@ def main(argv):
   with data_lib.reuse_decoded_splits():
     out = benchmark(config, FLAGS.workdir)
   print(open(write_report(config, out, FLAGS.results_dir, cli.command_line())).read())
-  write_summary(os.path.dirname(os.path.abspath(FLAGS.results_dir)))
+  write_summary(os.path.dirname(os.path.abspath(FLAGS.results_dir)), task_names(FLAGS["config"].config_filename))
 
 
 if __name__ == "__main__":

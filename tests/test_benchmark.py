@@ -93,8 +93,13 @@ def test_tiny_benchmark_on_mock_data_writes_its_report(tmp_path):
   assert "| sgd |" in text and "| scsgd |" in text and "Tuning" in text and "final test loss" in text
   for f in ("loss_vs_step.png", "loss_vs_train_time.png", "results.json", "metrics_scsgd_seed1.jsonl"):
     assert (tmp_path / "report" / f).exists(), f
-  summary = open(benchmark.write_summary(str(tmp_path))).read()
+  summary = open(benchmark.write_summary(str(tmp_path), ["other", "report"])).read()
   assert "| [report](report/README.md) | scsgd |" in summary and "| [report](report/README.md) | sgd |" in summary
+  assert "No results yet for: other (" in summary
+
+
+def test_tasks_are_the_configs_beside_the_one_run():
+  assert benchmark.task_names("configs/benchmark/convex.py") == ["convex", "mnist", "shakespeare"]
 
 
 def _shakespeare_source(*args, **kwargs):
