@@ -139,18 +139,52 @@ def test_default_statistics_of_n16384_at_rank_64_fit_in_10_mib():
   assert state.factors["kernel"].q.shape == (16384, 64)  # streaming keeps the full rank here
 
 
-def test_auto_keeps_dense_where_it_fits_and_falls_back_in_order():
+def test_auto_gives_each_kernel_alone_its_best_option_within_n_times_p():
   tx = sk.scale_by_sketched_conditioning(rank=8)
-  plans = {}
   shapes = {"wide": (20, 400), "mid": (200, 60), "thin": (200, 10), "column": (200, 1)}
-  state = jax.eval_shape(tx.init, {k: {"kernel": jnp.zeros(s)} for k, s in shapes.items()})
-  for name in shapes:
-    f = state.factors.get(f"{name}/kernel")
-    plans[name] = None if f is None else (f.rank, f.a_inv.shape)
-  assert plans["wide"] == (20, ())          # dense C, full C^{1/2} (n <= 4 * rank)
-  assert plans["mid"] == (8, ())            # streaming at rank 8
-  assert plans["thin"] == (0, (200,))       # diagonal
-  assert plans["column"] is None            # p = 1: nothing fits beside the momentum; plain SGD
+  kinds = {}
+  for name, shape in shapes.items():
+    kinds.update(jax.eval_shape(tx.init, {name: {"kernel": jnp.zeros(shape)}}).summary())
+  assert kinds == {
+      "wide/kernel": "dense C, full C^(1/2), n=20",  # n <= 4 * rank
+      "mid/kernel": "streaming C Omega, rank 8, n=200",  # dense C (40,000 floats) > 12,000
+      "thin/kernel": "diagonal C, n=200",  # streaming at rank 1 (4,604 floats) > 2,000
+  }  # column: p = 1, nothing fits beside the momentum: plain SGD
+
+
+def test_auto_spends_the_models_leftover_floats_on_the_smallest_n_first():
+  """LeNet's kernels: alone, conv1 (25 x 20) and dense2 (500 x 10) get only diagonal statistics and conv2
+  (500 x 50) streaming at rank 9; the floats dense1 (800 x 500) leaves pay for conv1's dense C and full
+  C^{1/2}, then conv2's dense C, then dense2's streaming at the full rank, smallest n first."""
+  shapes = {"conv1": (5, 5, 1, 20), "conv2": (5, 5, 20, 50), "dense1": (800, 500), "dense2": (500, 10)}
+  params = {k: {"kernel": jnp.zeros(s), "bias": jnp.zeros(s[-1])} for k, s in shapes.items()}
+  state = jax.eval_shape(sk.scale_by_sketched_conditioning().init, params)
+  assert state.summary() == {
+      "conv1/kernel": "dense C, full C^(1/2), n=25", "conv2/kernel": "dense C, rank 32, n=500",
+      "dense1/kernel": "streaming C Omega, rank 32, n=800", "dense2/kernel": "streaming C Omega, rank 32, n=500"}
+  assert _floats((state.statistics, state.factors)) <= _floats(params)
+  alone = {}
+  for k in shapes:
+    alone.update(jax.eval_shape(sk.scale_by_sketched_conditioning().init, {k: params[k]}).summary())
+  assert alone == {
+      "conv1/kernel": "diagonal C, n=25", "conv2/kernel": "streaming C Omega, rank 9, n=500",
+      "dense1/kernel": "streaming C Omega, rank 32, n=800", "dense2/kernel": "diagonal C, n=500"}
+  # A narrower dense1 leaves too little for conv2's dense C: conv2 takes its next best option (streaming).
+  small = dict(params, dense1={"kernel": jnp.zeros((800, 300)), "bias": jnp.zeros(300)})
+  kinds = jax.eval_shape(sk.scale_by_sketched_conditioning().init, small).summary()
+  assert kinds["conv1/kernel"] == "dense C, full C^(1/2), n=25"
+  assert kinds["conv2/kernel"] == kinds["dense2/kernel"] == "streaming C Omega, rank 32, n=500"
+
+
+def test_summary_names_embeddings_custom_statistics_and_the_forced_kinds():
+  params = {"embed": {"embedding": jnp.zeros((100, 16))}, "head": {"kernel": jnp.zeros((16, 100))}}
+  assert jax.eval_shape(sk.scale_by_sketched_conditioning().init, params).summary() == {
+      "embed/embedding": "token frequencies, n=100", "head/kernel": "dense C, full C^(1/2), n=16"}
+  custom = sk.scale_by_sketched_conditioning(statistics=sk.ema_correlation(), rank=4, conditioner="sketched")
+  assert jax.eval_shape(custom.init, {"d": {"kernel": jnp.zeros((16, 3))}}).summary() == {
+      "d/kernel": "dense C, rank 4, n=16"}  # a dense EMA is reported as such, however it was asked for
+  forced = sk.scale_by_sketched_conditioning(statistics="diagonal")
+  assert jax.eval_shape(forced.init, {"d": {"kernel": jnp.zeros((16, 3))}}).summary() == {"d/kernel": "diagonal C, n=16"}
 
 
 # ---------------------------------------------------------------- warm start

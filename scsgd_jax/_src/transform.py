@@ -61,6 +61,26 @@ class ScaleBySketchedConditioningState(NamedTuple):
   factors: dict[str, sketch.Factor]
   clipped_rows: dict[str, jax.Array]
 
+  def summary(self) -> dict[str, str]:
+    """How each conditioned kernel is conditioned, read off this state (works on ``jax.eval_shape`` of ``init``).
+
+    E.g. ``{'conv1/kernel': 'dense C, full C^(1/2), n=25', 'dense1/kernel': 'streaming C Omega, rank 32,
+    n=800'}``; kernels absent from it get plain updates.
+    """
+    out = {}
+    for path, f in self.factors.items():
+      stats, n = self.statistics[path], f.dim
+      if f.q is None:
+        kind = "token frequencies" if path.rsplit("/", 1)[-1] == "embedding" else "diagonal C"
+      elif isinstance(stats, stats_lib.NystromState):
+        kind = f"streaming C Omega, rank {f.rank}"
+      elif isinstance(stats, stats_lib.EmaState) and len(stats.moments.shape) == 2:
+        kind = "dense C, full C^(1/2)" if f.rank == n else f"dense C, rank {f.rank}"
+      else:
+        kind = f"custom statistics, rank {f.rank}"
+      out[path] = f"{kind}, n={n}"
+    return out
+
 
 class KernelPlan(NamedTuple):
   """How one kernel is conditioned (decided from its shape at ``init``, see :func:`scale_by_sketched_conditioning`).
@@ -236,12 +256,15 @@ def scale_by_sketched_conditioning(
   **Statistics, per kernel** (``statistics``): ``'dense'`` is the paper's ``n x n``
   EMA of ``C``; ``'streaming'`` keeps only ``Y = C Omega`` (``n x (rank + oversample)``)
   and ``tr C`` and factors them by single-pass Nystrom; ``'diagonal'`` keeps
-  ``diag C`` (``A = diag(C)^{1/2}``). ``'auto'`` (default) picks by memory: the
-  first of dense, streaming at ``rank``, streaming at the largest smaller rank,
-  diagonal, whose statistics and factor fit in ``n * p`` floats (what Adam keeps
-  beyond SGD's momentum, its second moment), so that ``scsgd``'s whole state
-  is at most Adam's for every kernel; a kernel where none fits (``p = 1``) is
-  left to plain SGD. An embedding (a 2-D ``embedding`` leaf) always gets the exact
+  ``diag C`` (``A = diag(C)^{1/2}``). ``'auto'`` (default) picks by memory, from
+  each kernel's options best first (dense, streaming at ``rank``, streaming at each
+  smaller rank, diagonal), so that all statistics and factors together hold at most
+  one float per parameter (what Adam keeps beyond SGD's momentum, its second
+  moment, less this state's few counters) and ``scsgd``'s whole state is at most
+  Adam's: first every kernel takes its best option within its own ``n * p`` floats
+  (so the bound holds for each kernel alone); then the floats the model has left go to the kernels of smallest
+  ``n`` first, each taking its best option that they pay for. A kernel with no
+  option that fits is left to plain SGD. An embedding (a 2-D ``embedding`` leaf) always gets the exact
   diagonal ``A = C^{1/2}`` of its token frequencies. A :class:`CorrelationStatistics`
   is used for every kernel as given.
 
@@ -352,8 +375,8 @@ def scale_by_sketched_conditioning(
           f"rank={k} must be < n={n}, the input dimension of kernel '{path}'; "
           "lower rank, or use conditioner='auto' or 'full'.")
 
-  def choose(path, n, p) -> Optional[tuple[str, Optional[int], stats_lib.CorrelationStatistics]]:
-    """``(kind, rank, statistics)`` of one kernel, or ``None`` (left to plain SGD)."""
+  def choose(path, n) -> Union[tuple[str, Optional[int], stats_lib.CorrelationStatistics], list]:
+    """``(kind, rank, statistics)`` of one kernel, or under ``'auto'`` its options, best first."""
     full = conditioner == "full" or (conditioner == "auto" and n <= full_max_dim)
     if conditioner == "sketched":
       check_rank(path, n, rank)
@@ -370,26 +393,59 @@ def scale_by_sketched_conditioning(
     if statistics == "streaming":
       check_rank(path, n, rank)
       return "streaming", rank, streaming(rank)
-    # 'auto': the first option whose statistics + factor fit in n * p floats.
     options = [("dense", None if full else rank)] if full or rank < n else []
     options += [("streaming", k) for k in range(min(rank, n - 1), 0, -1)] + [("diagonal", 0)]
-    for kind, k in options:
-      if _state_floats(kind, n, k, min((k or 0) + oversample, n)) <= n * p:
-        return kind, k, {"dense": dense_stats, "diagonal": diag_stats}.get(kind) or streaming(k)
-    return None
+    return [(kind, k, _state_floats(kind, n, k, min((k or 0) + oversample, n))) for kind, k in options]
+
+  def allot(shapes: dict[str, tuple[int, int]], options: dict[str, list], budget: int) -> dict[str, int]:
+    """'auto': each kernel's option (an index into its list; ``len`` = none), within ``budget`` floats.
+
+    First every kernel takes its best option that fits in its own ``n * p`` floats, so
+    each kernel alone is within Adam's bound; then what the model's budget has left over
+    goes to the kernels of smallest ``n`` first (cheapest to upgrade), each taking its
+    best option that the leftover pays for.
+    """
+    chosen = {}
+    for path, opts in options.items():
+      n, p = shapes[path]
+      # 3 = this kernel's clipped-row counter and, were it alone, the count and key beyond Adam's count.
+      chosen[path] = next((i for i, o in enumerate(opts) if o[2] <= n * p - 3), len(opts))
+    cost = lambda path: options[path][chosen[path]][2] if chosen[path] < len(options[path]) else 0
+    left = budget - sum(cost(path) for path in options)
+    for path in sorted(options, key=lambda q: shapes[q][0]):
+      mine = cost(path)
+      best = next((i for i, o in enumerate(options[path]) if o[2] <= mine + left), chosen[path])
+      if best < chosen[path]:
+        chosen[path] = best
+        left -= cost(path) - mine
+    return chosen
 
   def plans(tree) -> dict[str, KernelPlan]:
-    out = {}
+    out, shapes, options = {}, {}, {}
     for path, leaf in kernel_paths(tree, kernel_filter).items():
       axes = axes_of(path, leaf)
       n = math.prod(leaf.shape[a] for a in axes)
-      p = leaf.size // n
       if path.rsplit("/", 1)[-1] == "embedding" and not custom:
         out[path] = ("embedding", 0, id_stats, axes, n)
         continue
-      chosen = choose(path, n, p)
-      if chosen is not None:
+      chosen = choose(path, n)
+      if isinstance(chosen, list):
+        shapes[path], options[path] = (n, leaf.size // n), chosen
+        out[path] = (None, None, None, axes, n)
+      else:
         out[path] = (*chosen, axes, n)
+    if options:
+      # Adam's state beyond SGD's momentum: one float per parameter, less this state's scalars (count and
+      # key beyond Adam's count, a clipped-row counter per kernel). Embeddings' statistics come first.
+      budget = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree)) - 2 - len(out)
+      budget -= sum(_state_floats("embedding", o[4], 0, 0) for o in out.values() if o[0] == "embedding")
+      for path, i in allot(shapes, options, budget).items():
+        if i == len(options[path]):
+          del out[path]  # nothing fits: plain SGD
+          continue
+        kind, k, _ = options[path][i]
+        out[path] = (kind, k, {"dense": dense_stats, "diagonal": diag_stats}.get(kind) or streaming(k),
+                     *out[path][3:])
     total = len(out)
     return {
         path: KernelPlan(axes, n, kind, k, stats, (i * update_every) // total if stagger else 0)
