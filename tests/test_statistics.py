@@ -122,13 +122,18 @@ N_GRID = [8, 25, 64, 256, 500, 800, 1024, 4096, 16384]
 P_GRID = [1, 2, 10, 64, 1000, 4096]
 
 
-def test_default_state_is_at_most_adams_for_every_kernel_shape():
+@pytest.mark.parametrize("budget", ["kernel", "model"])
+def test_default_state_is_at_most_adams_for_every_kernel_shape(budget):
   for n in N_GRID:
     for p in P_GRID:
       params = {"dense": {"kernel": jnp.zeros((n, p)), "bias": jnp.zeros((p,))}}
-      ours = _floats(jax.eval_shape(sk.scsgd(0.1).init, params))
+      ours = _floats(jax.eval_shape(sk.scsgd(0.1, budget=budget).init, params))
       adam = _floats(jax.eval_shape(optax.adam(1e-3).init, params))
       assert ours <= adam, (n, p, ours, adam)
+      if budget == "model":  # no bias: the bound is the kernel's alone
+        kernel = {"kernel": jnp.zeros((n, p))}
+        ours = _floats(jax.eval_shape(sk.scsgd(0.1, budget=budget).init, kernel))
+        assert ours <= _floats(jax.eval_shape(optax.adam(1e-3).init, kernel)), (n, p)
 
 
 def test_default_statistics_of_n16384_at_rank_64_fit_in_10_mib():
@@ -152,26 +157,29 @@ def test_auto_gives_each_kernel_alone_its_best_option_within_n_times_p():
   }  # column: p = 1, nothing fits beside the momentum: plain SGD
 
 
-def test_auto_spends_the_models_leftover_floats_on_the_smallest_n_first():
-  """LeNet's kernels: alone, conv1 (25 x 20) and dense2 (500 x 10) get only diagonal statistics and conv2
+def test_model_budget_spends_the_leftover_floats_on_the_smallest_n_first():
+  """budget='model', LeNet's kernels: alone, conv1 (25 x 20) and dense2 (500 x 10) get only diagonal statistics and conv2
   (500 x 50) streaming at rank 9; the floats dense1 (800 x 500) leaves pay for conv1's dense C and full
   C^{1/2}, then conv2's dense C, then dense2's streaming at the full rank, smallest n first."""
   shapes = {"conv1": (5, 5, 1, 20), "conv2": (5, 5, 20, 50), "dense1": (800, 500), "dense2": (500, 10)}
   params = {k: {"kernel": jnp.zeros(s), "bias": jnp.zeros(s[-1])} for k, s in shapes.items()}
-  state = jax.eval_shape(sk.scale_by_sketched_conditioning().init, params)
+  state = jax.eval_shape(sk.scale_by_sketched_conditioning(budget="model").init, params)
   assert state.summary() == {
       "conv1/kernel": "dense C, full C^(1/2), n=25", "conv2/kernel": "dense C, rank 32, n=500",
       "dense1/kernel": "streaming C Omega, rank 32, n=800", "dense2/kernel": "streaming C Omega, rank 32, n=500"}
   assert _floats((state.statistics, state.factors)) <= _floats(params)
-  alone = {}
+  alone = {}  # the default budget='kernel' gives each kernel of the model what it gets alone
+  assert jax.eval_shape(sk.scale_by_sketched_conditioning().init, params).summary() == {
+      "conv1/kernel": "diagonal C, n=25", "conv2/kernel": "streaming C Omega, rank 9, n=500",
+      "dense1/kernel": "streaming C Omega, rank 32, n=800", "dense2/kernel": "diagonal C, n=500"}
   for k in shapes:
-    alone.update(jax.eval_shape(sk.scale_by_sketched_conditioning().init, {k: params[k]}).summary())
+    alone.update(jax.eval_shape(sk.scale_by_sketched_conditioning(budget="model").init, {k: params[k]}).summary())
   assert alone == {
       "conv1/kernel": "diagonal C, n=25", "conv2/kernel": "streaming C Omega, rank 9, n=500",
       "dense1/kernel": "streaming C Omega, rank 32, n=800", "dense2/kernel": "diagonal C, n=500"}
   # A narrower dense1 leaves too little for conv2's dense C: conv2 takes its next best option (streaming).
   small = dict(params, dense1={"kernel": jnp.zeros((800, 300)), "bias": jnp.zeros(300)})
-  kinds = jax.eval_shape(sk.scale_by_sketched_conditioning().init, small).summary()
+  kinds = jax.eval_shape(sk.scale_by_sketched_conditioning(budget="model").init, small).summary()
   assert kinds["conv1/kernel"] == "dense C, full C^(1/2), n=25"
   assert kinds["conv2/kernel"] == kinds["dense2/kernel"] == "streaming C Omega, rank 32, n=500"
 

@@ -227,6 +227,7 @@ def scale_by_sketched_conditioning(
     statistics: StatisticsKind = "auto",
     warm_start: bool = True,
     stagger: bool = True,
+    budget: Literal["kernel", "model"] = "kernel",
     outlier_threshold: float = DEFAULT_OUTLIER_THRESHOLD,
     full_max_dim: Optional[int] = None,
     oversample: Optional[int] = None,
@@ -258,13 +259,15 @@ def scale_by_sketched_conditioning(
   and ``tr C`` and factors them by single-pass Nystrom; ``'diagonal'`` keeps
   ``diag C`` (``A = diag(C)^{1/2}``). ``'auto'`` (default) picks by memory, from
   each kernel's options best first (dense, streaming at ``rank``, streaming at each
-  smaller rank, diagonal), so that all statistics and factors together hold at most
-  one float per parameter (what Adam keeps beyond SGD's momentum, its second
-  moment, less this state's few counters) and ``scsgd``'s whole state is at most
-  Adam's: first every kernel takes its best option within its own ``n * p`` floats
-  (so the bound holds for each kernel alone); then the floats the model has left go to the kernels of smallest
-  ``n`` first, each taking its best option that they pay for. A kernel with no
-  option that fits is left to plain SGD. An embedding (a 2-D ``embedding`` leaf) always gets the exact
+  smaller rank, diagonal): the best whose statistics and factor fit in ``n * p``
+  floats (what Adam keeps beyond SGD's momentum, its second moment), so that
+  ``scsgd``'s whole state is at most Adam's for every kernel; a kernel where none
+  fits (``p = 1``) is left to plain SGD. With ``budget='model'`` the bound is the
+  model's: after that first choice, the floats the model has left (one per
+  parameter, less the state's counters) go to the kernels of smallest ``n`` first,
+  each taking its best option that they pay for (LeNet: conv1 and conv2 get the
+  dense ``C``; on small transformers the full ``C^{1/2}`` it then gives trained
+  worse than SGD at SGD's rate, so it is not the default). An embedding (a 2-D ``embedding`` leaf) always gets the exact
   diagonal ``A = C^{1/2}`` of its token frequencies. A :class:`CorrelationStatistics`
   is used for every kernel as given.
 
@@ -301,6 +304,8 @@ def scale_by_sketched_conditioning(
       :class:`CorrelationStatistics`.
     warm_start: bias-corrected statistics and doubling refreshes at the start.
     stagger: spread the kernels' periodic refreshes over the window.
+    budget: the memory rule of ``statistics='auto'``: ``'kernel'`` (default), each kernel within its
+      own ``n * p`` floats; ``'model'``, the model's leftover floats too (see above).
     outlier_threshold: rows above this multiple of the running ``tr C`` (squared
       norm) are clipped before they enter the statistics.
     full_max_dim: ``n`` up to which ``'auto'`` picks the full conditioner (default ``4 * rank``).
@@ -338,6 +343,8 @@ def scale_by_sketched_conditioning(
         f"got {statistics!r}.")
   if statistics == "streaming" and conditioner == "full":
     raise ValueError("conditioner='full' needs the dense C: it cannot be combined with statistics='streaming'.")
+  if budget not in ("kernel", "model"):
+    raise ValueError(f"budget must be 'kernel' or 'model', got {budget!r}.")
   if not isinstance(warm_start, bool) or not isinstance(stagger, bool):
     raise ValueError(f"warm_start and stagger must be bools, got {warm_start!r} and {stagger!r}.")
   if kernel_filter is None:
@@ -397,21 +404,24 @@ def scale_by_sketched_conditioning(
     options += [("streaming", k) for k in range(min(rank, n - 1), 0, -1)] + [("diagonal", 0)]
     return [(kind, k, _state_floats(kind, n, k, min((k or 0) + oversample, n))) for kind, k in options]
 
-  def allot(shapes: dict[str, tuple[int, int]], options: dict[str, list], budget: int) -> dict[str, int]:
-    """'auto': each kernel's option (an index into its list; ``len`` = none), within ``budget`` floats.
+  def allot(shapes: dict[str, tuple[int, int]], options: dict[str, list], floats: int) -> dict[str, int]:
+    """'auto': each kernel's option (an index into its list; ``len`` = none); ``floats``: the model's bound.
 
-    First every kernel takes its best option that fits in its own ``n * p`` floats, so
-    each kernel alone is within Adam's bound; then what the model's budget has left over
-    goes to the kernels of smallest ``n`` first (cheapest to upgrade), each taking its
-    best option that the leftover pays for.
+    Every kernel takes its best option that fits in its own ``n * p`` floats, so each
+    kernel alone is within Adam's bound; with ``budget='model'`` what the model has left
+    over then goes to the kernels of smallest ``n`` first (cheapest to upgrade), each
+    taking its best option that the leftover pays for.
     """
     chosen = {}
     for path, opts in options.items():
       n, p = shapes[path]
-      # 3 = this kernel's clipped-row counter and, were it alone, the count and key beyond Adam's count.
-      chosen[path] = next((i for i, o in enumerate(opts) if o[2] <= n * p - 3), len(opts))
+      # 'model': 3 = this kernel's clipped-row counter and, were it alone, the count and key beyond Adam's.
+      bound = n * p - (3 if budget == "model" else 0)
+      chosen[path] = next((i for i, o in enumerate(opts) if o[2] <= bound), len(opts))
+    if budget == "kernel":
+      return chosen
     cost = lambda path: options[path][chosen[path]][2] if chosen[path] < len(options[path]) else 0
-    left = budget - sum(cost(path) for path in options)
+    left = floats - sum(cost(path) for path in options)
     for path in sorted(options, key=lambda q: shapes[q][0]):
       mine = cost(path)
       best = next((i for i, o in enumerate(options[path]) if o[2] <= mine + left), chosen[path])
@@ -435,11 +445,11 @@ def scale_by_sketched_conditioning(
       else:
         out[path] = (*chosen, axes, n)
     if options:
-      # Adam's state beyond SGD's momentum: one float per parameter, less this state's scalars (count and
-      # key beyond Adam's count, a clipped-row counter per kernel). Embeddings' statistics come first.
-      budget = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree)) - 2 - len(out)
-      budget -= sum(_state_floats("embedding", o[4], 0, 0) for o in out.values() if o[0] == "embedding")
-      for path, i in allot(shapes, options, budget).items():
+      # budget='model': Adam's state beyond SGD's momentum, one float per parameter, less this state's scalars
+      # (count and key beyond Adam's count, a clipped-row counter per kernel) and the embeddings' statistics.
+      floats = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree)) - 2 - len(out)
+      floats -= sum(_state_floats("embedding", o[4], 0, 0) for o in out.values() if o[0] == "embedding")
+      for path, i in allot(shapes, options, floats).items():
         if i == len(options[path]):
           del out[path]  # nothing fits: plain SGD
           continue
