@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import scsgd_jax as sk
+from scsgd_jax._src import statistics as stats_lib
 from scsgd_jax._src import transform
 
 
@@ -75,7 +76,7 @@ def test_diagonal_factor_and_embedding_statistic_oracle():
   freq = np.array([2, 1, 0, 3, 0]) / 6
   np.testing.assert_allclose(np.diag(stats.correlation(s)), freq, rtol=1e-6)
   f = stats.factor(s, None, 0)
-  floor = 1e-5 * 1.0 / 5
+  floor = stats_lib.DEFAULT_EIGENVALUE_FLOOR * 1.0 / 5  # the optimizer statistics' floor, relative to tr C / n
   np.testing.assert_allclose(f.a_inv, 1 / np.sqrt(np.maximum(freq, floor)), rtol=1e-5)
   g = np.arange(10.0).reshape(5, 2)
   np.testing.assert_allclose(sk.precondition_kernel(f, jnp.asarray(g, jnp.float32)),
@@ -160,16 +161,16 @@ def test_auto_gives_each_kernel_alone_its_best_option_within_n_times_p():
 def test_model_budget_spends_the_leftover_floats_on_the_smallest_n_first():
   """budget='model', LeNet's kernels: alone, conv1 (25 x 20) and dense2 (500 x 10) get only diagonal statistics and conv2
   (500 x 50) streaming at rank 9; the floats dense1 (800 x 500) leaves pay for conv1's dense C and full
-  C^{1/2}, then conv2's dense C, then dense2's streaming at the full rank, smallest n first."""
+  C^{1/2}, then conv2's dense C, then dense2's streaming at the full rank, smallest n first. (The default.)"""
   shapes = {"conv1": (5, 5, 1, 20), "conv2": (5, 5, 20, 50), "dense1": (800, 500), "dense2": (500, 10)}
   params = {k: {"kernel": jnp.zeros(s), "bias": jnp.zeros(s[-1])} for k, s in shapes.items()}
-  state = jax.eval_shape(sk.scale_by_sketched_conditioning(budget="model").init, params)
+  state = jax.eval_shape(sk.scale_by_sketched_conditioning().init, params)
   assert state.summary() == {
       "conv1/kernel": "dense C, full C^(1/2), n=25", "conv2/kernel": "dense C, rank 32, n=500",
       "dense1/kernel": "streaming C Omega, rank 32, n=800", "dense2/kernel": "streaming C Omega, rank 32, n=500"}
   assert _floats((state.statistics, state.factors)) <= _floats(params)
-  alone = {}  # the default budget='kernel' gives each kernel of the model what it gets alone
-  assert jax.eval_shape(sk.scale_by_sketched_conditioning().init, params).summary() == {
+  alone = {}  # budget='kernel' gives each kernel of the model what it gets alone
+  assert jax.eval_shape(sk.scale_by_sketched_conditioning(budget="kernel").init, params).summary() == {
       "conv1/kernel": "diagonal C, n=25", "conv2/kernel": "streaming C Omega, rank 9, n=500",
       "dense1/kernel": "streaming C Omega, rank 32, n=800", "dense2/kernel": "diagonal C, n=500"}
   for k in shapes:

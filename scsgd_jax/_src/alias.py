@@ -6,7 +6,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import optax
 
-from scsgd_jax._src import sketch
+from scsgd_jax._src import statistics as stats_lib
 from scsgd_jax._src import transform
 
 __all__ = ["scsgd"]
@@ -24,12 +24,12 @@ def scsgd(
     statistics: transform.StatisticsKind = "auto",
     warm_start: bool = True,
     stagger: bool = True,
-    budget: str = "kernel",
+    budget: str = transform.DEFAULT_BUDGET,
     outlier_threshold: float = transform.DEFAULT_OUTLIER_THRESHOLD,
     full_max_dim: Optional[int] = None,
     oversample: Optional[int] = None,
     power_iterations: Optional[int] = None,
-    eigenvalue_floor: float = sketch.DEFAULT_EIGENVALUE_FLOOR,
+    eigenvalue_floor: float = stats_lib.DEFAULT_EIGENVALUE_FLOOR,
     statistics_every: Optional[int] = None,
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
     input_axes: Union[None, Mapping[str, Sequence[int]], Callable[[str, Any], Sequence[int]]] = None,

@@ -37,6 +37,7 @@ DEFAULT_OVERSAMPLE = 10
 DEFAULT_POWER_ITERATIONS = 1
 DEFAULT_STATISTICS_EVERY = 1
 DEFAULT_OUTLIER_THRESHOLD = 100.0
+DEFAULT_BUDGET = "model"  # statistics="auto": the model-wide memory rule (scale_by_sketched_conditioning docs)
 
 #: Arguments that decide shapes or the compiled schedule; under ``optax.inject_hyperparams`` list
 #: those you pass in ``static_args`` (those left at their defaults need nothing).
@@ -227,12 +228,12 @@ def scale_by_sketched_conditioning(
     statistics: StatisticsKind = "auto",
     warm_start: bool = True,
     stagger: bool = True,
-    budget: Literal["kernel", "model"] = "kernel",
+    budget: Literal["kernel", "model"] = DEFAULT_BUDGET,
     outlier_threshold: float = DEFAULT_OUTLIER_THRESHOLD,
     full_max_dim: Optional[int] = None,
     oversample: Optional[int] = None,
     power_iterations: Optional[int] = None,
-    eigenvalue_floor: float = sketch.DEFAULT_EIGENVALUE_FLOOR,
+    eigenvalue_floor: float = stats_lib.DEFAULT_EIGENVALUE_FLOOR,
     statistics_every: Optional[int] = None,
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
     input_axes: Union[None, Mapping[str, Sequence[int]], Callable[[str, Any], Sequence[int]]] = None,
@@ -262,12 +263,12 @@ def scale_by_sketched_conditioning(
   smaller rank, diagonal): the best whose statistics and factor fit in ``n * p``
   floats (what Adam keeps beyond SGD's momentum, its second moment), so that
   ``scsgd``'s whole state is at most Adam's for every kernel; a kernel where none
-  fits (``p = 1``) is left to plain SGD. With ``budget='model'`` the bound is the
-  model's: after that first choice, the floats the model has left (one per
-  parameter, less the state's counters) go to the kernels of smallest ``n`` first,
-  each taking its best option that they pay for (LeNet: conv1 and conv2 get the
-  dense ``C``; on small transformers the full ``C^{1/2}`` it then gives trained
-  worse than SGD at SGD's rate, so it is not the default). An embedding (a 2-D ``embedding`` leaf) always gets the exact
+  fits (``p = 1``) is left to plain SGD. With ``budget='model'`` (default) the
+  bound is the model's: after that first choice, the floats the model has left
+  (one per parameter, less the state's counters) go to the kernels of smallest
+  ``n`` first, each taking its best option that they pay for (LeNet: conv1 gets
+  the dense ``C`` and full ``C^{1/2}``, conv2 the dense ``C``); the whole state
+  stays within Adam's. ``budget='kernel'`` keeps the first, per-kernel choice. An embedding (a 2-D ``embedding`` leaf) always gets the exact
   diagonal ``A = C^{1/2}`` of its token frequencies. A :class:`CorrelationStatistics`
   is used for every kernel as given.
 
@@ -304,14 +305,16 @@ def scale_by_sketched_conditioning(
       :class:`CorrelationStatistics`.
     warm_start: bias-corrected statistics and doubling refreshes at the start.
     stagger: spread the kernels' periodic refreshes over the window.
-    budget: the memory rule of ``statistics='auto'``: ``'kernel'`` (default), each kernel within its
-      own ``n * p`` floats; ``'model'``, the model's leftover floats too (see above).
+    budget: the memory rule of ``statistics='auto'``: ``'model'`` (default), the model's leftover
+      floats too (see above); ``'kernel'``, each kernel within its own ``n * p`` floats.
     outlier_threshold: rows above this multiple of the running ``tr C`` (squared
       norm) are clipped before they enter the statistics.
     full_max_dim: ``n`` up to which ``'auto'`` picks the full conditioner (default ``4 * rank``).
     oversample: sketch columns beyond ``rank`` (default 10).
     power_iterations: range-finder power iterations of the dense sketch (default 1).
-    eigenvalue_floor: relative eigenvalue floor (see :mod:`scsgd_jax` docs).
+    eigenvalue_floor: relative eigenvalue floor (default 1e-2): eigenvalues below this multiple of
+      ``tr(C) / n`` are raised to it, so no direction is amplified by more than ``1 / sqrt(floor)`` = 10x
+      the average scale (the pure sketching functions default to 1e-5, a numerical guard only).
     statistics_every: fold statistics every this many steps (default 1: every step).
     kernel_filter: ``(path, leaf) -> bool`` selecting the conditioned leaves
       (default :func:`default_kernel_filter`).
