@@ -5,6 +5,8 @@ the SHA-256 of the state's bytes and the training time so far. :meth:`Checkpoint
 the newest checkpoint that restores and matches its checksum; a damaged one (truncated, missing
 files, flipped bits) is reported in one line naming it, moved aside to ``<workdir>/damaged_checkpoints``
 and the previous kept one is used. If none is usable the run stops with a :class:`WorkdirError`.
+A sound checkpoint of another state layout (a changed setting or library default) is never called
+damaged: it is refused with a :class:`LayoutError` naming the arrays that differ.
 """
 
 from __future__ import annotations
@@ -51,6 +53,28 @@ def _first_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[0][:160]}" if text else type(e).__name__
 
 
+def _key_name(k) -> str:
+  return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+
+
+def _layout(tree: Any) -> dict[str, tuple]:
+  """``{'opt_state/0/statistics/conv1/kernel/moments': shape}``: named tuples and dicts read alike (Orbax
+  stores a named tuple's fields by name)."""
+  return {"/".join(_key_name(k) for k in path): tuple(getattr(leaf, "shape", ()))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def layout_differences(stored: dict[str, tuple], expected: dict[str, tuple]) -> list[str]:
+  """What differs between a stored state's layout and the one a config builds, one phrase per array."""
+  out = []
+  for path in sorted(set(stored) | set(expected)):
+    a, b = stored.get(path), expected.get(path)
+    if a == b:
+      continue
+    out.append(f"{path} {'absent' if a is None else a} in the checkpoint, {'absent' if b is None else b} now")
+  return out
+
+
 class Checkpoints:
   """Saves and restores ``(step, state, train_time)`` in ``directory``."""
 
@@ -61,7 +85,10 @@ class Checkpoints:
     self._manager = self._open()
 
   def _open(self) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=KEEP, create=True))
+    return ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=KEEP, create=True),
+        # registered up front so that a stored checkpoint's layout can be read before restoring it
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
@@ -78,14 +105,10 @@ class Checkpoints:
     """The newest usable ``(step, state, train_time)``; ``None`` if there is no checkpoint."""
     damaged = []
     for step in sorted(self._manager.all_steps(), reverse=True):
+      self._check_layout(step, abstract_state)
       try:
         state, train_time = self._restore_one(step, abstract_state)
       except Exception as e:  # orbax raises many types for truncated or missing files
-        if "not compatible with the stored shape" in str(e):  # sound files, another state layout
-          raise errors.WorkdirError(
-              f"checkpoint {os.path.join(self.directory, str(step))} holds a state of other shapes than this "
-              f"config's ({_first_line(e)}): a changed config can continue a run only if it keeps the state's "
-              "layout (same model, optimizer and rank)") from None
         damaged.append((step, _first_line(e)))
         continue
       for bad, why in damaged:
@@ -104,6 +127,22 @@ class Checkpoints:
       raise errors.WorkdirError(
           f"every checkpoint is damaged ({what}); use a new --workdir, or delete {self.directory} to start over")
     return None
+
+  def _check_layout(self, step: int, abstract_state) -> None:
+    """A sound checkpoint of another state layout (another optimizer setting or library default) is not
+    damage: it is refused naming what differs. Unreadable metadata is left to the restore (damage)."""
+    try:
+      stored = _layout(self._manager.item_metadata(step)["state"].tree)
+    except Exception:
+      return
+    diff = layout_differences(stored, _layout(_storable(abstract_state)))
+    if diff:
+      said = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
+      raise errors.LayoutError(
+          f"checkpoint {os.path.join(self.directory, str(step))} is sound but holds another state layout than "
+          f"this config builds ({said}): a changed optimizer setting or library default changes the state. "
+          "Continue it with the settings it was made with (the run's config.json, 'resolved' for library "
+          "defaults), or use a new --workdir to start over")
 
   def save(self, step: int, state: Any, train_time: float) -> None:
     """Saves and waits for the write (so timing resumes on an idle machine, and failures surface here)."""

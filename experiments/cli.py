@@ -12,6 +12,9 @@ missing or corrupt data, an unusable workdir, divergence), an unwritable disk, a
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
+import os
 import shlex
 import sys
 from typing import Callable, Optional
@@ -22,6 +25,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from experiments import errors
+from experiments import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
 
@@ -87,5 +91,71 @@ def guarded(main: Callable[[list[str]], object]) -> Callable[[list[str]], object
   return wrapped
 
 
+def _config_path(argv: list[str]) -> Optional[str]:
+  for i, a in enumerate(argv):
+    if a == "--config" and i + 1 < len(argv):
+      return argv[i + 1].split(":", 1)[0]
+    if a.startswith("--config="):
+      return a[len("--config="):].split(":", 1)[0]
+  return None
+
+
+def _unknown_override(argv: list[str], cfg) -> Optional[str]:
+  """The first ``--config.<key>=...`` naming a key the config does not have, said with the closest keys."""
+  for a in argv:
+    if not a.startswith("--config."):
+      continue
+    key = a[len("--config."):].split("=", 1)[0]
+    node, seen = cfg, "config"
+    for part in key.split("."):
+      keys = list(node.keys()) if hasattr(node, "keys") else []
+      if part not in keys:
+        close = difflib.get_close_matches(part, keys, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}?" if close else f"its keys: {', '.join(sorted(keys)) or 'none'}"
+        return f"--config.{key}: {seen} has no key '{part}' ({hint})"
+      node, seen = node[part], f"{seen}.{part}"
+  return None
+
+
+def _one_line(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  return text[0] if text else type(e).__name__
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with every failure said in one line naming the culprit (exit status 2):
+  a config file that does not exist, an unknown ``--config.<key>`` (with the closest keys), a value
+  that does not parse, an unknown flag, an unusable ``--workdir``."""
+  path = _config_path(argv)
+  if path is not None and not os.path.isfile(path):  # config_flags defers this error to the first read
+    folder = os.path.dirname(path) or "."
+    there = sorted(f for f in os.listdir(folder) if f.endswith(".py")) if os.path.isdir(folder) else []
+    close = difflib.get_close_matches(os.path.basename(path), there, n=3, cutoff=0.5)
+    hint = f" (did you mean {', '.join(os.path.join(folder, c) for c in close)}?)" if close else ""
+    print(f"error: --config {path}: no such file{hint}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  try:
+    rest = FLAGS(argv)
+  except Exception as e:  # config_flags raises KeyError/AttributeError/ValueError; absl flags.Error
+    line = None
+    if path is not None and isinstance(e, (KeyError, AttributeError)):
+      try:
+        spec = importlib.util.spec_from_file_location("_config_to_diagnose", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        line = _unknown_override(argv, module.get_config())
+      except Exception:  # the file itself fails to load: said below
+        pass
+    print(f"error: {line or _one_line(e)}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  if "workdir" in FLAGS:
+    try:
+      workdir_lib.check_path(FLAGS.workdir)
+    except errors.WorkdirError as e:
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      sys.exit(2)
+  return rest
+
+
 def run(main: Callable[[list[str]], object]) -> None:
-  app.run(guarded(main))
+  app.run(guarded(main), flags_parser=parse_flags)

@@ -57,6 +57,9 @@ def open_split(name: str, split: str, data_dir: Optional[str] = None, download: 
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
   except Exception as missing:  # tfds raises several types for "not prepared"
+    splits = _prepared_splits(tfds, name, data_dir)
+    if splits and split.split("[", 1)[0] not in splits:
+      raise DataError(f"dataset '{name}' has no split '{split}'; its splits: {', '.join(splits)}.") from None
     if not download:
       raise DataError(
           f"dataset '{name}' (split '{split}') is not prepared in {where} and downloading is off. "
@@ -78,6 +81,15 @@ def open_split(name: str, split: str, data_dir: Optional[str] = None, download: 
         f"and prepared ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Check the "
         "network, or point --data_dir / TFDS_DATA_DIR at a prepared copy (e.g. ../shared/tfds)."
     ) from None
+
+
+def _prepared_splits(tfds, name: str, data_dir: Optional[str]) -> list[str]:
+  """The splits of a prepared copy of ``name`` in ``data_dir`` (empty if there is none)."""
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+    return sorted(builder.info.splits.keys()) if builder.is_prepared() else []
+  except Exception:  # no builder, no copy, or unreadable metadata: let the caller say "not prepared"
+    return []
 
 
 def _files(source, split: str) -> str:

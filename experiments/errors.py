@@ -36,6 +36,10 @@ class WorkdirError(ExperimentError):
   """A workdir that cannot be used: held by a live run, holding another config, unwritable, damaged."""
 
 
+class LayoutError(WorkdirError):
+  """A sound checkpoint whose state has another layout than the config builds (not damage)."""
+
+
 class DivergedError(ExperimentError, FloatingPointError):
   """Training produced non-finite metrics; names the optimizer and the step."""
 
@@ -46,6 +50,13 @@ class DivergedError(ExperimentError, FloatingPointError):
 
 
 class Interrupted(ExperimentError):
-  """Ctrl-C: the run stopped cleanly; its last checkpoint is kept and the same command resumes it."""
+  """Ctrl-C or SIGTERM: the run stopped cleanly; its last checkpoint is kept and the same command resumes it.
+
+  Exit status 130 for SIGINT, 143 for SIGTERM (128 + the signal, as a shell reports it).
+  """
 
   exit_code = 130
+
+  def __init__(self, message: str, exit_code: int = 130):
+    super().__init__(message)
+    self.exit_code = exit_code

@@ -9,6 +9,7 @@ name its own ``learning_rate``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 from typing import Any, Callable, NamedTuple
 
@@ -121,6 +122,30 @@ def sub_config(name: str, **values) -> ml_collections.ConfigDict:
   for arg, value in values.items():
     config[arg] = value
   return config
+
+
+def resolved_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The settings of ``config.optimizer.name`` as it runs: every argument of its sub-config, a placeholder
+  left ``None`` replaced by the library's default (what a run records, so a changed default is seen)."""
+  o = config.optimizer
+  given = o[o.name].to_dict() if o.name in o else {}
+  params = inspect.signature(FUNCTIONS[o.name]).parameters
+  out = {k: (v if v is not None or k not in params else params[k].default) for k, v in given.items()}
+  if FUNCTIONS[o.name] in (scsgd_jax.scsgd, scsgd_jax.scale_by_sketched_conditioning):
+    out.update(scsgd_jax.resolve_static_args(**{k: out.get(k) for k in scsgd_jax.STATIC_ARGS}))
+  return out
+
+
+def versions(name: str) -> dict[str, str]:
+  """The versions of the packages a run of optimizer ``name`` depends on."""
+  packages = ["scsgd-jax", "jax", "jaxlib", "optax", "flax"] + list(peers.PACKAGES.get(name, ()))
+  out = {}
+  for package in packages:
+    try:
+      out[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      out[package] = "not installed"
+  return out
 
 
 def create(config: ml_collections.ConfigDict, forward: Forward | None = None) -> Optimizer:

@@ -21,6 +21,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+# optimizer name -> the peer packages its runs depend on (recorded with each run)
+PACKAGES = {"shampoo": ("precondition-opt",), "sketchy": ("precondition-opt",), "kfac": ("kfac-jax",)}
+
 PRECONDITION_ALIASES = {"tree_map": jax.tree.map, "tree_flatten": jax.tree.flatten,
                         "tree_unflatten": jax.tree.unflatten}
 

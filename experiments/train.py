@@ -9,14 +9,10 @@ keeping everything already saved.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import json
+import math
 import os
-import signal
-import sys
-import threading
 import time
 from typing import Any
 
@@ -36,12 +32,9 @@ from experiments import errors
 from experiments import metrics as metrics_lib
 from experiments import models
 from experiments import optimizers
+from experiments import workdir as workdir_lib
 
 METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.json"
-LOCK_FILE = "lock"
-# Keys that do not change what a run computes: a resumed run may differ in them.
-RUNTIME_KEYS = ("data_dir", "download", "progress_bar", "stop_after_steps")
 ConfigError = errors.ConfigError
 
 
@@ -68,11 +61,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   optimizer's own arguments are checked by the library that owns them: the optimizer is built
   and its state traced from shapes (``jax.eval_shape``; nothing runs).
   """
+  for key, value in _leaves(config.to_dict()):
+    _check(not isinstance(value, float) or math.isfinite(value), key, f"must be a finite number, got {value!r}.")
   try:
     data_lib.check_dataset_name(config.dataset)
   except ValueError as e:
     raise ConfigError(f"config.dataset: {e}") from None
   _check(config.model in models.MODELS, "model", f"is {config.model!r}, not one of {sorted(models.MODELS)}.")
+  _check_model_reads_dataset(config)
   o = config.optimizer
   _check(o.name in optimizers.OPTIMIZERS, "optimizer.name",
          f"is {o.name!r}, not one of {list(optimizers.OPTIMIZERS)}.")
@@ -106,6 +102,32 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.{_library_key(sub, kwargs, e)}: {str(e).splitlines()[0]}") from None
 
 
+def _leaves(d: dict, prefix: str = ""):
+  for k, v in d.items():
+    if isinstance(v, dict):
+      yield from _leaves(v, f"{prefix}{k}.")
+    else:
+      yield f"{prefix}{k}", v
+
+
+def _check_model_reads_dataset(config: ml_collections.ConfigDict) -> None:
+  """The model traced (shapes only) on a batch of the dataset: a mismatch names both, before any data is read."""
+  inputs, labels = data_lib.example_batch(config.dataset, 2)
+  _, num_classes = data_lib.DATASETS[config.dataset]
+  what = f"{inputs.shape[1:]} {inputs.dtype}"
+  try:
+    graphdef, params = nnx.split(_abstract_model(config), nnx.Param)
+    logits = jax.eval_shape(lambda p, x: nnx.merge(graphdef, p)(x), params, inputs)
+  except Exception as e:  # whatever the model raises on inputs it cannot read
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    raise ConfigError(f"config.model: {config.model!r} cannot read dataset {config.dataset!r} (examples {what}): "
+                      f"{type(e).__name__}: {first}") from None
+  expected = labels.shape + (num_classes,)
+  _check(logits.shape == expected, "model",
+         f"{config.model!r} gives outputs {logits.shape[1:]} on dataset {config.dataset!r} (examples {what}), "
+         f"expected {expected[1:]}.")
+
+
 def _abstract_model(config: ml_collections.ConfigDict):
   input_shape, num_classes = data_lib.DATASETS[config.dataset]
   return nnx.eval_shape(lambda: models.create_model(config.model, seed=config.seed, num_classes=num_classes,
@@ -124,126 +146,6 @@ def abstract_params(config: ml_collections.ConfigDict):
   input_shape, num_classes = data_lib.DATASETS[config.dataset]
   return jax.eval_shape(lambda: nnx.as_pure(nnx.split(models.create_model(
       config.model, seed=config.seed, num_classes=num_classes, input_shape=input_shape), nnx.Param)[1]))
-
-
-def config_differences(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
-  """``(dotted key, old, new)`` for every key whose value differs, run-time-only keys excepted, and the
-  sub-configs of optimizers the run does not use (editing AdamW's settings does not change an SGD run)."""
-
-  def used(d):
-    o = d.get("optimizer", {})
-    names = {old.get("optimizer", {}).get("name"), new.get("optimizer", {}).get("name")}
-    kept = {k: v for k, v in o.items() if not isinstance(v, dict) or k in names}
-    return {**d, "optimizer": kept} if "optimizer" in d else d
-
-  def flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-      if isinstance(v, dict):
-        out.update(flat(v, f"{prefix}{k}."))
-      else:
-        out[f"{prefix}{k}"] = v
-    return out
-
-  a, b = flat(used(old)), flat(used(new))
-  keys = sorted(set(a) | set(b), key=lambda k: (k not in a, k))
-  return [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in keys
-          if k not in RUNTIME_KEYS and a.get(k, "<absent>") != b.get(k, "<absent>")]
-
-
-def _recorded_config(config: ml_collections.ConfigDict) -> dict:
-  return json.loads(config.to_json_best_effort())
-
-
-def check_workdir_config(workdir: str, config: ml_collections.ConfigDict, allow_change: bool = False) -> None:
-  """Refuses to continue a workdir whose recorded config differs (naming the keys), unless ``allow_change``."""
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
-    return
-  try:
-    with open(path) as f:
-      old = json.load(f)
-  except ValueError:
-    raise errors.WorkdirError(f"{path} is not valid JSON: move it away to start over in {workdir}") from None
-  diff = config_differences(old, _recorded_config(config))
-  if not diff:
-    return
-  said = ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in diff[:8]) + (", ..." if len(diff) > 8 else "")
-  if not allow_change:
-    raise errors.WorkdirError(
-        f"{workdir} holds a run of another config: {said}. Use another --workdir, or pass "
-        "--allow_config_change to continue that run with the new config on purpose")
-  print(f"warning: continuing {workdir} with a changed config: {said}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def workdir_lock(workdir: str):
-  """Holds ``<workdir>/lock`` (``flock``, released by the OS even on ``kill -9``) for one live run."""
-  f = open(os.path.join(workdir, LOCK_FILE), "a+")
-  try:
-    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except BlockingIOError:
-    f.seek(0)
-    pid = f.read().strip() or "?"
-    f.close()
-    raise errors.WorkdirError(
-        f"{workdir} is in use by another run (pid {pid}): wait for it to finish, or use another --workdir") from None
-  try:
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    yield
-  finally:
-    fcntl.flock(f, fcntl.LOCK_UN)
-    f.close()
-
-
-@contextlib.contextmanager
-def _writing(path: str, kept: str):
-  """A fixable write failure (full disk, read-only) as one line naming ``path`` and what is kept."""
-  try:
-    yield
-  except Exception as e:
-    os_error = errors.disk_error(e)
-    if os_error is None:
-      raise
-    raise errors.WorkdirError(
-        f"cannot write {path}: {os_error.strerror}. {kept}: free space (or make it writable) and rerun "
-        "the same command to resume") from None
-
-
-class _StopRequest:
-  """Ctrl-C asks the loop to stop at the next step boundary, after saving a checkpoint of that step.
-
-  A KeyboardInterrupt raised anywhere in the loop could land inside a checkpoint write (Orbax logs
-  the interrupted save with a traceback) and loses the steps since the last checkpoint; a request
-  is honoured between steps instead. A second Ctrl-C interrupts at once (the handler is restored).
-  """
-
-  def __init__(self):
-    self.requested = False
-    self._previous = None
-
-  def _handle(self, signum, frame):
-    self.requested = True
-    signal.signal(signal.SIGINT, self._previous)
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-      self._previous = signal.signal(signal.SIGINT, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGINT, self._previous)
-
-
-def _write_json_atomic(path: str, text: str) -> None:
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
 
 
 def _logits_and_inputs(graphdef, params, images, key, capture: bool, max_rows):
@@ -337,22 +239,33 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     Interrupted: Ctrl-C (the run stops after the step in flight and checkpoints it; the same call
       resumes; a second Ctrl-C stops at once, keeping the last checkpoint).
   """
+  workdir = workdir_lib.check_path(workdir)
   validate_config(config)
-  workdir = os.path.abspath(workdir)
-  with _writing(workdir, "Nothing was written"):
+  # both splits opened (nothing decoded) before anything is written: a missing one is named first
+  sources = tuple(data_lib.open_split(config.dataset, split, config.data_dir, config.download)
+                  for split in ("train", config.eval_split))
+  with workdir_lib.writing(workdir, "Nothing was written"):
     os.makedirs(workdir, exist_ok=True)
-    lock = workdir_lock(workdir)
+    lock = workdir_lib.lock(workdir)
     lock.__enter__()
   try:
-    return _train(config, workdir, allow_config_change)
+    return _train(config, workdir, allow_config_change, sources)
   finally:
     lock.__exit__(None, None, None)
 
 
-def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
-  check_workdir_config(workdir, config, allow_config_change)
+def record(config: ml_collections.ConfigDict) -> dict:
+  """What ``config.json`` holds: the config, the optimizer's resolved settings and the package versions."""
+  return {**json.loads(config.to_json_best_effort()),
+          workdir_lib.RESOLVED_KEY: {f"optimizer.{config.optimizer.name}": optimizers.resolved_settings(config)},
+          workdir_lib.VERSIONS_KEY: optimizers.versions(config.optimizer.name)}
+
+
+def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str, Any]:
+  recorded = record(config)
+  workdir_lib.check_config(workdir, recorded, allow_config_change)
   name = config.optimizer.name
-  train_src = data_lib.open_split(config.dataset, "train", config.data_dir, config.download)
+  train_src, eval_src = sources
   text = config.dataset in data_lib.TEXT  # one record holds the text: its examples are windows, known once read
   if not text:  # checked before decoding
     available = len(train_src) if config.max_train_examples < 0 else min(len(train_src), config.max_train_examples)
@@ -362,8 +275,7 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
   if text:
     _check(config.batch_size <= len(train.labels), "batch_size",
            f"={config.batch_size} is larger than the {len(train.labels)} training windows of {config.dataset}.")
-  test = data_lib.load_split(config.dataset, config.eval_split, config.data_dir, config.max_test_examples,
-                             config.download)
+  test = data_lib.decode(eval_src, config.dataset, config.eval_split, config.max_test_examples)
   input_shape, num_classes = data_lib.DATASETS[config.dataset]
   model = models.create_model(config.model, seed=config.seed, num_classes=num_classes, input_shape=input_shape)
   graphdef, params = nnx.split(model, nnx.Param)
@@ -378,7 +290,11 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
   step, train_time = 0, 0.0
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                           {"params": params, "opt_state": opt_state})
-  restored = ckpts.restore(abstract)
+  try:
+    restored = ckpts.restore(abstract)
+  except BaseException:
+    ckpts.close()  # stops Orbax's threads before the one-line error (else they print after it)
+    raise
   if restored is not None:
     step, state, train_time = restored
     params, opt_state = state["params"], state["opt_state"]
@@ -389,13 +305,13 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
     return (f"{workdir} keeps the checkpoint of step {saved_step} and its metrics" if saved_step
             else f"{workdir} holds no checkpoint yet")
 
-  config_path = os.path.join(workdir, CONFIG_FILE)
-  with _writing(config_path, kept()):
-    _write_json_atomic(config_path, config.to_json_best_effort(indent=1))
+  config_path = os.path.join(workdir, workdir_lib.CONFIG_FILE)
+  with workdir_lib.writing(config_path, kept()):
+    workdir_lib.write_json_atomic(config_path, json.dumps(recorded, indent=1))
   metrics_path = os.path.join(workdir, METRICS_FILE)
   rows = metrics_lib.read(metrics_path, up_to_step=step)
   if not metrics_lib.is_clean(metrics_path, rows):  # rows past the checkpoint, or a torn last line
-    with _writing(metrics_path, kept()):
+    with workdir_lib.writing(metrics_path, kept()):
       metrics_lib.write(metrics_path, rows)
 
   base_key = jax.random.PRNGKey(config.seed)
@@ -407,8 +323,8 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
   t_first = time.perf_counter()
   failed = True
   try:
-    with (_writing(metrics_path, kept()), metrics_lib.Appender(metrics_path) as metrics_file,
-          _StopRequest() as stop):
+    with (workdir_lib.writing(metrics_path, kept()), metrics_lib.Appender(metrics_path) as metrics_file,
+          workdir_lib.StopRequest() as stop):
       while step < config.num_steps:
         idx = data_lib.batch_indices(len(train.labels), config.batch_size, step, config.seed)
         params, opt_state, loss, err = train_step(
@@ -422,8 +338,10 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
         bar.update(1)
         log_train = step % config.train_log_every == 0
         log_test = step % config.eval_every == 0 or step == config.num_steps
-        stopping = stop.requested  # read once: a Ctrl-C landing later in this block waits for the next step
-        save = step % config.checkpoint_every == 0 or step == config.num_steps or stopping
+        # read once: a signal landing later in this block (evaluation, save) is honoured at the next
+        # step's boundary, which then saves
+        stopping = stop.signal
+        save = step % config.checkpoint_every == 0 or step == config.num_steps or stopping is not None
         if not (log_train or log_test or save):
           continue
         jax.block_until_ready(params)
@@ -447,18 +365,18 @@ def _train(config, workdir: str, allow_config_change: bool) -> dict[str, Any]:
         if "test_loss" in row:
           bar.set_postfix(test_loss=f"{row['test_loss']:.4f}", test_err=f"{row['test_error']:.4f}")
         if save:
-          with _writing(ckpts.directory, kept()):
+          with workdir_lib.writing(ckpts.directory, kept()):
             ckpts.save(step, {"params": params, "opt_state": opt_state}, train_time)
           saved_step = step
-        if stopping:
+        if stopping is not None:
           ckpts.wait()  # the save is on disk before the run says so
-          raise errors.Interrupted(f"interrupted at step {step}; {kept()}: rerun the same command to resume")
+          raise workdir_lib.stopped(stopping, step, kept())
         t0 = time.perf_counter()
         if config.stop_after_steps and step >= config.stop_after_steps:  # for tests of resumption
           break
     failed = False
   except KeyboardInterrupt:
-    raise errors.Interrupted(f"interrupted at step {step}; {kept()}: rerun the same command to resume") from None
+    raise workdir_lib.stopped(None, step, kept()) from None
   finally:
     bar.close()
     try:

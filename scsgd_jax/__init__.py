@@ -29,11 +29,12 @@ from scsgd_jax._src.statistics import EmaState as EmaState
 from scsgd_jax._src.statistics import diagonal_correlation as diagonal_correlation
 from scsgd_jax._src.statistics import ema_correlation as ema_correlation
 from scsgd_jax._src.statistics import nystrom_correlation as nystrom_correlation
+from scsgd_jax._src.plan import KernelPlan as KernelPlan
+from scsgd_jax._src.plan import default_input_axes as default_input_axes
+from scsgd_jax._src.plan import default_kernel_filter as default_kernel_filter
 from scsgd_jax._src.transform import STATIC_ARGS as STATIC_ARGS
-from scsgd_jax._src.transform import KernelPlan as KernelPlan
 from scsgd_jax._src.transform import ScaleBySketchedConditioningState as ScaleBySketchedConditioningState
-from scsgd_jax._src.transform import default_input_axes as default_input_axes
-from scsgd_jax._src.transform import default_kernel_filter as default_kernel_filter
+from scsgd_jax._src.transform import resolve_static_args as resolve_static_args
 from scsgd_jax._src.transform import scale_by_sketched_conditioning as scale_by_sketched_conditioning
 
 __version__ = "0.1.0"

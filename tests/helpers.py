@@ -47,6 +47,12 @@ def smoke_config(dataset="mnist", **overrides):
 
 def final_params(workdir):
   """``(params, step)`` of the newest checkpoint of a run, read with the experiments' one reader."""
+  state, step = final_state(workdir)
+  return state["params"], step
+
+
+def final_state(workdir):
+  """``({"params", "opt_state"}, step)`` of the newest checkpoint of a smoke run, read with the one reader."""
   import os
 
   import jax
@@ -64,4 +70,4 @@ def final_params(workdir):
   state = {"params": params, "opt_state": optimizers.create(config).tx.init(params)}
   step, restored, _ = ckpts.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
   ckpts.close()
-  return restored["params"], step
+  return restored, step

@@ -54,7 +54,10 @@ def test_missing_dataset_and_unknown_optimizer_are_one_line(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_TFDS, "mnist")), reason="needs ../shared/tfds")
-def test_live_run_holds_its_workdir_and_ctrl_c_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("sig,code,said", [(signal.SIGINT, 130, "interrupted"),
+                                           (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_live_run_holds_its_workdir_and_a_stop_signal_exits_cleanly(tmp_path, sig, code, said):
+  """Ctrl-C, and SIGTERM as Slurm, Kubernetes and TPU preemption send it."""
   workdir = str(tmp_path / "run")
   args = ["experiments.main", "--config", "configs/smoke.py", "--workdir", workdir, "--data_dir", SHARED_TFDS,
           "--config.num_steps=1000000"]
@@ -69,16 +72,16 @@ def test_live_run_holds_its_workdir_and_ctrl_c_exits_cleanly(tmp_path):
     second = _run(*args)
     assert _one_error_line(second)[-1] == (f"error: {workdir} is in use by another run (pid {proc.pid}): "
                                            "wait for it to finish, or use another --workdir")
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
   finally:
     proc.kill()
-  assert proc.returncode == 130 and "Traceback" not in err, err
+  assert proc.returncode == code and "Traceback" not in err, err
   last = err.strip().splitlines()[-1]
   # Ctrl-C stops between steps and checkpoints the step it stopped at: no step is lost, and no save is
   # cut short (a KeyboardInterrupt inside Orbax's save logged a traceback and kept an older step)
-  step = int(last.removeprefix("error: interrupted at step ").split(";")[0])
-  assert last == (f"error: interrupted at step {step}; {workdir} keeps the checkpoint of step {step} and its "
+  step = int(last.removeprefix(f"error: {said} at step ").split(";")[0])
+  assert last == (f"error: {said} at step {step}; {workdir} keeps the checkpoint of step {step} and its "
                   "metrics: rerun the same command to resume"), last
   assert str(step) in os.listdir(os.path.join(workdir, "checkpoints"))
 

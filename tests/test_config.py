@@ -6,6 +6,7 @@ import tensorflow_datasets as tfds
 
 from experiments import errors
 from experiments import train
+from experiments import workdir as workdir_lib
 from tests import helpers
 
 
@@ -82,11 +83,11 @@ def test_only_the_used_optimizers_sub_config_is_part_of_a_run():
   new = json.loads(json.dumps(old))
   new["optimizer"]["adamw"]["b1"] = 0.8  # another optimizer's setting
   new["optimizer"]["kfac"] = {"damping": None}  # an optimizer added to the config since
-  assert train.config_differences(old, new) == []
+  assert workdir_lib.config_differences(old, new) == []
   new["optimizer"]["sgd"]["momentum"] = 0.5
   new["optimizer"]["weight_decay"] = 1e-4
-  assert train.config_differences(old, new) == [("optimizer.sgd.momentum", 0.9, 0.5),
+  assert workdir_lib.config_differences(old, new) == [("optimizer.sgd.momentum", 0.9, 0.5),
                                                 ("optimizer.weight_decay", 0.0, 1e-4)]
   new["optimizer"]["name"] = "adamw"  # another optimizer: its name and both sub-configs count
-  assert [k for k, _, _ in train.config_differences(old, new)] == [
+  assert [k for k, _, _ in workdir_lib.config_differences(old, new)] == [
       "optimizer.adamw.b1", "optimizer.name", "optimizer.sgd.momentum", "optimizer.weight_decay"]

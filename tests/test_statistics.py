@@ -8,6 +8,7 @@ import pytest
 
 import scsgd_jax as sk
 from scsgd_jax._src import statistics as stats_lib
+from scsgd_jax._src import plan
 from scsgd_jax._src import transform
 
 
@@ -116,7 +117,7 @@ def test_memory_rule_counts_the_real_state(kind, k):
       oversample=5)
   state = jax.eval_shape(tx.init, {"kernel": jnp.zeros((n, p))})
   real = _floats((state.statistics, state.factors))
-  assert real == transform._state_floats(kind, n, k, min((k or 0) + 5, n))
+  assert real == plan.state_floats(kind, n, k, min((k or 0) + 5, n))
 
 
 N_GRID = [8, 25, 64, 256, 500, 800, 1024, 4096, 16384]
@@ -191,7 +192,7 @@ def test_summary_names_embeddings_custom_statistics_and_the_forced_kinds():
       "embed/embedding": "token frequencies, n=100", "head/kernel": "dense C, full C^(1/2), n=16"}
   custom = sk.scale_by_sketched_conditioning(statistics=sk.ema_correlation(), rank=4, conditioner="sketched")
   assert jax.eval_shape(custom.init, {"d": {"kernel": jnp.zeros((16, 3))}}).summary() == {
-      "d/kernel": "dense C, rank 4, n=16"}  # a dense EMA is reported as such, however it was asked for
+      "d/kernel": "custom statistics, rank 4, n=16"}  # the plan says what was asked for
   forced = sk.scale_by_sketched_conditioning(statistics="diagonal")
   assert jax.eval_shape(forced.init, {"d": {"kernel": jnp.zeros((16, 3))}}).summary() == {"d/kernel": "diagonal C, n=16"}
 

@@ -19,6 +19,7 @@ from experiments import data as data_lib
 from experiments import errors
 from experiments import metrics as metrics_lib
 from experiments import train
+from experiments import workdir as workdir_lib
 from tests import helpers
 
 
@@ -64,7 +65,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, straight):
 def test_resume_with_another_config_is_refused_naming_the_keys(tmp_path, straight):
   workdir = str(tmp_path)
   _half_run(workdir)
-  before = {f: open(os.path.join(workdir, f)).read() for f in (train.CONFIG_FILE, train.METRICS_FILE)}
+  before = {f: open(os.path.join(workdir, f)).read() for f in (workdir_lib.CONFIG_FILE, train.METRICS_FILE)}
   changed = helpers.smoke_config()
   changed.schedule.base = 0.02
   changed.optimizer.scsgd.rank = 4
@@ -78,17 +79,17 @@ def test_resume_with_another_config_is_refused_naming_the_keys(tmp_path, straigh
   train.train_and_evaluate(same, workdir)
   _assert_equal_to(straight, workdir)
   changed.num_steps = 50
-  with pytest.raises(errors.WorkdirError, match="holds a state of other shapes"):  # rank 4 != 8: cannot continue
+  with pytest.raises(errors.WorkdirError, match="is sound but holds another state layout"):  # rank 4 != 8
     train.train_and_evaluate(changed, workdir, allow_config_change=True)
   changed.optimizer.scsgd.rank = 8
   train.train_and_evaluate(changed, workdir, allow_config_change=True)
-  assert json.load(open(os.path.join(workdir, train.CONFIG_FILE)))["schedule"]["base"] == 0.02
+  assert json.load(open(os.path.join(workdir, workdir_lib.CONFIG_FILE)))["schedule"]["base"] == 0.02
   assert _steps(workdir)[-1] == 50
 
 
 def test_a_workdir_held_by_a_live_run_is_refused(tmp_path):
   workdir = str(tmp_path)
-  with train.workdir_lock(workdir):
+  with workdir_lib.lock(workdir):
     with pytest.raises(errors.WorkdirError, match=f"{workdir} is in use by another run \\(pid {os.getpid()}\\)"):
       train.train_and_evaluate(helpers.smoke_config(), workdir)
   assert not os.path.exists(os.path.join(workdir, train.METRICS_FILE))

@@ -393,3 +393,58 @@ def test_custom_statistics_plug_in():
   u, state = tx.update({"dense": {"kernel": jnp.asarray(g, jnp.float32)}}, tx.init(params), params,
                        layer_inputs={"dense": {"kernel": jnp.asarray(x, jnp.float32)}})
   np.testing.assert_allclose(u["dense"]["kernel"], helpers.psd_power(x.T @ x / 20, -0.5) @ g, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("arg,value", [
+    ("eigenvalue_floor", float("nan")), ("eigenvalue_floor", -1.0), ("eigenvalue_floor", 2.0),
+    ("outlier_threshold", 0.0), ("outlier_threshold", float("nan")), ("outlier_threshold", 0.5),
+    ("ema_rate", float("nan")), ("ema_rate", float("inf")), ("momentum", 1.0), ("momentum", float("nan")),
+])
+def test_every_float_argument_is_checked_at_construction_naming_it(arg, value):
+  """A NaN or out-of-range float once turned the method silently into plain SGD (or worse)."""
+  with pytest.raises(ValueError, match=rf"^{arg} must lie in "):
+    sk.scsgd(0.1, **{arg: value})
+  if arg != "momentum":
+    with pytest.raises(ValueError, match=rf"^{arg} must lie in "):
+      sk.scale_by_sketched_conditioning(**{arg: value})
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -0.1])
+def test_learning_rate_must_be_finite_and_non_negative(lr):
+  with pytest.raises(ValueError, match="^learning_rate must lie in"):
+    sk.scsgd(lr)
+
+
+def test_outlier_threshold_inf_turns_the_guard_off():
+  rng = np.random.default_rng(3)
+  params = _params(rng)
+  tx = sk.scale_by_sketched_conditioning(3, outlier_threshold=float("inf"), conditioner="full", update_every=1,
+                                         warm_start=False, ema_rate=NU)
+  state = tx.init(params)
+  x = rng.standard_normal((8, 6)).astype(np.float32)
+  x[0] *= 1e4  # far above 100x the running tr C: clipped by the default guard, kept here
+  grads = jax.tree.map(jnp.ones_like, params)
+  _, state = tx.update(grads, state, params, layer_inputs={"dense": {"kernel": jnp.asarray(x)}})
+  assert int(state.clipped_rows["dense/kernel"]) == 0
+  np.testing.assert_allclose(state.statistics["dense/kernel"].moments, (1 - NU) * np.eye(6) + NU * x.T @ x / 8,
+                             rtol=1e-4)
+
+
+@pytest.mark.parametrize("statistics", ["dense", "streaming", "diagonal"])
+def test_a_kernel_with_no_rows_skips_its_fold_and_the_others_fold(statistics):
+  """Rows of shape (0, n) (an empty micro-batch, a fully masked layer) once failed inside jnp.median."""
+  rng = np.random.default_rng(4)
+  params = {"a": _params(rng, n=6, p=3)["dense"], "b": _params(rng, n=5, p=2)["dense"]}
+  tx = sk.scale_by_sketched_conditioning(2, statistics=statistics, ema_rate=NU, warm_start=False,
+                                         conditioner="sketched" if statistics != "diagonal" else "auto")
+  state = tx.init(params)
+  xa = jnp.asarray(rng.standard_normal((7, 6)), jnp.float32)
+  grads = jax.tree.map(jnp.ones_like, params)
+  _, new = jax.jit(tx.update)(grads, state, params, layer_inputs={"a": {"kernel": xa},
+                                                                  "b": {"kernel": jnp.zeros((0, 5))}})
+  _, alone = tx.update({"a": grads["a"]}, tx.init({"a": params["a"]}), None, layer_inputs={"a": {"kernel": xa}})
+  for x, y in zip(jax.tree.leaves(new.statistics["b/kernel"]), jax.tree.leaves(state.statistics["b/kernel"])):
+    np.testing.assert_array_equal(x, y)  # b: untouched
+  for x, y in zip(jax.tree.leaves(new.statistics["a/kernel"]), jax.tree.leaves(alone.statistics["a/kernel"])):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)  # a: folded as if alone (jit vs eager: rounding)
+  assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(new))

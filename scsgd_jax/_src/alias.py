@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Optional
 
 import optax
 
-from scsgd_jax._src import statistics as stats_lib
+from scsgd_jax._src import checks
+from scsgd_jax._src import defaults
+from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import transform
 
 __all__ = ["scsgd"]
@@ -16,23 +18,23 @@ def scsgd(
     learning_rate: optax.ScalarOrSchedule,
     rank: Optional[int] = None,
     *,
-    momentum: Optional[float] = 0.9,
+    momentum: Optional[float] = defaults.MOMENTUM,
     nesterov: bool = True,
     update_every: Optional[int] = None,
-    ema_rate: float = 0.05,
+    ema_rate: float = defaults.EMA_RATE,
     conditioner: transform.ConditionerKind = "auto",
     statistics: transform.StatisticsKind = "auto",
     warm_start: bool = True,
     stagger: bool = True,
-    budget: str = transform.DEFAULT_BUDGET,
-    outlier_threshold: float = transform.DEFAULT_OUTLIER_THRESHOLD,
+    budget: str = defaults.BUDGET,
+    outlier_threshold: float = defaults.OUTLIER_THRESHOLD,
     full_max_dim: Optional[int] = None,
     oversample: Optional[int] = None,
     power_iterations: Optional[int] = None,
-    eigenvalue_floor: float = stats_lib.DEFAULT_EIGENVALUE_FLOOR,
+    eigenvalue_floor: float = defaults.EIGENVALUE_FLOOR,
     statistics_every: Optional[int] = None,
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    input_axes: Union[None, Mapping[str, Sequence[int]], Callable[[str, Any], Sequence[int]]] = None,
+    input_axes: plan_lib.InputAxes = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SCSGD: SGD (Nesterov momentum by default) on input-side conditioned gradients.
@@ -56,6 +58,10 @@ def scsgd(
   References:
     Gonen & Shalev-Shwartz, Faster SGD Using Sketched Conditioning, arXiv:1506.02649, 2015.
   """
+  if not callable(learning_rate):
+    checks.check_float("learning_rate", learning_rate, low=0.0)
+  if momentum is not None:
+    checks.check_float("momentum", momentum, low=0.0, high=1.0, high_open=True)
   return optax.chain(
       transform.scale_by_sketched_conditioning(
           rank,

@@ -28,6 +28,7 @@ import optax
 from flax import linen as nn
 from flax import nnx
 
+from scsgd_jax._src import defaults
 from scsgd_jax._src import patches
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
     "layer_spec",
 ]
 
-DEFAULT_MAX_ROWS = 256
+DEFAULT_MAX_ROWS = defaults.MAX_ROWS
 LINEN_COLLECTION = "layer_inputs"
 NNX_LAYERS = (nnx.Linear, nnx.Conv, nnx.LinearGeneral, nnx.Einsum, nnx.Embed)
 LINEN_LAYERS = (nn.Dense, nn.Conv, nn.DenseGeneral, nn.Einsum, nn.Embed)

@@ -27,6 +27,8 @@ from typing import NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from scsgd_jax._src import defaults
+
 __all__ = [
     "Factor",
     "apply_inverse",
@@ -43,7 +45,7 @@ __all__ = [
     "sketched_factor_from_data",
 ]
 
-DEFAULT_EIGENVALUE_FLOOR = 1e-5
+DEFAULT_EIGENVALUE_FLOOR = defaults.SKETCH_EIGENVALUE_FLOOR
 _TINY = 1e-30
 
 
@@ -145,7 +147,7 @@ def sketched_factor(
     correlation: jax.Array,
     rank: int,
     *,
-    oversample: int = 10,
+    oversample: int = defaults.SKETCH_OVERSAMPLE,
     power_iterations: int = 1,
     eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
 ) -> Factor:
@@ -197,7 +199,7 @@ def sketched_factor_from_data(
     x: jax.Array,
     rank: int,
     *,
-    oversample: int = 10,
+    oversample: int = defaults.SKETCH_OVERSAMPLE,
     power_iterations: int = 0,
     eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
 ) -> Factor:

@@ -26,6 +26,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from scsgd_jax._src import checks
+from scsgd_jax._src import defaults
 from scsgd_jax._src import sketch
 
 __all__ = [
@@ -36,11 +38,7 @@ __all__ = [
     "nystrom_correlation",
 ]
 
-# The optimizer's eigenvalue floor, a damping well above the pure sketching functions' numerical guard
-# (sketch.DEFAULT_EIGENVALUE_FLOOR = 1e-5): with 1e-5 the full C^{1/2} of a small transformer's 32-wide
-# kernels amplified near-null directions ~300x and trained worse than SGD (tests/test_ecosystem.py);
-# 1e-2 (at most 10x the average scale) leaves LeNet/MNIST's test loss unchanged to the digit at 1k/2k steps.
-DEFAULT_EIGENVALUE_FLOOR = 1e-2
+DEFAULT_EIGENVALUE_FLOOR = defaults.EIGENVALUE_FLOOR
 
 
 class CorrelationStatistics(NamedTuple):
@@ -79,9 +77,9 @@ class EmaState(NamedTuple):
   weight: jax.Array
 
 
-def _check_rate(rate) -> None:
-  if not isinstance(rate, jax.core.Tracer) and not 0.0 < float(rate) <= 1.0:  # traced under inject_hyperparams
-    raise ValueError(f"ema_rate must lie in (0, 1], got {rate!r}.")
+def _check_arguments(rate, eigenvalue_floor) -> None:
+  checks.check_float("ema_rate", rate, low=0.0, high=1.0, low_open=True)
+  checks.check_float("eigenvalue_floor", eigenvalue_floor, low=0.0, high=1.0)
 
 
 def _ema_init(prior_moments, identity_prior: bool) -> EmaState:
@@ -113,11 +111,11 @@ def _isotropic_fill(state: EmaState, trace: jax.Array, n: int) -> jax.Array:
 
 
 def ema_correlation(
-    rate: float = 0.05,
+    rate: float = defaults.EMA_RATE,
     *,
     identity_prior: bool = True,
-    oversample: int = 10,
-    power_iterations: int = 1,
+    oversample: int = defaults.OVERSAMPLE,
+    power_iterations: int = defaults.POWER_ITERATIONS,
     eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
 ) -> CorrelationStatistics:
   r"""Dense exponential moving average of the input correlation (Section 3).
@@ -134,7 +132,7 @@ def ema_correlation(
     identity_prior: start from ``C = I`` (paper) rather than bias-correcting.
     oversample, power_iterations, eigenvalue_floor: passed to the factorisation.
   """
-  _check_rate(rate)
+  _check_arguments(rate, eigenvalue_floor)
 
   def init(n, key=None):
     del key
@@ -171,10 +169,10 @@ class NystromState(NamedTuple):
 
 def nystrom_correlation(
     rank: int,
-    rate: float = 0.05,
+    rate: float = defaults.EMA_RATE,
     *,
     identity_prior: bool = True,
-    oversample: int = 10,
+    oversample: int = defaults.OVERSAMPLE,
     eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
 ) -> CorrelationStatistics:
   r"""Streaming ``O(n r)`` statistic: the EMA of the sketch ``Y = C Omega`` and of ``tr C``, never ``C``.
@@ -195,7 +193,7 @@ def nystrom_correlation(
     oversample: sketch columns beyond ``rank``.
     eigenvalue_floor: relative eigenvalue floor.
   """
-  _check_rate(rate)
+  _check_arguments(rate, eigenvalue_floor)
 
   def width(n):
     return min(rank + oversample, n)
@@ -231,7 +229,7 @@ def nystrom_correlation(
 
 
 def diagonal_correlation(
-    rate: float = 0.05,
+    rate: float = defaults.EMA_RATE,
     *,
     identity_prior: bool = True,
     eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
@@ -245,7 +243,7 @@ def diagonal_correlation(
   token ids of the batch. With rows it is the Jacobi conditioner (per-input RMS),
   the fallback for kernels too thin to hold an ``O(n r)`` sketch.
   """
-  _check_rate(rate)
+  _check_arguments(rate, eigenvalue_floor)
 
   def init(n, key=None):
     del key

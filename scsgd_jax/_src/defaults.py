@@ -1,0 +1,28 @@
+"""The library's defaults, each in one place (the constructors' signatures read them from here).
+
+Shape-deciding integers are ``None`` in the optimizer's signatures (so that
+``optax.inject_hyperparams``, which turns numeric defaults into arrays, leaves them alone) and
+resolved by :func:`scsgd_jax.resolve_static_args` from the values below.
+"""
+
+# The optimizer (scale_by_sketched_conditioning, scsgd)
+RANK = 32  # sketch rank k
+UPDATE_EVERY = 50  # refresh period N (the paper's)
+OVERSAMPLE = 10  # sketch columns beyond the rank
+POWER_ITERATIONS = 1  # range-finder power iterations of the dense sketch
+STATISTICS_EVERY = 1  # fold the statistics every step
+FULL_MAX_DIM_PER_RANK = 4  # statistics='auto' uses the full C^{1/2} up to n = 4 * rank
+EMA_RATE = 0.05  # nu, the EMA weight of a new batch
+OUTLIER_THRESHOLD = 100.0  # rows above 100x the running tr C (squared norm) are clipped
+BUDGET = "model"  # statistics='auto': the model-wide memory rule
+MOMENTUM = 0.9  # scsgd's Nesterov momentum (the paper's)
+# The optimizer's eigenvalue floor, relative to tr(C) / n: a damping (no direction amplified more than
+# 10x the average scale). The reasons for the value are in docs/how_it_works.md.
+EIGENVALUE_FLOOR = 1e-2
+
+# The pure sketching functions: a numerical guard only
+SKETCH_EIGENVALUE_FLOOR = 1e-5
+SKETCH_OVERSAMPLE = 10
+
+# Flax capture
+MAX_ROWS = 256  # input rows sampled per layer and step for the statistics (None: all)

@@ -1,0 +1,281 @@
+r"""Which kernels are conditioned, and how: the per-kernel plan and the memory rule.
+
+Decided once from the parameters' shapes (at ``init``) and static afterwards. For each kernel: its
+input axes (so the kernel reads as the matrix ``(n, p)``), the statistics kept for it and the
+conditioner's rank (:class:`KernelPlan`). Under ``statistics='auto'`` the choice follows the memory
+rule: each kernel's options, best first (dense ``C``, streaming at ``rank``, at each smaller rank,
+diagonal), each costing :func:`state_floats`; a kernel takes the best that fits in its own ``n * p``
+floats (Adam's second moment), and with ``budget='model'`` the model's leftover floats then go to the
+kernels of smallest ``n`` first (:func:`allot`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
+
+import jax
+import numpy as np
+
+from scsgd_jax._src import statistics as stats_lib
+
+InputAxes = Union[None, Mapping[str, Sequence[int]], Callable[[str, Any], Sequence[int]]]
+
+
+class KernelPlan(NamedTuple):
+  """How one kernel is conditioned (decided from its shape at ``init``).
+
+  Attributes:
+    input_axes: the kernel axes contracted with the layer input.
+    n: the input dimension (product of ``input_axes``).
+    kind: ``'dense'``, ``'streaming'``, ``'diagonal'``, ``'embedding'`` or ``'custom'``.
+    rank: the factor's rank; ``None`` for the full ``C^{1/2}``; ``0`` for diagonal kinds.
+    statistics: the :class:`~scsgd_jax.CorrelationStatistics` kept for it.
+    phase: the step (mod ``update_every``) at which its periodic refresh falls.
+  """
+
+  input_axes: tuple[int, ...]
+  n: int
+  kind: str
+  rank: Optional[int]
+  statistics: stats_lib.CorrelationStatistics
+  phase: int
+
+  def describe(self) -> str:
+    """E.g. ``'dense C, full C^(1/2), n=25'`` or ``'streaming C Omega, rank 32, n=800'``."""
+    kind = {
+        "embedding": "token frequencies",
+        "diagonal": "diagonal C",
+        "streaming": f"streaming C Omega, rank {self.rank}",
+        "dense": "dense C, full C^(1/2)" if self.rank is None else f"dense C, rank {self.rank}",
+        "custom": "custom statistics, " + ("full C^(1/2)" if self.rank is None else f"rank {self.rank}"),
+    }[self.kind]
+    return f"{kind}, n={self.n}"
+
+
+class Spec(NamedTuple):
+  """The arguments of :func:`~scsgd_jax.scale_by_sketched_conditioning` that decide the plans (checked)."""
+
+  rank: int
+  update_every: int
+  full_max_dim: int
+  oversample: int
+  conditioner: str
+  statistics: Union[str, stats_lib.CorrelationStatistics]
+  budget: str
+  stagger: bool
+  kernel_filter: Callable[[str, Any], bool]
+  input_axes: InputAxes
+  choices: "StatisticsChoices"
+
+
+class StatisticsChoices:
+  """The statistics objects a plan may pick, built once per transformation (streaming: one per rank)."""
+
+  def __init__(self, ema_rate, *, warm_start: bool, oversample: int, power_iterations: int, eigenvalue_floor):
+    common = dict(identity_prior=not warm_start, eigenvalue_floor=eigenvalue_floor)
+    self.dense = stats_lib.ema_correlation(ema_rate, oversample=oversample, power_iterations=power_iterations,
+                                           **common)
+    self.diagonal = stats_lib.diagonal_correlation(ema_rate, **common)
+    self.ids = stats_lib.diagonal_correlation(ema_rate, takes_ids=True, **common)
+    self.streaming = functools.lru_cache(maxsize=None)(
+        lambda k: stats_lib.nystrom_correlation(k, ema_rate, oversample=oversample, **common))
+
+  def of(self, kind: str, k: Optional[int]) -> stats_lib.CorrelationStatistics:
+    return {"dense": self.dense, "diagonal": self.diagonal, "embedding": self.ids}.get(kind) or self.streaming(k)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+def _key_str(k) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def path_to_str(path) -> str:
+  """``('conv1', 'kernel')``-style key path as ``'conv1/kernel'`` (the names used in errors and in the state).
+
+  The trailing ``.value`` of an ``nnx.Variable`` leaf is dropped, so an NNX state
+  of Variables and its pure-array form give the same names.
+  """
+  path = tuple(path)
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+    path = path[:-1]
+  return "/".join(_key_str(k) for k in path)
+
+
+def default_kernel_filter(path: str, leaf: jax.Array) -> bool:
+  """Flax's conventions: a ``kernel`` with at least two dims (Dense, Conv, DenseGeneral, Einsum) or a 2-D ``embedding``."""
+  name = path.rsplit("/", 1)[-1]
+  ndim = getattr(leaf, "ndim", 0)
+  return (name == "kernel" and ndim >= 2) or (name == "embedding" and ndim == 2)
+
+
+def default_input_axes(path: str, leaf: jax.Array) -> tuple[int, ...]:
+  """The input axes of a Flax kernel, read from its name and rank.
+
+  - ``.../embedding`` ``(vocab, features)``: ``(0,)`` (one-hot input).
+  - attention's ``.../query|key|value/kernel`` ``(in, heads, head_dim)`` (``nnx.MultiHeadAttention``,
+    ``nn.MultiHeadDotProductAttention``): ``(0,)``.
+  - everything else: all but the last axis (Dense ``(n, p)``, Conv ``(*window, cin, cout)``,
+    attention's ``out`` ``(heads, head_dim, out)``, a DenseGeneral with one output axis).
+
+  A DenseGeneral with several output axes or an Einsum kernel needs the exact axes:
+  pass ``input_axes=scsgd_jax.input_axes_nnx(model)`` (or ``input_axes_linen``); a
+  mismatch with the captured rows is reported at the first update, naming the kernel.
+  """
+  parts = path.split("/")
+  if parts[-1] == "embedding":
+    return (0,)
+  if leaf.ndim == 3 and len(parts) >= 2 and parts[-2] in ("query", "key", "value"):
+    return (0,)
+  return tuple(range(leaf.ndim - 1))
+
+
+def kernel_paths(tree, kernel_filter: Callable[[str, Any], bool] = default_kernel_filter) -> dict[str, Any]:
+  """``{path: leaf}`` of the leaves of ``tree`` that ``kernel_filter`` selects."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {path_to_str(p): leaf for p, leaf in flat if kernel_filter(path_to_str(p), leaf)}
+
+
+def axes_of(path: str, leaf, input_axes: InputAxes) -> tuple[int, ...]:
+  """The checked input axes of kernel ``path``: ``input_axes`` (callable or mapping) over the defaults."""
+  if callable(input_axes):
+    axes = input_axes(path, leaf)
+  elif input_axes is not None and path in input_axes:
+    axes = input_axes[path]
+  else:
+    axes = default_input_axes(path, leaf)
+  axes = tuple(int(a) % leaf.ndim for a in axes)
+  if not axes or len(set(axes)) != len(axes) or len(axes) >= leaf.ndim:
+    raise ValueError(
+        f"input axes {axes} of kernel '{path}' {tuple(leaf.shape)} must be distinct and leave at "
+        "least one output axis.")
+  return axes
+
+
+# -------------------------------------------------------------------------------------- memory rule
+
+
+def state_floats(kind: str, n: int, k: Optional[int], width: int) -> int:
+  """Floats of one kernel's statistics + factor (a test checks it against real states)."""
+  if kind in ("diagonal", "embedding"):
+    return 2 * n + 1
+  factor = 2 * n * n + 1 if k is None else n * k + k * k + 1
+  stats = n * n + 1 if kind == "dense" else 2 * n * width + 2
+  return stats + factor
+
+
+class Option(NamedTuple):
+  kind: str
+  rank: Optional[int]
+  floats: int
+
+
+def options(n: int, rank: int, oversample: int, full: bool) -> list[Option]:
+  """A kernel's options under ``statistics='auto'``, best first."""
+  out = [("dense", None if full else rank)] if full or rank < n else []
+  out += [("streaming", k) for k in range(min(rank, n - 1), 0, -1)] + [("diagonal", 0)]
+  return [Option(kind, k, state_floats(kind, n, k, min((k or 0) + oversample, n))) for kind, k in out]
+
+
+def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], floats: int,
+          budget: str) -> dict[str, int]:
+  """Each kernel's option (an index into its list; ``len`` = none fits) under the memory rule.
+
+  Every kernel takes its best option that fits in its own ``n * p`` floats; with ``budget='model'``
+  the ``floats`` the model has left over then go to the kernels of smallest ``n`` first (cheapest
+  to upgrade), each taking its best option that the leftover pays for.
+  """
+  chosen = {}
+  for path, kernel_opts in opts.items():
+    n, p = shapes[path]
+    # 'model': 3 = this kernel's clipped-row counter and, were it alone, the count and key beyond Adam's.
+    bound = n * p - (3 if budget == "model" else 0)
+    chosen[path] = next((i for i, o in enumerate(kernel_opts) if o.floats <= bound), len(kernel_opts))
+  if budget == "kernel":
+    return chosen
+
+  def cost(path):
+    return opts[path][chosen[path]].floats if chosen[path] < len(opts[path]) else 0
+
+  left = floats - sum(cost(path) for path in opts)
+  for path in sorted(opts, key=lambda q: shapes[q][0]):
+    mine = cost(path)
+    best = next((i for i, o in enumerate(opts[path]) if o.floats <= mine + left), chosen[path])
+    if best < chosen[path]:
+      chosen[path] = best
+      left -= cost(path) - mine
+  return chosen
+
+
+# ------------------------------------------------------------------------------------------- plans
+
+
+def _check_rank(path: str, n: int, k: int) -> None:
+  if k >= n:
+    raise ValueError(
+        f"rank={k} must be < n={n}, the input dimension of kernel '{path}'; "
+        "lower rank, or use conditioner='auto' or 'full'.")
+
+
+def _full(spec: Spec, n: int) -> bool:
+  """Whether kernel of input dimension ``n`` gets the full ``C^{1/2}`` (else a rank-``k`` factor)."""
+  return spec.conditioner == "full" or (spec.conditioner == "auto" and n <= spec.full_max_dim)
+
+
+def _fixed(spec: Spec, path: str, n: int) -> Optional[tuple[str, Optional[int]]]:
+  """``(kind, rank)`` of a kernel when ``statistics`` is not ``'auto'``; ``None`` under ``'auto'``."""
+  full = _full(spec, n)
+  if spec.conditioner == "sketched":
+    _check_rank(path, n, spec.rank)
+  if isinstance(spec.statistics, stats_lib.CorrelationStatistics) or spec.statistics == "dense" or (
+      spec.conditioner == "full" and spec.statistics != "diagonal"):
+    if not full:
+      _check_rank(path, n, spec.rank)
+    kind = "dense" if isinstance(spec.statistics, str) else "custom"
+    return kind, None if full else spec.rank
+  if spec.statistics == "diagonal":
+    return "diagonal", 0
+  if spec.statistics == "streaming":
+    _check_rank(path, n, spec.rank)
+    return "streaming", spec.rank
+  return None
+
+
+def make_plans(tree, spec: Spec) -> dict[str, KernelPlan]:
+  """The plan of every kernel of ``tree`` (arrays or shapes) that ``spec.kernel_filter`` selects."""
+  custom = isinstance(spec.statistics, stats_lib.CorrelationStatistics)
+  decided: dict[str, tuple[str, Optional[int]]] = {}
+  axes, dims, shapes, opts = {}, {}, {}, {}
+  for path, leaf in kernel_paths(tree, spec.kernel_filter).items():
+    axes[path] = axes_of(path, leaf, spec.input_axes)
+    n = dims[path] = math.prod(leaf.shape[a] for a in axes[path])
+    if path.rsplit("/", 1)[-1] == "embedding" and not custom:
+      decided[path] = ("embedding", 0)
+      continue
+    fixed = _fixed(spec, path, n)
+    if fixed is None:
+      shapes[path] = (n, leaf.size // n)
+      opts[path] = options(n, spec.rank, spec.oversample, _full(spec, n))
+    else:
+      decided[path] = fixed
+  if opts:
+    # budget='model': Adam's state beyond SGD's momentum, one float per parameter, less this state's scalars
+    # (count and key beyond Adam's count, a clipped-row counter per kernel) and the embeddings' statistics.
+    floats = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree)) - 2 - len(axes)
+    floats -= sum(state_floats("embedding", dims[p], 0, 0) for p, (kind, _) in decided.items() if kind == "embedding")
+    for path, i in allot(shapes, opts, floats, spec.budget).items():
+      if i < len(opts[path]):  # else nothing fits: plain SGD
+        decided[path] = (opts[path][i].kind, opts[path][i].rank)
+  ordered = [p for p in axes if p in decided]  # the tree's order
+  return {
+      path: KernelPlan(axes[path], dims[path], kind, k,
+                       spec.statistics if kind == "custom" else spec.choices.of(kind, k),
+                       (i * spec.update_every) // len(ordered) if spec.stagger else 0)
+      for i, (path, (kind, k)) in enumerate((p, decided[p]) for p in ordered)
+  }
