@@ -2,8 +2,6 @@
 
 import ml_collections
 
-from experiments import optimizers
-
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
@@ -21,18 +19,15 @@ def get_config() -> ml_collections.ConfigDict:
   # eta_t = 0.01 (1 + 1e-4 t)^(-3/4): Caffe's "inv" policy, as in the paper.
   config.schedule = ml_collections.ConfigDict(dict(name="inv", base=0.01, gamma=1e-4, power=0.75))
 
-  # One sub-config per optimizer: its keyword arguments beyond the learning rate (experiments/optimizers.py);
-  # each argument is a placeholder (None = the library's default), set only where it differs.
+  # One sub-config per optimizer: its keyword arguments beyond the learning rate, only those that differ
+  # from the library's defaults (the command line reaches every argument: --config.optimizer.scsgd.rank=8).
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.name = "scsgd"  # scsgd | sgd | adam
-  # scsgd_jax.scsgd: empty = the library's defaults (Nesterov 0.9, rank 32, refresh every 50, nu 0.05,
-  # memory-chosen statistics, warm start). E.g. config.optimizer.scsgd.rank = 8, or
-  # dict(statistics="dense", warm_start=False) for the paper's exact recipe.
-  config.optimizer.scsgd = optimizers.sub_config("scsgd")
-  config.optimizer.sgd = optimizers.sub_config("sgd", momentum=0.9, nesterov=True)  # the paper's baseline
+  # scsgd_jax.scsgd at its defaults; e.g. dict(statistics="dense", warm_start=False) is the paper's recipe.
+  config.optimizer.scsgd = ml_collections.ConfigDict()
+  config.optimizer.sgd = ml_collections.ConfigDict(dict(momentum=0.9, nesterov=True))  # the paper's baseline
   # The paper's untuned constant-rate Adam: its own learning rate instead of config.schedule.
-  config.optimizer.adam = optimizers.sub_config("adam")
-  config.optimizer.adam.learning_rate = 1e-3
+  config.optimizer.adam = ml_collections.ConfigDict(dict(learning_rate=1e-3))
   # Not stated in the paper (default 0). Caffe's LeNet solver, whose recipe the paper takes, uses 5e-4.
   config.optimizer.weight_decay = 0.0
   config.max_rows = 256  # input rows sampled per conv layer and step for the statistics (0: all)

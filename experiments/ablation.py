@@ -10,7 +10,6 @@ loss seen, and the training time per step against SGD's, measured in the same ru
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import flags
@@ -87,8 +86,7 @@ def run(config, workdir: str, names, *, allow_config_change: bool = False) -> di
 def write(results: dict, out: str, command: str, steps: int) -> str:
   os.makedirs(out, exist_ok=True)
   m = machine.describe()
-  with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"command": command, "steps": steps, "machine": m, "results": results}, f, indent=1)
+  report.write_results(out, {"steps": steps, "results": results}, command, machine=m)
   lines = report.header(f"SCSGD ablation, {steps} iterations", command, m) + [
            "Time per step counts training steps only (compile and evaluation excluded), measured in this run "
            "against SGD.\n",

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from absl import flags
 
+from experiments import build as build_lib
 from experiments import cli
 from experiments import data as data_lib
 from experiments import errors
@@ -65,7 +66,7 @@ def run_config(config, name: str, lr: float, seed: int, steps: int):
 
 
 def _state_bytes(cfg) -> int:
-  shapes = jax.eval_shape(optimizers.create(cfg, train.forward(cfg)).tx.init, train.abstract_params(cfg))
+  shapes = build_lib.abstract_state(build_lib.build(cfg, abstract=True))["opt_state"]
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
 
 
@@ -141,13 +142,6 @@ def benchmark(config, workdir: str) -> dict:
   return summarize(config, out)
 
 
-def _to_target(rows, target):
-  for r in rows:
-    if r.get("test_loss", float("inf")) <= target:
-      return r["step"], r["train_time"]
-  return None, None
-
-
 def _median_report(seeds: dict, key: str):
   """Median over seeds of the final parameters' ``config.benchmark.report_split`` figure (None: not
   evaluated, or a seed diverged)."""
@@ -162,7 +156,7 @@ def summarize(config, out: dict) -> dict:
   target = min(finals[n] for n in baselines)
   out["target"] = target
   for name, o in opts.items():
-    hits = [_to_target(s["rows"], target) for s in o["seeds"].values()]
+    hits = [report.first_at_or_below(s["rows"], target) for s in o["seeds"].values()]
     its = [h[0] for h in hits if h[0] is not None]
     secs = [h[1] for h in hits if h[1] is not None]
     last = [s["rows"][-1] for s in o["seeds"].values() if s["rows"]]
@@ -203,10 +197,6 @@ def _median_curve(seeds: dict, key: str, x: str):
           [float(np.median([r[i][1] for r in runs])) for i in range(n)])
 
 
-def _fmt(v, spec=".3g", none="-"):
-  return none if v is None else format(v, spec)
-
-
 def write_report(config, out: dict, results_dir: str, command: str) -> str:
   os.makedirs(results_dir, exist_ok=True)
   m = machine.describe()
@@ -216,8 +206,7 @@ def write_report(config, out: dict, results_dir: str, command: str) -> str:
   slim = {"tune_steps": out["tune_steps"], "target": out["target"], "machine": m, "command": command,
           "config": json.loads(config.to_json_best_effort()),
           "optimizers": {n: {k: v for k, v in o.items() if k != "seeds"} for n, o in out["optimizers"].items()}}
-  with open(os.path.join(results_dir, "results.json"), "w") as f:
-    json.dump(slim, f, indent=1)
+  report.write_results(results_dir, slim, command, machine=m)
   figs = []
   for x, label in (("step", "iteration"), ("train_time", "training seconds")):
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -247,14 +236,14 @@ def write_report(config, out: dict, results_dir: str, command: str) -> str:
       "|" + " --- |" * (15 if b.report_split else 13)]
   for name, o in out["optimizers"].items():
     s = o["summary"]
-    reported = (f"{_fmt(s['report_loss_median'], '.4f')} | "
-                f"{_fmt(s['report_error_median'] and 100 * s['report_error_median'], '.2f')}% | "
+    reported = (f"{report.fmt(s['report_loss_median'], '.4f')} | "
+                f"{report.fmt(s['report_error_median'] and 100 * s['report_error_median'], '.2f')}% | "
                 if b.report_split else "")
-    its = f"{_fmt(s['iterations_median'], '.0f')} [{', '.join(map(str, s['iterations_range'] or []))}]"
-    secs = f"{_fmt(s['seconds_median'], '.1f')} [{', '.join(f'{v:.1f}' for v in s['seconds_range'] or [])}]"
+    its = f"{report.fmt(s['iterations_median'], '.0f')} [{', '.join(map(str, s['iterations_range'] or []))}]"
+    secs = f"{report.fmt(s['seconds_median'], '.1f')} [{', '.join(f'{v:.1f}' for v in s['seconds_range'] or [])}]"
     edge = " (edge)" if o["at_grid_edge"] else ""
-    lines.append(f"| {name} | {o['learning_rate']:g}{edge} | {s['reached']} | {its} | {_fmt(s['iterations_vs_best'], '.2f')} | "
-                 f"{secs} | {_fmt(s['time_to_target_vs_best'], '.2f')} | {s['final_loss_median']:.4f} | "
+    lines.append(f"| {name} | {o['learning_rate']:g}{edge} | {s['reached']} | {its} | {report.fmt(s['iterations_vs_best'], '.2f')} | "
+                 f"{secs} | {report.fmt(s['time_to_target_vs_best'], '.2f')} | {s['final_loss_median']:.4f} | "
                  f"{100 * s['final_error_median']:.2f}% | {reported}{s['step_ms_median']:.1f} | {s['compile_s_median']:.1f} | "
                  f"{s['state_bytes']:,} | {s['state_vs_smallest']:.2f} |")
   lines += ["", f"(edge): the chosen rate is at an end of the grid even after growing it {b.extend_edge} steps past "
@@ -289,8 +278,8 @@ def write_summary(root: str, tasks: Sequence[str] = ()) -> str:
     for name, o in result["optimizers"].items():
       s = o["summary"]
       lines.append(f"| [{task}]({task}/README.md) | {name} | {o['learning_rate']:g} | "
-                   f"{_fmt(s['time_to_target_vs_best'], '.2f', 'not reached by every seed')} | "
-                   f"{_fmt(s['iterations_median'], '.0f')} ({s['reached']}) | {s['final_loss_median']:.4f} | "
+                   f"{report.fmt(s['time_to_target_vs_best'], '.2f', 'not reached by every seed')} | "
+                   f"{report.fmt(s['iterations_median'], '.0f')} ({s['reached']}) | {s['final_loss_median']:.4f} | "
                    f"{s['state_bytes']:,} |")
   missing = [t for t in tasks if not os.path.exists(os.path.join(root, t, "results.json"))]
   if missing:
@@ -305,7 +294,7 @@ def main(argv):
   with data_lib.reuse_decoded_splits():
     out = benchmark(config, FLAGS.workdir)
   print(open(write_report(config, out, FLAGS.results_dir, cli.command_line())).read())
-  write_summary(os.path.dirname(os.path.abspath(FLAGS.results_dir)), task_names(FLAGS["config"].config_filename))
+  write_summary(os.path.dirname(os.path.abspath(FLAGS.results_dir)), task_names(cli.config_path()))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from flax import nnx
 import scsgd_jax
 from experiments import cli
 from experiments import machine
+from experiments import report
 from experiments import models
 
 P, BATCH, RANK, PERIOD = 1024, 256, 32, 50
@@ -178,9 +179,7 @@ def main(argv):
                          for k, v in results["dense_layer"][str(n)].items()}), flush=True)
   results["transformer"] = transformer(config.transformer_steps)
   print(json.dumps(results["transformer"], indent=1), flush=True)
-  os.makedirs(FLAGS.results_dir, exist_ok=True)
-  with open(os.path.join(FLAGS.results_dir, "benchmark_scaling.json"), "w") as f:
-    json.dump(results, f, indent=1)
+  report.write_results(FLAGS.results_dir, results, results["command"], "benchmark_scaling.json", results["machine"])
 
 
 if __name__ == "__main__":

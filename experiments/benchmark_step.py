@@ -12,7 +12,6 @@ in the same run; the target is on the block mean.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -25,6 +24,7 @@ from flax import nnx
 import scsgd_jax
 from experiments import cli
 from experiments import machine
+from experiments import report
 from experiments import models
 from experiments import train
 
@@ -118,9 +118,7 @@ def main(argv):
       "target": "scsgd mean_ratio_vs_sgd <= 1.25",
       "results": results,
   }
-  os.makedirs(FLAGS.results_dir, exist_ok=True)
-  with open(os.path.join(FLAGS.results_dir, "benchmark_step.json"), "w") as f:
-    json.dump(record, f, indent=1)
+  report.write_results(FLAGS.results_dir, record, record["command"], "benchmark_step.json", record["machine"])
   for name, r in results.items():
     print(f"{name:24s} mean in blocks {r['mean_ms_in_blocks']:7.2f} ms ({r['mean_ratio_vs_sgd']:.3f}x)  "
           f"median synced step {r['median_ms_synced_step']:7.2f} ms ({r['median_ratio_vs_sgd']:.3f}x)")

@@ -22,12 +22,15 @@ from typing import Callable, Optional
 from absl import app
 from absl import flags
 from absl import logging
+import ml_collections
 from ml_collections import config_flags
 
 from experiments import errors
+from experiments import optimizers
 from experiments import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
+_WITH_CONFIG = False
 
 
 def define_flags(*, workdir: bool, results: bool = True, results_dir: Optional[str] = None, data: bool = True) -> None:
@@ -35,8 +38,8 @@ def define_flags(*, workdir: bool, results: bool = True, results_dir: Optional[s
 
   ``results_dir=None`` makes ``--results_dir`` required; a string is its default.
   """
-  config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).", lock_config=True)
-  flags.mark_flags_as_required(["config"])
+  global _WITH_CONFIG
+  _WITH_CONFIG = True  # --config PATH is read by parse_flags (configs are data; the harness completes them)
   if data:
     flags.DEFINE_string("data_dir", None, "TFDS data dir (default: $TFDS_DATA_DIR, else tfds' own).")
   if workdir:
@@ -91,13 +94,23 @@ def guarded(main: Callable[[list[str]], object]) -> Callable[[list[str]], object
   return wrapped
 
 
-def _config_path(argv: list[str]) -> Optional[str]:
+def _config_path(argv: list[str]) -> tuple[Optional[str], list[str]]:
+  """``--config PATH`` (or ``--config=PATH``) and the other arguments."""
   for i, a in enumerate(argv):
     if a == "--config" and i + 1 < len(argv):
-      return argv[i + 1].split(":", 1)[0]
+      return argv[i + 1], argv[:i] + argv[i + 2:]
     if a.startswith("--config="):
-      return a[len("--config="):].split(":", 1)[0]
-  return None
+      return a[len("--config="):], argv[:i] + argv[i + 1:]
+  return None, argv
+
+
+def load_config(path: str) -> ml_collections.ConfigDict:
+  """``get_config()`` of the config file ``path``, completed with every optimizer argument as a placeholder
+  (configs are data that state only what differs from the defaults; overrides reach every argument)."""
+  spec = importlib.util.spec_from_file_location(f"_config_{abs(hash(path))}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return optimizers.complete(module.get_config())
 
 
 def _unknown_override(argv: list[str], cfg) -> Optional[str]:
@@ -124,37 +137,53 @@ def _one_line(e: BaseException) -> str:
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with every failure said in one line naming the culprit (exit status 2):
-  a config file that does not exist, an unknown ``--config.<key>`` (with the closest keys), a value
-  that does not parse, an unknown flag, an unusable ``--workdir``."""
-  path = _config_path(argv)
-  if path is not None and not os.path.isfile(path):  # config_flags defers this error to the first read
-    folder = os.path.dirname(path) or "."
-    there = sorted(f for f in os.listdir(folder) if f.endswith(".py")) if os.path.isdir(folder) else []
-    close = difflib.get_close_matches(os.path.basename(path), there, n=3, cutoff=0.5)
-    hint = f" (did you mean {', '.join(os.path.join(folder, c) for c in close)}?)" if close else ""
-    print(f"error: --config {path}: no such file{hint}", file=sys.stderr, flush=True)
+  a config file that is missing or does not load, an unknown ``--config.<key>`` (with the closest
+  keys), a value that does not parse, an unknown flag, an unusable ``--workdir``."""
+
+  def fail(line: str):
+    print(f"error: {line}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+  cfg = None
+  if _WITH_CONFIG:
+    path, argv = _config_path(argv)
+    if path is None:
+      fail("--config is required: the path of a config file (configs/*.py)")
+    if not os.path.isfile(path):
+      folder = os.path.dirname(path) or "."
+      there = sorted(f for f in os.listdir(folder) if f.endswith(".py")) if os.path.isdir(folder) else []
+      close = difflib.get_close_matches(os.path.basename(path), there, n=3, cutoff=0.5)
+      fail(f"--config {path}: no such file" +
+           (f" (did you mean {', '.join(os.path.join(folder, c) for c in close)}?)" if close else ""))
+    try:
+      cfg = load_config(path)
+    except Exception as e:  # the config file itself is broken
+      fail(f"--config {path} does not load: {type(e).__name__}: {_one_line(e)}")
+    global _CONFIG_PATH
+    _CONFIG_PATH = path
   try:
+    if cfg is not None:
+      # the overrides are read from sys_argv: the arguments without --config PATH (else the flag waits for one)
+      config_flags.DEFINE_config_dict("config", cfg, "The config (--config PATH), with --config.<key> overrides.",
+                                      lock_config=True, sys_argv=list(argv))
     rest = FLAGS(argv)
   except Exception as e:  # config_flags raises KeyError/AttributeError/ValueError; absl flags.Error
-    line = None
-    if path is not None and isinstance(e, (KeyError, AttributeError)):
-      try:
-        spec = importlib.util.spec_from_file_location("_config_to_diagnose", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        line = _unknown_override(argv, module.get_config())
-      except Exception:  # the file itself fails to load: said below
-        pass
-    print(f"error: {line or _one_line(e)}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    line = _unknown_override(argv, cfg) if cfg is not None and isinstance(e, (KeyError, AttributeError)) else None
+    fail(line or _one_line(e))
   if "workdir" in FLAGS:
     try:
       workdir_lib.check_path(FLAGS.workdir)
     except errors.WorkdirError as e:
-      print(f"error: {e}", file=sys.stderr, flush=True)
-      sys.exit(2)
+      fail(str(e))
   return rest
+
+
+def config_path() -> str:
+  """The path given as ``--config``."""
+  return _CONFIG_PATH
+
+
+_CONFIG_PATH = ""
 
 
 def run(main: Callable[[list[str]], object]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from experiments import metrics as metrics_lib
 from experiments import report
@@ -68,20 +68,6 @@ def _at(rows, metric, step) -> Optional[float]:
   return None
 
 
-def _fmt(v, pct=False):
-  if v is None:
-    return "n/a"
-  return f"{100 * v:.2f}%" if pct else f"{v:.4f}"
-
-
-def time_to_target(rows, target: float, metric: str = "test_loss"):
-  """First evaluated step whose ``metric`` is <= target, and its training time (s)."""
-  for r in rows:
-    if metric in r and r[metric] <= target:
-      return r["step"], r["train_time"]
-  return None, None
-
-
 def table(runs: dict[str, list[dict]], dataset: str, diverged: Optional[dict[str, int]] = None) -> str:
   diverged = diverged or {}
   paper = paper_curves(dataset)
@@ -97,9 +83,9 @@ def table(runs: dict[str, list[dict]], dataset: str, diverged: Optional[dict[str
     for step in TABLE_STEPS:
       cells = [str(step)]
       for name in names:
-        cells.append(_fmt(_at(runs[name], metric, step), pct))
+        cells.append(report.fmt(_at(runs[name], metric, step), ".2f" if pct else ".4f", "n/a", pct))
         if name in paper and metric in paper[name]:
-          cells.append(_fmt(paper[name][metric].get(step), pct))
+          cells.append(report.fmt(paper[name][metric].get(step), ".2f" if pct else ".4f", "n/a", pct))
       lines.append("| " + " | ".join(cells) + " |")
   sgd_tests = [r for r in runs.get("sgd", []) if "test_loss" in r]
   if sgd_tests and "sgd" not in diverged:
@@ -112,7 +98,7 @@ def table(runs: dict[str, list[dict]], dataset: str, diverged: Optional[dict[str
         "| --- | --- | --- | --- | --- |",
     ]
     for name in names:
-      step, secs = time_to_target(runs[name], target)
+      step, secs = report.first_at_or_below(runs[name], target)
       if step is None and name in diverged:
         lines.append(f"| {name} | diverged at step {diverged[name]} | - | - | - |")
       elif step is None:

@@ -124,11 +124,24 @@ def sub_config(name: str, **values) -> ml_collections.ConfigDict:
   return config
 
 
+def complete(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """``config`` with each optimizer sub-config it names (and that of ``optimizer.name``) completed by
+  :func:`sub_config`'s placeholders; the values a config file sets are kept. Config files are data:
+  they state only what differs from the defaults, and the command line then reaches every argument."""
+  if "optimizer" not in config:
+    return config
+  o = config.optimizer
+  for name in [k for k in o.keys() if k in FUNCTIONS] + ([o.name] if o.get("name") in FUNCTIONS else []):
+    given = o[name].to_dict() if name in o else {}
+    o[name] = sub_config(name, **given)
+  return config
+
+
 def resolved_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The settings of ``config.optimizer.name`` as it runs: every argument of its sub-config, a placeholder
   left ``None`` replaced by the library's default (what a run records, so a changed default is seen)."""
   o = config.optimizer
-  given = o[o.name].to_dict() if o.name in o else {}
+  given = sub_config(o.name, **(o[o.name].to_dict() if o.name in o else {})).to_dict()
   params = inspect.signature(FUNCTIONS[o.name]).parameters
   out = {k: (v if v is not None or k not in params else params[k].default) for k, v in given.items()}
   if FUNCTIONS[o.name] in (scsgd_jax.scsgd, scsgd_jax.scale_by_sketched_conditioning):

@@ -1,9 +1,13 @@
-"""Report helpers shared by every experiment: the header (command and machine), figures, the page."""
+"""Report helpers shared by every experiment: the one results writer (``results.json`` with the command,
+machine, commit and package versions), the page (``README.md``) with its header, figures, formatting."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
-from typing import Optional
+import subprocess
+from typing import Any, Optional
 
 import matplotlib
 
@@ -44,3 +48,58 @@ def write_markdown(out_dir: str, lines: list[str]) -> str:
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")
   return path
+
+
+PACKAGES = ("scsgd-jax", "jax", "jaxlib", "optax", "flax", "orbax-checkpoint", "tensorflow-datasets")
+
+
+def provenance() -> dict[str, Any]:
+  """The commit of the working tree (``+dirty`` if it has uncommitted changes) and the package versions."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    commit += "+dirty" if dirty else ""
+  except (OSError, subprocess.CalledProcessError):
+    commit = "unknown (not a git checkout)"
+  versions = {}
+  for package in PACKAGES:
+    try:
+      versions[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return {"commit": commit, "versions": versions}
+
+
+def write_results(out_dir: str, record: dict[str, Any], command: str, filename: str = "results.json",
+                  machine: Optional[dict] = None) -> str:
+  """Writes ``record`` as ``<out_dir>/<filename>`` with the command, machine, commit and package versions
+  (atomically: a reader never sees half a file); returns its path. Every entry point writes through it."""
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, filename)
+  full = {"command": command, "machine": machine or machine_lib.describe(), **provenance(), **record}
+  with open(f"{path}.tmp", "w") as f:
+    json.dump(full, f, indent=1)
+  os.replace(f"{path}.tmp", path)
+  return path
+
+
+def fmt(v, spec: str = ".4g", none: str = "-", percent: bool = False) -> str:
+  """``v`` formatted with ``spec`` (``percent``: ``100 v`` and a ``%``); ``none`` for ``None``; a string as it is."""
+  if v is None:
+    return none
+  if percent:
+    return f"{100 * v:{spec}}%"
+  if isinstance(v, (bool, str)) or (isinstance(v, int) and spec.endswith("g")):
+    return str(v)
+  return format(v, spec)
+
+
+def first_at_or_below(rows: list[dict], target: float, metric: str = "test_loss"):
+  """``(step, training seconds)`` of the first row whose ``metric`` is at or below ``target``; ``(None, None)``."""
+  for r in rows:
+    if metric in r and r[metric] <= target:
+      return r["step"], r["train_time"]
+  return None, None

@@ -26,6 +26,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import scsgd_jax
+from experiments import build as build_lib
 from experiments import checkpoints as ckpt_lib
 from experiments import data as data_lib
 from experiments import errors
@@ -54,6 +55,9 @@ def _library_key(sub: str, kwargs: dict, e: Exception) -> str:
   return f"{sub}.{min(found)[1]}" if found else sub
 
 
+_VALIDATED: set[str] = set()  # configs already checked in this process (entry points check every run's first)
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Checks every value of ``config`` before data is read or anything compiles.
 
@@ -61,6 +65,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   optimizer's own arguments are checked by the library that owns them: the optimizer is built
   and its state traced from shapes (``jax.eval_shape``; nothing runs).
   """
+  key = config.to_json_best_effort(sort_keys=True)
+  if key in _VALIDATED:
+    return
+  _validate(config)
+  _VALIDATED.add(key)
+
+
+def _validate(config: ml_collections.ConfigDict) -> None:
   for key, value in _leaves(config.to_dict()):
     _check(not isinstance(value, float) or math.isfinite(value), key, f"must be a finite number, got {value!r}.")
   try:
@@ -96,8 +108,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.schedule: {e}") from None
   sub, kwargs = f"optimizer.{o.name}", dict(o[o.name]) if o.name in o else {}
   try:
-    opt = optimizers.create(config, forward(config))
-    jax.eval_shape(opt.tx.init, abstract_params(config))
+    build_lib.abstract_state(build_lib.build(config, abstract=True))
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.{_library_key(sub, kwargs, e)}: {str(e).splitlines()[0]}") from None
 
@@ -116,7 +127,7 @@ def _check_model_reads_dataset(config: ml_collections.ConfigDict) -> None:
   _, num_classes = data_lib.DATASETS[config.dataset]
   what = f"{inputs.shape[1:]} {inputs.dtype}"
   try:
-    graphdef, params = nnx.split(_abstract_model(config), nnx.Param)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: build_lib.model(config)), nnx.Param)
     logits = jax.eval_shape(lambda p, x: nnx.merge(graphdef, p)(x), params, inputs)
   except Exception as e:  # whatever the model raises on inputs it cannot read
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
@@ -126,26 +137,6 @@ def _check_model_reads_dataset(config: ml_collections.ConfigDict) -> None:
   _check(logits.shape == expected, "model",
          f"{config.model!r} gives outputs {logits.shape[1:]} on dataset {config.dataset!r} (examples {what}), "
          f"expected {expected[1:]}.")
-
-
-def _abstract_model(config: ml_collections.ConfigDict):
-  input_shape, num_classes = data_lib.DATASETS[config.dataset]
-  return nnx.eval_shape(lambda: models.create_model(config.model, seed=config.seed, num_classes=num_classes,
-                                                    input_shape=input_shape))
-
-
-def forward(config: ml_collections.ConfigDict, graphdef=None) -> optimizers.Forward:
-  """The model as an optimizer that runs it needs it (K-FAC): ``apply_fn(params, inputs)`` and a batch."""
-  graphdef = nnx.split(_abstract_model(config), nnx.Param)[0] if graphdef is None else graphdef
-  return optimizers.Forward(lambda params, inputs: nnx.merge(graphdef, params)(inputs),
-                            data_lib.example_batch(config.dataset, config.batch_size))
-
-
-def abstract_params(config: ml_collections.ConfigDict):
-  """The model's parameters as shapes and dtypes (nothing computed)."""
-  input_shape, num_classes = data_lib.DATASETS[config.dataset]
-  return jax.eval_shape(lambda: nnx.as_pure(nnx.split(models.create_model(
-      config.model, seed=config.seed, num_classes=num_classes, input_shape=input_shape), nnx.Param)[1]))
 
 
 def _logits_and_inputs(graphdef, params, images, key, capture: bool, max_rows):
@@ -201,12 +192,8 @@ def make_eval_fn(graphdef):
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, split: str) -> dict[str, float]:
   """The newest checkpoint of ``workdir`` (a run of ``config``) evaluated on ``split`` of its dataset:
   ``{"step", "loss", "error"}``."""
-  input_shape, num_classes = data_lib.DATASETS[config.dataset]
-  graphdef, params = nnx.split(models.create_model(config.model, seed=config.seed, num_classes=num_classes,
-                                                   input_shape=input_shape), nnx.Param)
-  params = nnx.as_pure(params)
-  opt = optimizers.create(config, forward(config, graphdef))
-  abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": opt.tx.init(p)}, params)
+  built = build_lib.build(config)
+  abstract = build_lib.abstract_state(built)
   ckpts = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), os.path.join(workdir, "damaged_checkpoints"))
   try:
     restored = ckpts.restore(abstract)
@@ -216,7 +203,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, split: 
     raise errors.WorkdirError(f"{workdir} holds no checkpoint to evaluate")
   step, state, _ = restored
   data = data_lib.load_split(config.dataset, split, config.data_dir, config.max_test_examples, config.download)
-  out = make_eval_fn(graphdef)(state["params"], data, config.eval_batch_size)
+  out = make_eval_fn(built.graphdef)(state["params"], data, config.eval_batch_size)
   return {"step": step, "loss": out["test_loss"], "error": out["test_error"]}
 
 
@@ -256,7 +243,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
 def record(config: ml_collections.ConfigDict) -> dict:
   """What ``config.json`` holds: the config, the optimizer's resolved settings and the package versions."""
-  return {**json.loads(config.to_json_best_effort()),
+  recorded = json.loads(config.to_json_best_effort())
+  for name, sub in recorded.get("optimizer", {}).items():  # a placeholder left None is the default: as absent
+    if isinstance(sub, dict):
+      recorded["optimizer"][name] = {k: v for k, v in sub.items() if v is not None}
+  return {**recorded,
           workdir_lib.RESOLVED_KEY: {f"optimizer.{config.optimizer.name}": optimizers.resolved_settings(config)},
           workdir_lib.VERSIONS_KEY: optimizers.versions(config.optimizer.name)}
 
@@ -276,11 +267,7 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
     _check(config.batch_size <= len(train.labels), "batch_size",
            f"={config.batch_size} is larger than the {len(train.labels)} training windows of {config.dataset}.")
   test = data_lib.decode(eval_src, config.dataset, config.eval_split, config.max_test_examples)
-  input_shape, num_classes = data_lib.DATASETS[config.dataset]
-  model = models.create_model(config.model, seed=config.seed, num_classes=num_classes, input_shape=input_shape)
-  graphdef, params = nnx.split(model, nnx.Param)
-  params = nnx.as_pure(params)
-  opt = optimizers.create(config, forward(config, graphdef))
+  graphdef, params, opt, _ = build_lib.build(config)
   opt_state = opt.tx.init(params)
   train_step = make_train_step(graphdef, opt.tx, capture=opt.needs_layer_inputs, max_rows=config.max_rows or None,
                                pass_batch=opt.needs_batch)

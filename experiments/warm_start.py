@@ -18,13 +18,12 @@ import os
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from absl import flags
 
 import scsgd_jax
-from configs import convex_mnist
-from configs import mnist as mnist_config
 from experiments import cli
 from experiments import metrics
 from experiments.convex import problem as convex
@@ -60,8 +59,8 @@ def _convex_run(x, y, tx, steps, batch, seed=0):
   return curve
 
 
-def convex_part(data_dir: str, steps: int = 500, batch: int = 64) -> dict:
-  config = convex_mnist.get_config()
+def convex_part(convex_config, data_dir: str, steps: int = 500, batch: int = 64) -> dict:
+  config = ml_collections.ConfigDict(convex_config.to_dict())
   config.data_dir = data_dir
   x, y = convex.load_features(config)
   x, y = x.astype(np.float32), y.astype(np.int32)
@@ -87,7 +86,7 @@ def convex_part(data_dir: str, steps: int = 500, batch: int = 64) -> dict:
   return out
 
 
-def lenet_part(data_dir: str, workdir: str, steps: int = 500) -> dict:
+def lenet_part(lenet_config, data_dir: str, workdir: str, steps: int = 500) -> dict:
   variants = {
       "sgd": ("sgd", {}),
       "scsgd_paper_start": ("scsgd", {"warm_start": False}),
@@ -95,7 +94,7 @@ def lenet_part(data_dir: str, workdir: str, steps: int = 500) -> dict:
   }
   out = {}
   for name, (opt, overrides) in variants.items():
-    cfg = mnist_config.get_config()
+    cfg = ml_collections.ConfigDict(lenet_config.to_dict())
     cfg.data_dir = data_dir
     cfg.num_steps, cfg.eval_every, cfg.checkpoint_every, cfg.progress_bar = steps, 250, steps, False
     cfg.optimizer.name = opt
@@ -129,11 +128,9 @@ def main(argv):
   del argv
   config = cli.config()
   result = {"command": cli.command_line(), "machine": machine.describe()}
-  result["convex"] = convex_part(config.data_dir, config.convex_steps, config.convex_batch)
-  result["lenet"] = lenet_part(config.data_dir, FLAGS.workdir, config.lenet_steps)
-  os.makedirs(FLAGS.results_dir, exist_ok=True)
-  with open(os.path.join(FLAGS.results_dir, "results.json"), "w") as f:
-    json.dump(result, f, indent=1)
+  result["convex"] = convex_part(config.convex, config.data_dir, config.convex_steps, config.convex_batch)
+  result["lenet"] = lenet_part(config.lenet, config.data_dir, FLAGS.workdir, config.lenet_steps)
+  report.write_results(FLAGS.results_dir, result, result["command"], machine=result["machine"])
   print(open(write_markdown(result, FLAGS.results_dir)).read())
 
 

@@ -55,19 +55,10 @@ def final_state(workdir):
   """``({"params", "opt_state"}, step)`` of the newest checkpoint of a smoke run, read with the one reader."""
   import os
 
-  import jax
-  from flax import nnx
-
+  from experiments import build
   from experiments import checkpoints
-  from experiments import models
-  from experiments import optimizers
 
-  config = smoke_config()
-  graphdef, params = nnx.split(models.create_model("lenet", seed=0, num_classes=10, input_shape=(28, 28, 1)), nnx.Param)
-  params = nnx.as_pure(params)
-  del graphdef
   ckpts = checkpoints.Checkpoints(os.path.join(workdir, "checkpoints"), os.path.join(workdir, "damaged"))
-  state = {"params": params, "opt_state": optimizers.create(config).tx.init(params)}
-  step, restored, _ = ckpts.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+  step, restored, _ = ckpts.restore(build.abstract_state(build.build(smoke_config(), abstract=True)))
   ckpts.close()
   return restored, step

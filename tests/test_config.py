@@ -1,6 +1,8 @@
 """Every config value is checked before data is read or anything compiles: one line naming the key."""
 
 import json
+import os
+
 import pytest
 import tensorflow_datasets as tfds
 
@@ -91,3 +93,21 @@ def test_only_the_used_optimizers_sub_config_is_part_of_a_run():
   new["optimizer"]["name"] = "adamw"  # another optimizer: its name and both sub-configs count
   assert [k for k, _, _ in workdir_lib.config_differences(old, new)] == [
       "optimizer.adamw.b1", "optimizer.name", "optimizer.sgd.momentum", "optimizer.weight_decay"]
+
+
+def test_configs_are_data_that_import_nothing_from_experiments():
+  """configs/ and experiments/ once imported each other; a config file now imports only configs/."""
+  import glob
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  names = [os.path.relpath(p, root)[:-3].replace(os.sep, ".") for p in glob.glob(os.path.join(root, "configs", "**",
+                                                                                             "*.py"), recursive=True)]
+  code = ("import sys, importlib\n" + "".join(f"importlib.import_module({n!r}).__dict__.get('get_config', "
+                                                  f"lambda: None)()\n" for n in names) +
+          "bad = sorted(m for m in sys.modules if m == 'experiments' or m.startswith('experiments.'))\n"
+          "assert not bad, bad\n")
+  out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert len(names) > 10

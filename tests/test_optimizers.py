@@ -38,12 +38,15 @@ def test_factory_says_what_the_update_needs():
 
 
 def test_sub_config_reaches_the_optimizer_and_defaults_stay_the_librarys():
-  """The default scsgd sub-config sets nothing (every argument a placeholder), so the state is exactly the
-  library default's; a key set in the sub-config (rank) reaches the library, where the old flat config
-  pinned full_max_dim = 128."""
+  """The default scsgd sub-config sets nothing (configs are data; completed, every argument is a placeholder),
+  so the state is exactly the library default's; a key set in the sub-config (rank) reaches the library,
+  where the old flat config pinned full_max_dim = 128."""
   config = default.get_config()
+  assert config.optimizer.scsgd.to_dict() == {}
+  config = optimizers.complete(config)
   assert "rank" in config.optimizer.scsgd and "ema_rate" in config.optimizer.scsgd
   assert all(v is None for v in config.optimizer.scsgd.values())
+  assert config.optimizer.sgd.momentum == 0.9 and config.optimizer.adam.learning_rate == 1e-3  # set values kept
   params = {"dense": {"kernel": jnp.zeros((200, 1000))}}
   ours = jax.eval_shape(optimizers.create(config).tx.init, params)
   library = jax.eval_shape(scsgd_jax.scsgd(optimizers.learning_rate(config), seed=config.seed).init, params)

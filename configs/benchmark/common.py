@@ -3,7 +3,6 @@
 import ml_collections
 
 from configs import default
-from experiments import optimizers
 
 # Each optimizer's documented default learning rate: the centre of its grid.
 #   sgd, scsgd: the paper's 0.01 (Caffe's LeNet solver); adamw, nadamw, scsgd_adamw: optax's/Adam's 1e-3;
@@ -20,7 +19,7 @@ def get_config():
   config.schedule = ml_collections.ConfigDict(dict(name="constant", base=0.01))  # optax's default: constant
   for name in DEFAULT_LR:
     if name not in config.optimizer:
-      config.optimizer[name] = optimizers.sub_config(name)
+      config.optimizer[name] = ml_collections.ConfigDict()
   config.benchmark = ml_collections.ConfigDict()
   config.benchmark.optimizers = tuple(DEFAULT_LR)
   config.benchmark.default_lr = ml_collections.ConfigDict(DEFAULT_LR)

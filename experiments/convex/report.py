@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import numpy as np
@@ -11,19 +9,9 @@ import numpy as np
 from experiments import report
 from experiments.report import plt
 
-def _fmt(v, digits=4):
-  if v is None:
-    return "not reached"
-  if isinstance(v, float):
-    return f"{v:.{digits}g}"
-  return str(v)
-
-
 def write_report(result: dict[str, Any], out_dir: str, command: str) -> str:
   dataset = result["config"]["dataset"]
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "results.json"), "w") as f:
-    json.dump(result, f, indent=1)
+  report.write_results(out_dir, result, command, machine=result["machine"])
 
   fig, ax = plt.subplots(figsize=(6, 4))
   ev = np.asarray(result["eigenvalues"])
@@ -95,12 +83,12 @@ def write_report(result: dict[str, Any], out_dir: str, command: str) -> str:
     head += [f"eta (b={b})", f"L(W_bar_T) - L* (b={b})"] + [f"t to {e} (b={b})" for e in eps]
   lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
   for name, mth in methods.items():
-    cells = [name, _fmt(mth["trace_a"]), _fmt(mth["trace_a_inv_c"]), _fmt(mth["bound_sum"]),
-             _fmt(mth["trace_product"]), _fmt(mth["runs"][single]["bound"])]
+    cells = [name] + [report.fmt(v, ".4g", "not reached") for v in (
+        mth["trace_a"], mth["trace_a_inv_c"], mth["bound_sum"], mth["trace_product"], mth["runs"][single]["bound"])]
     for b, _ in result["config"]["settings"]:
       run = mth["runs"][str(b)]
-      cells += [_fmt(run["best_step_size"]), _fmt(run["suboptimality"][-1])]
-      cells += [_fmt(run["iterations_to_eps"][str(e)]) for e in eps]
+      cells += [report.fmt(v, ".4g", "not reached") for v in (run["best_step_size"], run["suboptimality"][-1])]
+      cells += [report.fmt(run["iterations_to_eps"][str(e)], ".4g", "not reached") for e in eps]
     lines.append("| " + " | ".join(cells) + " |")
   lines += [
       "\nIterations to epsilon are read off the evaluation grid (log-spaced steps), so they are upper bounds "
@@ -116,7 +104,7 @@ def write_report(result: dict[str, Any], out_dir: str, command: str) -> str:
     cells = []
     for b, _ in result["config"]["settings"]:
       v = result["iteration_ratio_measured_sgd_over_full"][str(b)][str(e)]
-      cells.append(_fmt(v, 3) if v is not None else "not reached by both")
+      cells.append(report.fmt(v, ".3g", "not reached") if v is not None else "not reached by both")
     lines.append(f"| {e} | " + " | ".join(cells) + " |")
   lines += [
       "\n## Lemma 3 and Lemma 4, measured\n",
