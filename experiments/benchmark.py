@@ -283,8 +283,8 @@ def write_summary(root: str, tasks: Sequence[str] = ()) -> str:
                    f"{s['state_bytes']:,} |")
   missing = [t for t in tasks if not os.path.exists(os.path.join(root, t, "results.json"))]
   if missing:
-    lines += ["", f"No results yet for: {', '.join(missing)} (`configs/benchmark/<task>.py`; the commands are in the "
-              "repository's README)."]
+    lines += ["", f"No results yet for: {', '.join(missing)} (`configs/benchmark/<task>.py`; the commands are in "
+              "experiments/README.md)."]
   return report.write_markdown(root, lines)
 
 

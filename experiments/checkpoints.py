@@ -42,6 +42,14 @@ def _storable(tree: Any) -> Any:
   return jax.tree.map(lambda x: x if x.size else None, tree)
 
 
+def _placed(abstract: Any) -> Any:
+  """Every leaf given a sharding (the first device where it has none): a checkpoint saved on another set of
+  devices (8 data-parallel replicas, say) is then restored onto this one, not refused for its topology."""
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda a: a if getattr(a, "sharding", None) is not None else
+                      jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+
+
 def _refill(abstract: Any, stored: Any) -> Any:
   """Puts the zero-size arrays that :func:`_storable` dropped back, as zeros of their shape."""
   leaves = iter(jax.tree.leaves(stored))
@@ -95,7 +103,7 @@ class Checkpoints:
 
   def _restore_one(self, step: int, abstract_state):
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_storable(abstract_state)), meta=ocp.args.JsonRestore()))
+        state=ocp.args.StandardRestore(_storable(_placed(abstract_state))), meta=ocp.args.JsonRestore()))
     state, meta = _refill(abstract_state, restored["state"]), restored["meta"]
     if checksum(state) != meta["sha256"]:
       raise ValueError("the restored state does not match its checksum")

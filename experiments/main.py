@@ -6,6 +6,7 @@ Config fields can be overridden on the command line, e.g. ``--config.optimizer.n
 from absl import flags
 
 from experiments import cli
+from experiments import devices
 from experiments import train
 
 FLAGS = flags.FLAGS
@@ -13,6 +14,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
+  print(f"devices: {devices.DataParallel().describe()}", flush=True)
   print(train.train_and_evaluate(cli.config(), FLAGS.workdir, allow_config_change=FLAGS.allow_config_change))
 
 

@@ -2,7 +2,7 @@
 
 Installed by the optional ``bench`` extra (``pip install -e '.[bench]'``), never by the core
 install; ``scsgd_jax`` never imports this module. Each patch is applied only where the upstream
-package still needs it, and ``tests/test_peers.py`` has a test that fails once it no longer does,
+package still needs it, and ``tests/experiments/test_peers.py`` has a test that fails once it no longer does,
 so a patch is removed as soon as its package is fixed.
 
 - ``precondition-opt`` 0.3.0 (Shampoo, Sketchy) calls ``jax.tree_map`` / ``jax.tree_flatten`` /

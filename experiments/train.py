@@ -29,6 +29,7 @@ import scsgd_jax
 from experiments import build as build_lib
 from experiments import checkpoints as ckpt_lib
 from experiments import data as data_lib
+from experiments import devices as devices_lib
 from experiments import errors
 from experiments import metrics as metrics_lib
 from experiments import models
@@ -90,6 +91,8 @@ def _validate(config: ml_collections.ConfigDict) -> None:
     _check(config[key] == -1 or config[key] > 0, key, f"must be -1 (all) or positive, got {config[key]!r}.")
   _check(config.max_train_examples == -1 or config.batch_size <= config.max_train_examples, "batch_size",
          f"={config.batch_size} is larger than config.max_train_examples={config.max_train_examples}.")
+  _check(config.batch_size % jax.device_count() == 0, "batch_size",
+         f"={config.batch_size} must divide over the {jax.device_count()} devices (data parallel).")
   _check(config.max_rows >= 0, "max_rows", f"must be >= 0 (0: every row), got {config.max_rows!r}.")
   _check(config.checkpoint_every % config.train_log_every == 0, "checkpoint_every",
          f"={config.checkpoint_every} must be a multiple of config.train_log_every={config.train_log_every} "
@@ -170,7 +173,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, capture: bool
   return train_step
 
 
-def make_eval_fn(graphdef):
+def make_eval_fn(graphdef, placement: devices_lib.DataParallel | None = None):
   @jax.jit
   def eval_batch(params, images, labels):
     logits = nnx.merge(graphdef, params)(images)
@@ -180,7 +183,10 @@ def make_eval_fn(graphdef):
   def evaluate(params, split: data_lib.Split, batch_size: int) -> dict[str, float]:
     total_loss, total_err, n = 0.0, 0.0, len(split.labels)
     for start in range(0, n, batch_size):
-      l, e = eval_batch(params, split.inputs[start:start + batch_size], split.labels[start:start + batch_size])
+      inputs, labels = split.inputs[start:start + batch_size], split.labels[start:start + batch_size]
+      if placement is not None:
+        inputs, labels = placement.place(inputs), placement.place(labels)
+      l, e = eval_batch(params, inputs, labels)
       total_loss += float(l)
       total_err += float(e)
     predictions = split.labels.size  # one per example, or per position of a text window
@@ -271,7 +277,8 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
   opt_state = opt.tx.init(params)
   train_step = make_train_step(graphdef, opt.tx, capture=opt.needs_layer_inputs, max_rows=config.max_rows or None,
                                pass_batch=opt.needs_batch)
-  evaluate = make_eval_fn(graphdef)
+  placement = devices_lib.DataParallel()
+  evaluate = make_eval_fn(graphdef, placement)
 
   ckpts = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), os.path.join(workdir, "damaged_checkpoints"))
   step, train_time = 0, 0.0
@@ -286,6 +293,7 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
     step, state, train_time = restored
     params, opt_state = state["params"], state["opt_state"]
     logging.info("resumed %s from step %d", workdir, step)
+  params, opt_state = placement.replicate((params, opt_state))
   saved_step = step
 
   def kept() -> str:
@@ -315,7 +323,8 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
       while step < config.num_steps:
         idx = data_lib.batch_indices(len(train.labels), config.batch_size, step, config.seed)
         params, opt_state, loss, err = train_step(
-            params, opt_state, train.inputs[idx], train.labels[idx], jax.random.fold_in(base_key, step))
+            params, opt_state, placement.shard(train.inputs[idx]), placement.shard(train.labels[idx]),
+            jax.random.fold_in(base_key, step))
         if t0 is None:  # the first step compiles: keep it out of the timing
           jax.block_until_ready(loss)
           t0 = time.perf_counter()

@@ -37,4 +37,4 @@ from scsgd_jax._src.transform import ScaleBySketchedConditioningState as ScaleBy
 from scsgd_jax._src.transform import resolve_static_args as resolve_static_args
 from scsgd_jax._src.transform import scale_by_sketched_conditioning as scale_by_sketched_conditioning
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import optax
 
@@ -35,6 +35,7 @@ def scsgd(
     statistics_every: Optional[int] = None,
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
     input_axes: plan_lib.InputAxes = None,
+    axis_name: Optional[Hashable] = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SCSGD: SGD (Nesterov momentum by default) on input-side conditioned gradients.
@@ -80,6 +81,7 @@ def scsgd(
           statistics_every=statistics_every,
           kernel_filter=kernel_filter,
           input_axes=input_axes,
+          axis_name=axis_name,
           seed=seed,
       ),
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov),

@@ -7,7 +7,7 @@ captured rows into the statistics, refreshes the factors when due and conditions
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Literal, NamedTuple, Optional, Union
+from typing import Any, Callable, Hashable, Literal, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +176,7 @@ def scale_by_sketched_conditioning(
     statistics_every: Optional[int] = None,
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
     input_axes: plan_lib.InputAxes = None,
+    axis_name: Optional[Hashable] = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Conditions each kernel gradient on its input side (Gonen & Shalev-Shwartz, Section 3).
@@ -218,6 +219,10 @@ def scale_by_sketched_conditioning(
       and embeddings, :func:`default_kernel_filter`).
     input_axes: each kernel's input axes, a callable ``(path, leaf) -> axes`` or a mapping ``{path: axes}``
       over :func:`default_input_axes` (e.g. :func:`scsgd_jax.input_axes_nnx` of the model).
+    axis_name: under ``jax.pmap`` or ``shard_map`` with a data-parallel axis, its name: the folded
+      statistics are averaged over it (``lax.pmean``), so every replica keeps the same state, equal to
+      one device folding the gathered rows. Not needed under ``jit`` with sharded arrays (the rows are
+      global there). Without it under ``pmap`` each replica folds only its shard and the replicas drift.
     seed: seed of the PRNG key kept in the state.
 
   Returns:
@@ -261,7 +266,7 @@ def scale_by_sketched_conditioning(
           f"the conditioned kernels of `updates` {sorted(kernel_plans)} do not match those the state "
           f"was initialised with {sorted(state.factors)}.")
     rows = _checked_rows(kernel_plans, layer_inputs)
-    fold = lambda operand: _fold(kernel_plans, rows, *operand, outlier_threshold)
+    fold = lambda operand: _fold(kernel_plans, rows, *operand, outlier_threshold, axis_name)
     operand = (state.statistics, state.clipped_rows)
     if static["statistics_every"] == 1:
       new_stats, clipped = fold(operand)
@@ -306,8 +311,13 @@ class _PlanCache:
     return self._plans[key]
 
 
-def _fold(kernel_plans, rows, stats, clipped, outlier_threshold):
-  """Each kernel's rows folded into its statistics (guarded; a non-finite result keeps the old ones)."""
+def _fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
+  """Each kernel's rows folded into its statistics (guarded; a non-finite result keeps the old ones).
+
+  With ``axis_name`` (``pmap``/``shard_map``) the folded statistics are averaged over that axis: the
+  statistics are an EMA, affine in the batch's moments, so the mean of the replicas' folds is the fold of
+  the mean moments, i.e. of the gathered rows (equal shards); every replica then holds the same state.
+  """
   new_stats, new_clipped = {}, {}
   for path, plan in kernel_plans.items():
     x, n_clipped = rows[path], jnp.zeros([], jnp.int32)
@@ -316,7 +326,10 @@ def _fold(kernel_plans, rows, stats, clipped, outlier_threshold):
       continue
     if not plan.statistics.takes_ids:
       x, n_clipped = _guard_rows(x, plan.statistics.trace(stats[path]), outlier_threshold)
-    new_stats[path] = _keep_if_not_finite(plan.statistics.update(stats[path], x), stats[path])
+    folded = plan.statistics.update(stats[path], x)
+    if axis_name is not None:
+      folded, n_clipped = jax.lax.pmean(folded, axis_name), jax.lax.psum(n_clipped, axis_name)
+    new_stats[path] = _keep_if_not_finite(folded, stats[path])
     new_clipped[path] = clipped[path] + n_clipped
   return new_stats, new_clipped
 

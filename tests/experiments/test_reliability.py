@@ -24,7 +24,7 @@ from experiments import train
 from experiments import workdir as workdir_lib
 from tests import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED_TFDS = os.path.join(ROOT, "..", "shared", "tfds")
 
 

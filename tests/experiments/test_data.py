@@ -9,7 +9,7 @@ import pytest
 from experiments import data as data_lib
 from experiments import errors
 
-SHARED_MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tfds", "mnist")
+SHARED_MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "tfds", "mnist")
 
 
 def test_data_dir_without_dataset_is_a_clear_error(tmp_path):
@@ -36,7 +36,7 @@ def test_a_damaged_dataset_file_is_named(tmp_path, damage):
     data_lib.load_split("mnist", "test", str(tmp_path), download=False)
 
 
-SHARED_TFDS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tfds")
+SHARED_TFDS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "tfds")
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_TFDS, "tiny_shakespeare")), reason="needs ../shared/tfds")

@@ -23,7 +23,7 @@ def allow_rank_promotion():
     yield
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 KFAC_STEP = """
 import jax, jax.numpy as jnp, optax, kfac_jax

@@ -13,7 +13,7 @@ import pytest
 from experiments import cli
 from experiments import errors
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED_TFDS = os.path.join(ROOT, "..", "shared", "tfds")
 
 

@@ -101,7 +101,7 @@ def test_configs_are_data_that_import_nothing_from_experiments():
   import subprocess
   import sys
 
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   names = [os.path.relpath(p, root)[:-3].replace(os.sep, ".") for p in glob.glob(os.path.join(root, "configs", "**",
                                                                                              "*.py"), recursive=True)]
   code = ("import sys, importlib\n" + "".join(f"importlib.import_module({n!r}).__dict__.get('get_config', "
