@@ -1,10 +1,19 @@
-"""Wide layers and many kernels: experiments/benchmark_scaling.py."""
+"""Optimizer-state memory by layer width: experiments/benchmark_scaling.py."""
 
 import ml_collections
+
+from configs import mnist
 
 
 def get_config():
   config = ml_collections.ConfigDict()
-  config.dims = (256, 1024, 4096, 16384)  # input dimensions n of the Dense layer (n, 1024)
-  config.transformer_steps = 200  # timed steps of the transformer after its warm-up
+  config.run = mnist.get_config()  # the optimizers' sub-configs every variant is built from
+  config.dims = (256, 1024, 4096, 16384, 65536)  # input dimensions n of the Dense layer (n, 1024)
+  config.variants = ml_collections.ConfigDict({
+      "sgd": {"name": "sgd"},
+      "adam": {"name": "adam"},
+      "scsgd_dense": {"name": "scsgd", "statistics": "dense", "conditioner": "sketched"},
+      "scsgd_streaming": {"name": "scsgd", "statistics": "streaming"},
+      "scsgd": {"name": "scsgd"},
+  })
   return config

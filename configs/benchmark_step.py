@@ -1,10 +1,35 @@
-"""Step cost of LeNet (batch 64): experiments/benchmark_step.py."""
+"""Step cost of SCSGD against Nesterov SGD, AdamW and Muon: experiments/benchmark_step.py."""
 
 import ml_collections
+
+from configs import mnist
 
 
 def get_config():
   config = ml_collections.ConfigDict()
-  config.steps = 1000  # timed steps per optimizer
-  config.block = 50  # steps per timed block (one refresh period)
+  # The experiments' settings every variant is built from (learning rates, the capture's max_rows, the
+  # optimizers' sub-configs); the learning rate does not change a step's cost.
+  config.run = mnist.get_config()
+  config.windows = 3  # refresh windows timed, after one of warm-up
+  # name -> the optimizer and its sub-config values; 'capture': 'rows' computes the captured rows unused
+  config.variants = ml_collections.ConfigDict({
+      "sgd": {"name": "sgd"},
+      "adamw": {"name": "adamw"},
+      "muon": {"name": "muon"},
+      "scsgd": {"name": "scsgd"},
+      "scsgd_all_at_once": {"name": "scsgd", "stagger": False},  # every kernel refreshed at the same step
+      "sgd_capture": {"name": "sgd", "capture": "rows"},  # phases: the capture's cost
+      "scsgd_no_fold": {"name": "scsgd", "statistics_every": 10**9},  # phases: all but the fold
+  })
+  # name -> one example's shape, classes (text: vocabulary), batch
+  config.models = ml_collections.ConfigDict({
+      "lenet": {"shape": (28, 28, 1), "classes": 10, "batch": 64},
+      "char_transformer": {"shape": (64,), "classes": 65, "batch": 16},
+      "transformer_lm": {"shape": (64,), "classes": 65, "batch": 16},
+      "small_resnet": {"shape": (16, 16, 3), "classes": 10, "batch": 32},
+      "dense_256": {"shape": (256,), "classes": 1024, "batch": 256},
+      "dense_1024": {"shape": (1024,), "classes": 1024, "batch": 256},
+      "dense_2048": {"shape": (2048,), "classes": 1024, "batch": 256},
+  })
+  config.only = ""  # comma-separated models to run ("": all)
   return config

@@ -1,21 +1,33 @@
-"""Cost of a jitted LeNet train step (batch 64, float32): scsgd defaults vs Nesterov SGD, same process.
+"""Step cost: SCSGD against Nesterov SGD, AdamW and Muon on the models users train, and where SCSGD's
+extra time goes.
 
   python -m experiments.benchmark_step --config configs/benchmark_step.py [--results_dir experiments/results]
 
-Each optimizer's step is the full training step (forward with capture, backward, update).
-Optimizers are interleaved block by block so drift of the machine hits all alike. Reported per
-optimizer: the mean step time over whole blocks of ``--block`` steps dispatched as training does
-(asynchronously, one sync per block), which includes the refresh steps (every ``update_every``
-steps) in their true proportion; and the median of single synced steps. Ratios are against SGD
-in the same run; the target is on the block mean.
+Per model, every variant's jitted training step (forward, backward, update; SCSGD's with the capture) is
+built through the experiments' optimizer factory and run **interleaved step by step** in one process, so
+the machine's drift hits all alike. Each step is synced and timed. Reported per variant, as ratios to
+Nesterov SGD's figure of the same run:
+
+- ``median``: the median step;
+- ``window_mean``: for each position of the refresh window (``update_every`` steps) the median over the
+  windows timed, then their mean: the cost per step with the refreshes in their true proportion, robust
+  to the machine's random stalls (a refresh repeats at its position, a stall does not);
+- ``slowest_position_over_median``: the slowest of those positions over the variant's median.
+
+SCSGD's extra time is split by phase from variants timed in the same loop: ``capture`` (SGD's step that
+also computes the captured rows), ``apply`` (SCSGD with the statistics never folded, less the capture
+variant), ``fold`` (SCSGD less that) and ``refresh`` (window mean less median).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from absl import flags
@@ -24,104 +36,132 @@ from flax import nnx
 import scsgd_jax
 from experiments import cli
 from experiments import machine
-from experiments import report
 from experiments import models
-from experiments import train
+from experiments import optimizers
+from experiments import report
 
-BASELINE = "sgd"
 FLAGS = flags.FLAGS
+BASELINE = "sgd"
 
 
-def _variants():
-  lr = 0.01
-  return {
-      "sgd": (optax.sgd(lr, momentum=0.9, nesterov=True), False, None),
-      "scsgd": (scsgd_jax.scsgd(lr), True, 256),
-      "scsgd_all_patches": (scsgd_jax.scsgd(lr), True, None),
-      "scsgd_paper": (scsgd_jax.scsgd(lr, statistics="dense", warm_start=False, stagger=False), True, 256),
-      "scsgd_full_conditioner": (scsgd_jax.scsgd(lr, conditioner="full"), True, 256),
-  }
+def _model(name: str, shape: tuple, classes: int) -> nnx.Module:
+  rngs = nnx.Rngs(0)
+  if name == "lenet":
+    return models.LeNet(rngs=rngs, num_classes=classes, channels=shape[-1])
+  if name == "char_transformer":  # the head to head's: 3 blocks, d = 128, GPT-2-layout 2-D attention kernels
+    return models.MODELS["char_transformer"](rngs, classes, shape)
+  if name == "transformer_lm":  # ~0.4M parameters, the Flax examples' layout: nnx.MultiHeadAttention
+    return models.CharTransformer(rngs=rngs, vocab=classes, d=128, heads=4, layers=2, context=shape[0])
+  if name == "small_resnet":
+    return models.SmallResNet(rngs=rngs, num_classes=classes, channels=shape[-1])
+  if name.startswith("dense_"):  # one Dense layer (n, 1024)
+    return nnx.Linear(int(name.split("_")[1]), classes, rngs=rngs)
+  raise ValueError(f"unknown benchmark model {name!r}")
 
 
-def run(steps: int, block: int, batch: int = 64, seed: int = 0) -> dict:
+def _optimizer(config: ml_collections.ConfigDict, variant: dict) -> optax.GradientTransformation:
+  """The variant's optimizer from the one factory: ``variant`` = ``{"name": ..., <sub-config values>}``."""
+  cfg = optimizers.complete(ml_collections.ConfigDict(config.run.to_dict()))
+  values = dict(variant)
+  cfg.optimizer.name = values.pop("name")
+  cfg = optimizers.complete(cfg)
+  for key, value in values.items():
+    cfg.optimizer[cfg.optimizer.name][key] = value
+  return optimizers.create(cfg).tx
+
+
+def _step(model: nnx.Module, tx, capture: str, max_rows):
+  """A jitted step on pure state: ``capture`` is ``'none'``, ``'rows'`` (computed, summed, not used) or ``'use'``."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  params, rest = nnx.as_pure(params), nnx.as_pure(rest)  # BatchNorm's statistics: the rest of the state
+
+  def loss_fn(params, rest, x, y, key):
+    m = nnx.merge(graphdef, params, rest)
+    if capture == "none":
+      logits, rows = m(x), None
+    else:
+      logits, rows = scsgd_jax.capture_nnx(m, x, rng=key, max_rows=max_rows)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, (rows, nnx.as_pure(nnx.state(m, nnx.Not(nnx.Param))))
+
+  @jax.jit
+  def step(params, rest, opt_state, x, y, key):
+    (loss, (rows, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, x, y, key)
+    extra = {"layer_inputs": rows} if capture == "use" else {}
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    if capture == "rows":  # the rows' cost without their use (a sum keeps them from being dropped)
+      loss = loss + 0.0 * sum(jnp.sum(r) for r in jax.tree.leaves(rows))
+    return optax.apply_updates(params, updates), rest, opt_state, loss
+
+  return step, params, rest, tx.init(params)
+
+
+def _data(model_name: str, shape: tuple, classes: int, batch: int, n: int, seed: int = 0):
   rng = np.random.default_rng(seed)
-  images = rng.random((steps + 1, batch, 28, 28, 1), np.float32)
-  labels = rng.integers(0, 10, (steps + 1, batch)).astype(np.int32)
-  variants = {}
-  for name, (tx, capture, max_rows) in _variants().items():
-    model = models.LeNet(rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model, nnx.Param)
-    params = nnx.as_pure(params)
-    state = tx.init(params)
-    step_fn = train.make_train_step(graphdef, tx, capture=capture, max_rows=max_rows)
-    key = jax.random.PRNGKey(0)
-    for i in range(3):  # compile + warm-up (count 0 is a refresh step)
-      params, state, loss, _ = step_fn(params, state, images[i], labels[i], jax.random.fold_in(key, i))
-    jax.block_until_ready(loss)
-    variants[name] = dict(fn=step_fn, params=params, state=state, times=[], blocks=[], done=3)
-  names = list(variants)
-  for _ in range(0, steps, block):
-    for name in names:
-      v = variants[name]
-      # (a) a block as training runs it: async dispatch, one sync at the end; includes the block's refresh.
+  if len(shape) == 1 and not model_name.startswith("dense_"):  # tokens: next-token targets at every position
+    x = rng.integers(0, classes, (n, batch) + shape).astype(np.int32)
+    return x, np.roll(x, -1, axis=-1)
+  x = rng.standard_normal((n, batch) + shape).astype(np.float32)
+  return x, rng.integers(0, classes, (n, batch)).astype(np.int32)
+
+
+def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[str, Any]:
+  shape, classes, batch = tuple(spec["shape"]), spec["classes"], spec["batch"]
+  period = scsgd_jax.resolve_static_args()["update_every"]  # the library's refresh period
+  xs, ys = _data(name, shape, classes, batch, 4)
+  variants: dict[str, tuple[Callable, list]] = {}
+  for vname, variant in config.variants.items():
+    variant = dict(variant)
+    capture = variant.pop("capture", "use" if variant["name"].startswith("scsgd") else "none")
+    tx = _optimizer(config, variant)
+    fn, params, rest, opt_state = _step(_model(name, shape, classes), tx, capture, config.run.max_rows or None)
+    variants[vname] = [fn, [params, rest, opt_state], [], tx]
+  key = jax.random.PRNGKey(0)
+  total = period * (config.windows + 1)  # the first window is warm-up (compilation, warm-start refreshes)
+  for i in range(total):
+    for v in variants.values():
       t = time.perf_counter()
-      for _ in range(block):
-        i = v["done"] % steps
-        v["params"], v["state"], loss, _ = v["fn"](v["params"], v["state"], images[i], labels[i],
-                                                   jax.random.fold_in(key, v["done"]))
-        v["done"] += 1
-      jax.block_until_ready((v["params"], loss))
-      v["blocks"].append((time.perf_counter() - t) / block)
-      # (b) single synced steps, for the median step.
-      for _ in range(block // 5):
-        i = v["done"] % steps
-        t = time.perf_counter()
-        v["params"], v["state"], loss, _ = v["fn"](v["params"], v["state"], images[i], labels[i],
-                                                   jax.random.fold_in(key, v["done"]))
-        jax.block_until_ready((v["params"], loss))
-        v["times"].append(time.perf_counter() - t)
-        v["done"] += 1
+      params, rest, opt_state, loss = v[0](*v[1], xs[i % 4], ys[i % 4], jax.random.fold_in(key, i))
+      jax.block_until_ready(loss)
+      v[2].append(time.perf_counter() - t)
+      v[1] = [params, rest, opt_state]
   out = {}
-  base_med = float(np.median(variants[BASELINE]["times"]))
-  base_mean = float(np.mean(variants[BASELINE]["blocks"]))
-  for name, v in variants.items():
-    t = np.asarray(v["times"])
-    b = np.asarray(v["blocks"])
-    out[name] = {
-        "mean_ms_in_blocks": 1e3 * float(np.mean(b)),
-        "median_ms_synced_step": 1e3 * float(np.median(t)),
-        "mean_ratio_vs_sgd": float(np.mean(b)) / base_mean,
-        "median_ratio_vs_sgd": float(np.median(t)) / base_med,
-        "blocks_timed": int(b.size),
-        "steps_per_block": block,
-        "synced_steps_timed": int(t.size),
-    }
-    state = v["state"][0] if name != BASELINE else None  # scsgd = chain(conditioning, sgd)
-    if state is not None:
-      out[name]["kernels"] = state.summary()
+  for vname, (_, state, times, _) in variants.items():
+    timed = 1e3 * np.asarray(times[period:])
+    by_position = np.asarray([np.median(timed[p::period]) for p in range(period)])
+    median = float(np.median(timed))
+    out[vname] = {"median_ms": median, "window_mean_ms": float(by_position.mean()),
+                  "slowest_position_over_median": float(by_position.max() / median)}
+    opt_state = state[2]
+    if vname.startswith("scsgd") and hasattr(opt_state[0], "summary"):
+      out[vname]["kernels"] = opt_state[0].summary()
+  base = out[BASELINE]
+  for entry in out.values():
+    entry["median_vs_sgd"] = entry["median_ms"] / base["median_ms"]
+    entry["window_mean_vs_sgd"] = entry["window_mean_ms"] / base["window_mean_ms"]
+  if {"sgd_capture", "scsgd_no_fold", "scsgd"} <= set(out):
+    sgd, cap, nofold, full = (out[k]["median_ms"] for k in ("sgd", "sgd_capture", "scsgd_no_fold", "scsgd"))
+    out["phases_ms_per_step"] = {"capture": cap - sgd, "apply": nofold - cap, "fold": full - nofold,
+                                 "refresh": out["scsgd"]["window_mean_ms"] - full}
   return out
 
 
 def main(argv):
   del argv
   config = cli.config()
-  results = run(config.steps, config.block)
-  record = {
-      "command": cli.command_line(),
-      "machine": machine.describe(),
-      "model": "LeNet (paper, Section 3), batch 64, float32",
-      "baseline": "optax.sgd(0.01, momentum=0.9, nesterov=True)",
-      "scsgd": "scsgd_jax.scsgd(0.01) defaults: rank 32, statistics chosen by memory (each variant's 'kernels' "
-               "says how), warm start, staggered refreshes every 50; scsgd_paper: statistics='dense', "
-               "warm_start=False, stagger=False (the paper's recipe); full conditioner: dense statistics, C^{1/2} "
-               "for every layer; capture max_rows per layer as named",
-      "target": "scsgd mean_ratio_vs_sgd <= 1.25",
-      "results": results,
-  }
-  report.write_results(FLAGS.results_dir, record, record["command"], "benchmark_step.json", record["machine"])
-  for name, r in results.items():
-    print(f"{name:24s} mean in blocks {r['mean_ms_in_blocks']:7.2f} ms ({r['mean_ratio_vs_sgd']:.3f}x)  "
-          f"median synced step {r['median_ms_synced_step']:7.2f} ms ({r['median_ratio_vs_sgd']:.3f}x)")
+  only = [m for m in config.only.split(",") if m]
+  results = {"setup": {"update_every": scsgd_jax.resolve_static_args()["update_every"], "windows": config.windows,
+                       "variants": config.variants.to_dict(), "models": config.models.to_dict(),
+                       "run": config.run.to_dict()},
+             "models": {}}
+  for name, spec in config.models.items():
+    if only and name not in only:
+      continue
+    results["models"][name] = run_model(config, name, spec.to_dict())
+    r = results["models"][name]
+    print(name, {k: round(v["window_mean_vs_sgd"], 3) for k, v in r.items() if "window_mean_vs_sgd" in v},
+          r.get("phases_ms_per_step"), flush=True)
+  report.write_results(FLAGS.results_dir, results, cli.command_line(), "benchmark_step.json", machine.describe())
 
 
 if __name__ == "__main__":

@@ -34,10 +34,14 @@ class DataParallel:
     return f"{jax.device_count()} device(s) ({d.platform}{', ' + d.device_kind if d.device_kind else ''}){hosts}, data parallel"
 
   def replicate(self, tree):
+    if self.size == 1:  # one device: plain placement (a mesh would engage the SPMD partitioner for nothing)
+      return tree
     return jax.device_put(tree, self.replicated)
 
   def shard(self, x: np.ndarray) -> jax.Array:
     """A global batch ``x`` (every host holds all of it) placed with its first axis over ``data``."""
+    if self.size == 1:
+      return x
     if jax.process_count() == 1:
       return jax.device_put(x, self.batch)
     local = np.split(np.asarray(x), jax.process_count())[jax.process_index()]
@@ -45,4 +49,6 @@ class DataParallel:
 
   def place(self, x: np.ndarray) -> jax.Array:
     """``x`` sharded if its first axis divides over the devices, else replicated (an evaluation's last batch)."""
+    if self.size == 1:
+      return x
     return self.shard(x) if len(x) % self.size == 0 else jax.device_put(x, self.replicated)

@@ -145,6 +145,37 @@ class LogisticRegression(nnx.Module):
     return self.dense(x.reshape(x.shape[0], -1))
 
 
+class ResidualBlock(nnx.Module):
+  """Two 3x3 convs with BatchNorm and a residual connection (He et al., 2016)."""
+
+  def __init__(self, channels: int, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(channels, channels, (3, 3), use_bias=False, rngs=rngs)
+    self.bn1 = nnx.BatchNorm(channels, rngs=rngs)
+    self.conv2 = nnx.Conv(channels, channels, (3, 3), use_bias=False, rngs=rngs)
+    self.bn2 = nnx.BatchNorm(channels, rngs=rngs)
+
+  def __call__(self, x):
+    y = nnx.relu(self.bn1(self.conv1(x)))
+    return nnx.relu(x + self.bn2(self.conv2(y)))
+
+
+class SmallResNet(nnx.Module):
+  """A small ResNet for 32x32 images: a 3x3 stem, ``blocks`` residual blocks with BatchNorm (batch statistics
+  in training), global average pooling and a Dense head (~10k parameters at 16 channels, 2 blocks)."""
+
+  def __init__(self, *, rngs: nnx.Rngs, num_classes: int = 10, channels: int = 3, width: int = 16, blocks: int = 2):
+    self.stem = nnx.Conv(channels, width, (3, 3), use_bias=False, rngs=rngs)
+    self.bn = nnx.BatchNorm(width, rngs=rngs)
+    self.blocks = nnx.List([ResidualBlock(width, rngs) for _ in range(blocks)])
+    self.head = nnx.Linear(width, num_classes, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.bn(self.stem(x)))
+    for block in self.blocks:
+      x = block(x)
+    return self.head(jnp.mean(x, axis=(1, 2)))
+
+
 # name -> constructor(rngs, number of classes (text: vocabulary), input shape of one example)
 MODELS = {
     "lenet": lambda rngs, classes, shape: LeNet(rngs=rngs, num_classes=classes, channels=shape[-1]),

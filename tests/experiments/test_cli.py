@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from experiments import cli
@@ -116,14 +117,19 @@ def test_guarded_main_lets_bugs_raise():
 
 
 def test_benchmark_takes_config_overrides_and_writes_its_results_file(tmp_path):
-  out = _run("experiments.benchmark_step", "--config", "configs/benchmark_step.py", "--config.steps=10",
-             "--config.block=5", "--results_dir", str(tmp_path))
+  out = _run("experiments.benchmark_step", "--config", "configs/benchmark_step.py", "--config.windows=1",
+             "--config.only=dense_256", "--results_dir", str(tmp_path))
   assert out.returncode == 0, out.stderr[-2000:]
   import json
 
   record = json.load(open(tmp_path / "benchmark_step.json"))
   assert record["command"].startswith("python -m experiments.benchmark_step --config configs/benchmark_step.py")
-  assert record["results"]["sgd"]["mean_ratio_vs_sgd"] == 1.0
+  assert record["commit"] and record["versions"]["jax"] == jax.__version__
+  result = record["models"]["dense_256"]
+  assert list(record["models"]) == ["dense_256"]
+  assert result["sgd"]["median_vs_sgd"] == 1.0
+  assert set(result) >= {"sgd", "adamw", "muon", "scsgd", "sgd_capture", "scsgd_no_fold", "phases_ms_per_step"}
+  assert list(result["scsgd"]["kernels"]) == ["kernel"]  # the one Dense kernel is conditioned
 
 
 def test_recorded_command_names_the_package_of_a_package_main(monkeypatch):
