@@ -21,6 +21,7 @@ from experiments import machine
 from experiments import metrics
 from experiments import report
 from experiments import train
+from experiments import validate
 
 FLAGS = flags.FLAGS
 
@@ -57,7 +58,7 @@ def variant_configs(config, names) -> dict:
       for p in parents:
         target = target[p]
       target[leaf] = value
-    train.validate_config(cfg)
+    validate.validate_config(cfg)
     configs[name] = cfg
   return configs
 

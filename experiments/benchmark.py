@@ -32,6 +32,7 @@ from experiments import metrics
 from experiments import optimizers
 from experiments import report
 from experiments import train
+from experiments import validate as validate_lib
 from experiments.report import plt
 
 FLAGS = flags.FLAGS
@@ -110,7 +111,7 @@ def tune(loss, lrs: list[float], extend_edge: int) -> dict[float, float]:
 def validate(config) -> None:
   for name in names(config):
     for lr in learning_rates(config, name):
-      train.validate_config(run_config(config, name, lr, 0, config.num_steps))
+      validate_lib.validate_config(run_config(config, name, lr, 0, config.num_steps))
 
 
 def benchmark(config, workdir: str) -> dict:

@@ -22,6 +22,7 @@ from experiments import machine
 from experiments import metrics
 from experiments import optimizers
 from experiments import train
+from experiments import validate
 
 FLAGS = flags.FLAGS
 
@@ -35,7 +36,7 @@ def run_configs(config, names) -> dict:
   for name in names:
     cfg = config.copy_and_resolve_references()
     cfg.optimizer.name = name
-    train.validate_config(cfg)
+    validate.validate_config(cfg)
     configs[name] = cfg
   return configs
 

@@ -8,6 +8,7 @@ import tensorflow_datasets as tfds
 
 from experiments import errors
 from experiments import train
+from experiments import validate
 from experiments import workdir as workdir_lib
 from tests import helpers
 
@@ -64,7 +65,7 @@ def test_adam_learning_rate_must_be_positive(tmp_path):
   config.optimizer.name = "adam"
   config.optimizer.adam.learning_rate = -1e-3
   with pytest.raises(errors.ConfigError, match=r"^config\.optimizer\.adam\.learning_rate must be positive"):
-    train.validate_config(config)
+    validate.validate_config(config)
 
 
 def test_batch_larger_than_the_dataset_is_caught_before_decoding(tmp_path, monkeypatch):

@@ -177,3 +177,20 @@ def test_workdir_path_checks_in_process(tmp_path):
   assert workdir_lib.check_path(str(tmp_path / "new" / "run")) == str(tmp_path / "new" / "run")
   with pytest.raises(errors.WorkdirError, match="is empty"):
     train.train_and_evaluate(helpers.smoke_config(), "  ")
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_TFDS, "mnist")), reason="needs ../shared/tfds")
+def test_a_refused_layout_change_through_the_cli_is_one_line_and_orbax_stays_quiet(tmp_path):
+  """--allow_config_change with a state of other shapes once printed hundreds of lines from Orbax's threads
+  (event loop closed, ignored coroutine exceptions) after the error."""
+  workdir = str(tmp_path / "run")
+  first = _run("--config", "configs/smoke.py", "--workdir", workdir, "--data_dir", SHARED_TFDS,
+               "--config.stop_after_steps=20")
+  assert first.returncode == 0, first.stderr[-2000:]
+  for _ in range(2):  # the noise came from threads, so not on every run
+    out = _run("--config", "configs/smoke.py", "--workdir", workdir, "--data_dir", SHARED_TFDS,
+               "--config.optimizer.scsgd.rank=4", "--allow_config_change")
+    lines = [l for l in out.stderr.splitlines() if l.strip() and not l.startswith(("W1", "I1", "WARNING"))]
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert lines[0].startswith("warning: continuing") and len(lines) == 2, out.stderr[-3000:]
+    assert lines[1].startswith(f"error: checkpoint {workdir}/checkpoints/20 is sound but holds another state layout")
