@@ -29,19 +29,10 @@ def _bytes(tree) -> int:
   return int(sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree)))
 
 
-def _optimizer(config: ml_collections.ConfigDict, variant: dict):
-  cfg = ml_collections.ConfigDict(config.run.to_dict())
-  values = dict(variant)
-  cfg.optimizer.name = values.pop("name")
-  cfg = optimizers.complete(cfg)
-  for key, value in values.items():
-    cfg.optimizer[cfg.optimizer.name][key] = value
-  return optimizers.create(cfg).tx
-
-
 def dense_layer(config: ml_collections.ConfigDict, n: int) -> dict:
   params = {"dense": {"kernel": jax.ShapeDtypeStruct((n, OUTPUTS), jax.numpy.float32)}}
-  states = {name: jax.eval_shape(_optimizer(config, v).init, params) for name, v in config.variants.items()}
+  states = {name: jax.eval_shape(optimizers.create(optimizers.variant(config.run, v)).tx.init, params)
+            for name, v in config.variants.items()}
   adam = _bytes(states["adam"])
   out = {}
   for name, state in states.items():

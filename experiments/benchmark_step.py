@@ -59,17 +59,6 @@ def _model(name: str, shape: tuple, classes: int) -> nnx.Module:
   raise ValueError(f"unknown benchmark model {name!r}")
 
 
-def _optimizer(config: ml_collections.ConfigDict, variant: dict) -> optax.GradientTransformation:
-  """The variant's optimizer from the one factory: ``variant`` = ``{"name": ..., <sub-config values>}``."""
-  cfg = optimizers.complete(ml_collections.ConfigDict(config.run.to_dict()))
-  values = dict(variant)
-  cfg.optimizer.name = values.pop("name")
-  cfg = optimizers.complete(cfg)
-  for key, value in values.items():
-    cfg.optimizer[cfg.optimizer.name][key] = value
-  return optimizers.create(cfg).tx
-
-
 def _step(model: nnx.Module, tx, capture: str, max_rows):
   """A jitted step on pure state: ``capture`` is ``'none'``, ``'rows'`` (computed, summed, not used) or ``'use'``."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -113,7 +102,7 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
   for vname, variant in config.variants.items():
     variant = dict(variant)
     capture = variant.pop("capture", "use" if variant["name"].startswith("scsgd") else "none")
-    tx = _optimizer(config, variant)
+    tx = optimizers.create(optimizers.variant(config.run, variant)).tx
     fn, params, rest, opt_state = _step(_model(name, shape, classes), tx, capture, config.run.max_rows or None)
     variants[vname] = [fn, [params, rest, opt_state], [], tx]
   key = jax.random.PRNGKey(0)

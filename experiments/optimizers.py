@@ -137,6 +137,18 @@ def complete(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return config
 
 
+def variant(config: ml_collections.ConfigDict, settings: dict) -> ml_collections.ConfigDict:
+  """A copy of run config ``config`` whose optimizer is ``settings["name"]`` with the other ``settings`` set in
+  its sub-config (the benchmarks' variants: ``{"name": "scsgd", "stagger": False}``)."""
+  cfg = ml_collections.ConfigDict(config.to_dict())
+  values = dict(settings)
+  cfg.optimizer.name = values.pop("name")
+  cfg = complete(cfg)
+  for key, value in values.items():
+    cfg.optimizer[cfg.optimizer.name][key] = value
+  return cfg
+
+
 def resolved_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The settings of ``config.optimizer.name`` as it runs: every argument of its sub-config, a placeholder
   left ``None`` replaced by the library's default (what a run records, so a changed default is seen)."""
