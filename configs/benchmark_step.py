@@ -17,7 +17,6 @@ def get_config():
       "adamw": {"name": "adamw"},
       "muon": {"name": "muon"},
       "scsgd": {"name": "scsgd"},
-      "scsgd_all_at_once": {"name": "scsgd", "stagger": False},  # every kernel refreshed at the same step
       "sgd_capture": {"name": "sgd", "capture": "rows"},  # phases: the capture's cost
       "scsgd_no_fold": {"name": "scsgd", "statistics_every": 10**9},  # phases: all but the fold
   })
