@@ -8,7 +8,8 @@ import functools
 import json
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+if __name__ == "__main__":  # only as a script: pytest's doctest collection imports this module in its workers
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
