@@ -11,6 +11,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.download = True  # let tfds download and prepare if the data is missing (needs TensorFlow)
   config.max_train_examples = -1
   config.max_test_examples = -1
+  config.train_split = "train"  # a tfds split string: "train[:50000]" holds out the rest for validation
   config.eval_split = "test"  # the split evaluated every eval_every steps (the paper reports test)
   config.seed = 0
   config.batch_size = 64

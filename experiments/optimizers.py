@@ -41,15 +41,28 @@ def caffe_inv_schedule(base: float, gamma: float, power: float) -> optax.Schedul
   return lambda t: base * (1.0 + gamma * t) ** (-power)
 
 
+def warmup_cosine_schedule(base: float, warmup_fraction: float, num_steps: int) -> optax.Schedule:
+  """Linear warmup from 0 over ``warmup_fraction`` of the run, then cosine decay to 0 at ``num_steps``."""
+  warmup = max(1, round(warmup_fraction * num_steps))
+  return optax.warmup_cosine_decay_schedule(0.0, base, warmup, max(num_steps, warmup + 1), end_value=0.0)
+
+
 SCHEDULES: dict[str, Callable[..., optax.Schedule]] = {
     "inv": caffe_inv_schedule,
     "constant": lambda base: optax.constant_schedule(base),
+    "warmup_cosine": warmup_cosine_schedule,  # takes the run's num_steps
 }
 
 
-def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule:
+def learning_rate(config: ml_collections.ConfigDict, base: float | None = None) -> optax.Schedule:
+  """``config.schedule`` as an optax schedule (with peak ``base`` instead of ``config.schedule.base`` if given)."""
   s = dict(config.schedule)
-  return SCHEDULES[s.pop("name")](**s)
+  fn = SCHEDULES[s.pop("name")]
+  if base is not None:
+    s["base"] = base
+  if "num_steps" in inspect.signature(fn).parameters:
+    s["num_steps"] = config.num_steps
+  return fn(**s)
 
 
 def _scsgd(lr, kwargs, config, forward):
@@ -67,11 +80,19 @@ def _kfac(lr, kwargs, config, forward):
                    False, True)
 
 
+def _muon(lr, kwargs, config, forward):
+  """Muon; its AdamW part (embeddings, head, vectors) follows ``config.schedule`` with peak
+  ``adam_learning_rate`` when that is set (the benchmark's: AdamW's own tuned rate), else Muon's rate."""
+  if kwargs.get("adam_learning_rate") is not None:
+    kwargs["adam_learning_rate"] = learning_rate(config, kwargs["adam_learning_rate"])
+  return Optimizer(peers.muon(lr, **kwargs), False)
+
+
 def _scsgd_adamw(lr, kwargs, config, forward):
   """SCSGD's conditioning in front of AdamW: Adam's moments see the conditioned gradients."""
   adamw_args = {k[len("adamw_"):]: kwargs.pop(k) for k in list(kwargs) if k.startswith("adamw_")}
   tx = optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs),
-                   optax.adamw(lr, **adamw_args))
+                   peers.adamw(lr, **adamw_args))
   return Optimizer(tx, True)
 
 
@@ -80,20 +101,22 @@ BUILDERS = {
     "scsgd": _scsgd,
     "sgd": _optax(optax.sgd),
     "adam": _optax(optax.adam),
-    "adamw": _optax(optax.adamw),
-    "nadamw": _optax(optax.nadamw),
+    "adamw": _optax(peers.adamw),
+    "nadamw": _optax(peers.nadamw),
     "scsgd_adamw": _scsgd_adamw,
     # peers from other packages (the optional `bench` extra), with their patches: experiments/peers.py
-    "muon": _optax(peers.muon),
+    "muon": _muon,
     "shampoo": _optax(peers.shampoo),
+    "shampoo_input": _optax(peers.shampoo_input),
     "sketchy": _optax(peers.sketchy),
     "kfac": _kfac,
 }
 OPTIMIZERS = tuple(BUILDERS)
 # name -> the function whose keyword arguments its sub-config holds
-FUNCTIONS = {"scsgd": scsgd_jax.scsgd, "sgd": optax.sgd, "adam": optax.adam, "adamw": optax.adamw,
-             "nadamw": optax.nadamw, "scsgd_adamw": scsgd_jax.scale_by_sketched_conditioning,
-             "muon": peers.muon, "shampoo": peers.shampoo, "sketchy": peers.sketchy, "kfac": peers.kfac}
+FUNCTIONS = {"scsgd": scsgd_jax.scsgd, "sgd": optax.sgd, "adam": optax.adam, "adamw": peers.adamw,
+             "nadamw": peers.nadamw, "scsgd_adamw": scsgd_jax.scale_by_sketched_conditioning,
+             "muon": peers.muon, "shampoo": peers.shampoo, "shampoo_input": peers.shampoo_input,
+             "sketchy": peers.sketchy, "kfac": peers.kfac}
 NOT_IN_SUB_CONFIG = ("learning_rate", "seed", "apply_fn", "example_batch")  # from config.schedule / .seed / the model
 
 
@@ -114,7 +137,7 @@ def sub_config(name: str, **values) -> ml_collections.ConfigDict:
   line for every argument. ``values`` are the settings that differ from the defaults.
   """
   fields = {}
-  for arg, param in inspect.signature(FUNCTIONS[name]).parameters.items():
+  for arg, param in peers.signature(FUNCTIONS[name]).parameters.items():
     kind = _placeholder_type(param)
     if arg not in NOT_IN_SUB_CONFIG and kind is not None:
       fields[arg] = ml_collections.config_dict.placeholder(kind)
@@ -154,7 +177,7 @@ def resolved_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   left ``None`` replaced by the library's default (what a run records, so a changed default is seen)."""
   o = config.optimizer
   given = sub_config(o.name, **(o[o.name].to_dict() if o.name in o else {})).to_dict()
-  params = inspect.signature(FUNCTIONS[o.name]).parameters
+  params = peers.signature(FUNCTIONS[o.name]).parameters
   out = {k: (v if v is not None or k not in params else params[k].default) for k, v in given.items()}
   if FUNCTIONS[o.name] in (scsgd_jax.scsgd, scsgd_jax.scale_by_sketched_conditioning):
     out.update(scsgd_jax.resolve_static_args(**{k: out.get(k) for k in scsgd_jax.STATIC_ARGS}))

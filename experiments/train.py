@@ -131,7 +131,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   validate.validate_config(config)
   # both splits opened (nothing decoded) before anything is written: a missing one is named first
   sources = tuple(data_lib.open_split(config.dataset, split, config.data_dir, config.download)
-                  for split in ("train", config.eval_split))
+                  for split in (config.train_split, config.eval_split))
   with workdir_lib.writing(workdir, "Nothing was written"):
     os.makedirs(workdir, exist_ok=True)
     lock = workdir_lib.lock(workdir)
@@ -163,7 +163,7 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
     available = len(train_src) if config.max_train_examples < 0 else min(len(train_src), config.max_train_examples)
     validate.check(config.batch_size <= available, "batch_size",
            f"={config.batch_size} is larger than the {available} training examples of {config.dataset}.")
-  train = data_lib.decode(train_src, config.dataset, "train", config.max_train_examples)
+  train = data_lib.decode(train_src, config.dataset, config.train_split, config.max_train_examples)
   if text:
     validate.check(config.batch_size <= len(train.labels), "batch_size",
            f"={config.batch_size} is larger than the {len(train.labels)} training windows of {config.dataset}.")

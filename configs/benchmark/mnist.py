@@ -1,13 +1,15 @@
-"""Head to head on LeNet/MNIST: the paper's recipe and budget (10,000 iterations, batch 64, "inv" schedule)."""
+"""Head to head on LeNet/MNIST at batch 64: 1,000 iterations (about 1.3 epochs of the 50,000 training images),
+the last 10,000 training images held out for choosing, the test split for reporting."""
 
 from configs.benchmark import common
-from configs import mnist
 
 
 def get_config():
   config = common.get_config()
-  base = mnist.get_config()
-  config.dataset, config.model, config.schedule = base.dataset, base.model, base.schedule
-  config.eval_every = 500
-  config.checkpoint_every = 1000
+  config.num_steps = 1000
+  config.train_split = "train[:50000]"
+  config.eval_split = "train[50000:]"
+  config.train_log_every = 50
+  config.eval_every = 50
+  config.checkpoint_every = 500
   return config
