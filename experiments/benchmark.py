@@ -188,7 +188,10 @@ class Harness:
     rec = train_one(cfg, workdir, self.config.benchmark.report_split)
     rec.update(key=k, optimizer=name, learning_rate=point.learning_rate, joint=dict(point.joint), seed=seed,
                command=f"{self.command} --config.benchmark.rerun={k}")
-    report.write_results(os.path.dirname(self.path(k)), rec, rec["command"], filename=os.path.basename(self.path(k)))
+    path = report.write_results(os.path.dirname(self.path(k)), rec, rec["command"],
+                                filename=os.path.basename(self.path(k)))
+    with open(path) as f:
+      rec = json.load(f)  # as committed: with its commit, versions and machine
     self.ran.append(k)
     print(f"{k}: final {self.config.eval_split} loss {final(rec):.4f}" + (" (diverged)" if rec["diverged"] else ""),
           flush=True)
