@@ -144,17 +144,21 @@ def shampoo(learning_rate, block_size: int = 1536, side: str = "all", graft: str
 
 
 @_extends(lambda: shampoo)
-def shampoo_input(learning_rate, side: str = "input", **kwargs):
-  """Input-side Shampoo: :func:`shampoo` with ``side="input"`` (SCSGD's closest relative)."""
-  return shampoo(learning_rate, side=side, **kwargs)
+def shampoo_input(learning_rate, side: str = "input", best_effort_shape_interpretation: bool = False,
+                  skip_preconditioning_rank_lt: int = 2, **kwargs):
+  """Input-side Shampoo: :func:`shampoo` with ``side="input"`` (SCSGD's closest relative). Upstream's input
+  side needs each kernel's axes as they are (no merging) and vectors skipped (they take the grafting step)."""
+  return shampoo(learning_rate, side=side, best_effort_shape_interpretation=best_effort_shape_interpretation,
+                 skip_preconditioning_rank_lt=skip_preconditioning_rank_lt, **kwargs)
 
 
-@_extends(lambda: shampoo)
+@_extends(lambda: shampoo_input)
 def sketchy(learning_rate, compression_rank: int = 32, frequent_directions: bool = True,
             reuse_preconditioner: bool = True, preconditioning_compute_steps: int = 1, **kwargs):
-  """Sketchy: Shampoo with frequent directions at ``compression_rank`` (upstream computes the sketch and the
-  preconditioner on the same steps, so ``preconditioning_compute_steps`` is 1)."""
-  return shampoo(learning_rate, frequent_directions=frequent_directions, compression_rank=compression_rank,
+  """Sketchy: input-side Shampoo (:func:`shampoo_input`) with frequent directions at ``compression_rank``
+  (upstream computes the sketch and the preconditioner on the same steps, so ``preconditioning_compute_steps``
+  is 1)."""
+  return shampoo_input(learning_rate, frequent_directions=frequent_directions, compression_rank=compression_rank,
                  reuse_preconditioner=reuse_preconditioner,
                  preconditioning_compute_steps=preconditioning_compute_steps, **kwargs)
 
@@ -283,8 +287,6 @@ KFAC = ("kfac-jax (Botev & Martens): its optax interface (OptaxPreconditioner) c
 _SHAMPOO_SETTINGS = dict(beta1=0.9, beta2=0.999, block_size=1536, matrix_epsilon=1e-8, graft="RMSPROP_NORMALIZED",
                          nesterov=False, moving_average_for_momentum=True, exponent_override=0,
                          start_preconditioning_step=51, preconditioning_compute_steps=50)
-# upstream's input-side path needs each kernel's axes as they are (no merging) and skips vectors
-_INPUT_SIDE = dict(side="input", best_effort_shape_interpretation=False, skip_preconditioning_rank_lt=2)
 INPUT_SIDE = (" (upstream's INPUT preconditioner type, which needs best_effort_shape_interpretation off; "
               "vectors take the grafting step)")
 _OUTPUT_LAYER = {"cnn": "dense2", "transformer": "head", "linear": ""}  # the benchmark models' heads
@@ -317,9 +319,9 @@ def recipe(name: str, kind: str) -> Recipe:
   if name == "shampoo":
     return Recipe(1e-3, dict(_SHAMPOO_SETTINGS), SHAMPOO)
   if name == "shampoo_input":
-    return Recipe(1e-3, {**_SHAMPOO_SETTINGS, **_INPUT_SIDE}, SHAMPOO + "; input side only" + INPUT_SIDE)
+    return Recipe(1e-3, dict(_SHAMPOO_SETTINGS), SHAMPOO + "; input side only" + INPUT_SIDE)
   if name == "sketchy":
-    settings = {**_SHAMPOO_SETTINGS, **_INPUT_SIDE, "preconditioning_compute_steps": 1, "compression_rank": 32}
+    settings = {**_SHAMPOO_SETTINGS, "preconditioning_compute_steps": 1}
     conv = kind == "cnn"
     if conv:
       settings["graft_conv"] = True

@@ -1,14 +1,21 @@
-"""The head-to-head harness: grid, choice of rate, target and ratios (hand-computed), a tiny run on mock data."""
+"""The head-to-head harness: grids, tuning, target and ranking (hand-computed), the sanity anchors (brute
+force), and on mock data: each run committed once, skipped when its settings match, re-run when they do not,
+and a recorded run reproduced from its key."""
+
+import importlib
+import json
+import os
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
 from configs.benchmark import convex
 from experiments import benchmark
+from experiments import data
 from experiments import errors
+from experiments import train
 
 
 def _config():
@@ -18,10 +25,13 @@ def _config():
   return config
 
 
-def test_grid_is_log_spaced_around_each_default():
+def test_grid_is_half_a_decade_apart_around_each_authors_rate():
   config = _config()
-  assert benchmark.learning_rates(config, "sgd") == [0.001, 0.00316, 0.01, 0.0316, 0.1]
-  assert benchmark.learning_rates(config, "adamw") == [0.0001, 0.000316, 0.001, 0.00316, 0.01]
+  assert benchmark.learning_rates(config, "sgd") == [0.00316, 0.01, 0.0316, 0.1]
+  assert benchmark.learning_rates(config, "adamw") == [0.000316, 0.001, 0.00316, 0.01]
+  assert benchmark.learning_rates(config, "muon") == [0.00632, 0.02, 0.0632, 0.2]
+  assert benchmark.joint_points(config, "sgd") == [()]
+  assert benchmark.joint_points(config, "kfac") == [(("damping", 0.001),), (("damping", 0.01),), (("damping", 0.1),)]
   config.benchmark.optimizers = ("sgd,lion",)
   with pytest.raises(errors.ConfigError, match="unknown optimizer 'lion'"):
     benchmark.names(config)
@@ -42,60 +52,134 @@ def test_tuning_grows_the_grid_past_an_edge_that_wins_and_stops_at_a_bracket():
   assert list(benchmark.tune(loss, [10.0, 31.6], extend_edge=2)) == [1.0, 3.16, 10.0, 31.6]  # all diverge: down
 
 
-def _rows(losses, ms_per_step):
-  return [{"step": 100 * (i + 1), "train_time": ms_per_step * 0.1 * (i + 1), "test_loss": v, "test_error": v / 10,
-           "compile_time": 1.0} for i, v in enumerate(losses)]
+def test_each_run_carries_its_authors_settings_and_the_schedule():
+  config = importlib.import_module("configs.benchmark.shakespeare").get_config()
+  cfg = benchmark.run_config(config, "adamw", benchmark.Point(0.003), 2)
+  assert (cfg.optimizer.name, cfg.schedule.base, cfg.seed, cfg.schedule.name) == ("adamw", 0.003, 2, "warmup_cosine")
+  assert (cfg.optimizer.adamw.b2, cfg.optimizer.adamw.weight_decay, cfg.optimizer.adamw.decay_matrices_only) == (
+      0.99, 0.1, True)  # nanoGPT's shakespeare_char
+  assert "benchmark" not in cfg
+  muon = benchmark.run_config(config, "muon", benchmark.Point(0.02), 0, {"adam_learning_rate": 0.003})
+  assert (muon.optimizer.muon.output_layer, muon.optimizer.muon.adam_learning_rate) == ("head", 0.003)
+  kfac = benchmark.run_config(config, "kfac", benchmark.Point(0.01, (("damping", 0.1),)), 0)
+  assert (kfac.optimizer.kfac.damping, kfac.optimizer.kfac.norm_constraint) == (0.1, 1e-3)
+  assert benchmark.key("kfac", benchmark.Point(0.01, (("damping", 0.1),)), 1) == "kfac/lr0.01_damping0.1_seed1"
 
 
-def test_target_iterations_and_ratios_by_hand():
+def _record(losses, ms_per_step, report_loss=None, commit="abc", diverged=False):
+  rows = [{"step": 100 * (i + 1), "train_time": ms_per_step * 0.1 * (i + 1), "test_loss": v, "test_error": v / 10}
+          for i, v in enumerate(losses)]
+  rec = {"rows": rows, "diverged": diverged, "state_bytes": 100, "commit": commit, "load_average_1min": [0.5, 1.0],
+         "config": {"resolved": {"optimizer.x": {}}}}
+  if report_loss is not None:
+    rec["report"] = {"loss": report_loss, "error": report_loss / 10}
+  return rec
+
+
+def test_target_iterations_ranking_and_ratios_by_hand():
   config = _config()
-  seeds = lambda a, b: {0: {"rows": a, "diverged": False}, 1: {"rows": b, "diverged": False}}  # noqa: E731
-  out = {"tune_steps": 100, "optimizers": {
-      # final losses: sgd median 0.45, adamw median 0.40 -> target 0.40
-      "sgd": {"seeds": seeds(_rows([0.9, 0.6, 0.5], 10), _rows([0.9, 0.5, 0.4], 10)), "state_bytes": 100},
-      "adamw": {"seeds": seeds(_rows([0.8, 0.5, 0.4], 10), _rows([0.7, 0.45, 0.4], 10)), "state_bytes": 200},
-      "scsgd": {"seeds": seeds(_rows([0.5, 0.4, 0.3], 20), _rows([0.4, 0.35, 0.3], 20)), "state_bytes": 120},
-  }}
-  s = benchmark.summarize(config, out)
+  p = benchmark.Point
+
+  def opt(lr, a, b, ms):
+    return {"point": p(lr), "tried": {p(lr / 3.16): 9.0, p(lr): 0.1, p(lr * 3.16): 9.0},
+            "seeds": {0: _record(a, ms, a[-1] + 0.01), 1: _record(b, ms, b[-1] + 0.01)}}
+
+  results = {  # final losses: sgd median 0.45, adamw median 0.40 -> target 0.40
+      "sgd": opt(0.01, [0.9, 0.6, 0.5], [0.9, 0.5, 0.4], 10),
+      "adamw": opt(0.001, [0.8, 0.5, 0.4], [0.7, 0.45, 0.4], 10),
+      "scsgd": opt(0.01, [0.5, 0.4, 0.3], [0.4, 0.35, 0.3], 20),
+  }
+  s = benchmark.summarize(config, results, {})
   assert s["target"] == pytest.approx(0.40)
-  sgd, adamw, scsgd = (s["optimizers"][n]["summary"] for n in ("sgd", "adamw", "scsgd"))
+  sgd, adamw, scsgd = (s["optimizers"][n] for n in ("sgd", "adamw", "scsgd"))
   assert sgd["reached"] == "1/2" and sgd["iterations_median"] is None and sgd["iterations_range"] == [300, 300]
   assert adamw["iterations_median"] == 300 and adamw["seconds_median"] == pytest.approx(3.0)
   assert scsgd["iterations_range"] == [100, 200] and scsgd["iterations_median"] == 150
-  assert scsgd["seconds_median"] == pytest.approx(3.0)  # 20 ms/step: (2 + 4) / 2 seconds
-  assert scsgd["iterations_vs_best"] == 1.0 and adamw["iterations_vs_best"] == 2.0
-  assert adamw["time_to_target_vs_best"] == pytest.approx(1.0) and scsgd["time_to_target_vs_best"] == pytest.approx(1.0)
-  assert scsgd["state_vs_smallest"] == pytest.approx(1.2)
-  assert scsgd["step_ms_median"] == pytest.approx(20.0)
+  assert scsgd["step_ms_median"] == pytest.approx(20.0) and scsgd["step_time_vs_sgd"] == pytest.approx(2.0)
+  assert scsgd["report_loss_median"] == pytest.approx(0.31) and not scsgd["at_grid_edge"]
+  assert benchmark.rank(s) == ["scsgd", "adamw", "sgd"]  # 150 < 300 < not reached by every seed
 
 
-def test_tiny_benchmark_on_mock_data_writes_its_report(tmp_path):
-  config = _config()
+def test_anchors_by_brute_force():
+  fit = data.Split(np.zeros((6, 3), np.int32), np.array([[1, 2, 1], [1, 1, 0]] * 3, np.int32))
+  fit = fit._replace(inputs=np.array([[0, 1, 2], [0, 1, 1]] * 3, np.int32))
+  test = data.Split(np.array([[0, 1]], np.int32), np.array([[1, 2]], np.int32))
+  got = benchmark.trivial_losses("tiny_shakespeare", fit, test)
+  v = 65
+  counts = np.bincount(fit.labels.ravel(), minlength=v) + 1.0
+  assert got["unigram"] == pytest.approx(-np.mean(np.log(counts[[1, 2]] / counts.sum())))
+  pairs = {(a, b): 0 for a in range(v) for b in range(v)}
+  for a, b in zip(fit.inputs.ravel(), fit.labels.ravel()):
+    pairs[(a, b)] += 1
+  prob = lambda a, b: (pairs[(a, b)] + 1) / (sum(pairs[(a, c)] for c in range(v)) + v)  # noqa: E731
+  assert got["bigram"] == pytest.approx(-np.mean([np.log(prob(0, 1)), np.log(prob(1, 2))]))
+  images = benchmark.trivial_losses("mnist", data.Split(None, np.array([3, 3, 3, 1])), data.Split(None, np.array([3, 1])))
+  freq = (np.bincount([3, 3, 3, 1], minlength=10) + 1.0) / 14
+  assert images["class frequencies"] == pytest.approx(-np.mean(np.log(freq[[3, 1]])))
+  assert images["majority class error"] == 0.5
+
+
+def _tiny(config):
   config.download = False
   config.max_train_examples, config.max_test_examples = 512, 128
+  config.train_split, config.eval_split = "train", "test"
   config.num_steps, config.eval_every, config.train_log_every, config.checkpoint_every = 20, 10, 10, 10
+  config.benchmark.all_optimizers = ("sgd", "scsgd", "adamw")
   config.benchmark.optimizers = ("sgd", "scsgd")
-  config.benchmark.grid = (0.1, 1.0)
+  config.benchmark.grid = (1.0, 3.16)
+  config.benchmark.extend_edge = 0
   config.benchmark.target_from = ("sgd",)
   config.benchmark.report_split = "test"  # = eval_split here, so it must equal the last logged test loss
+  return config
+
+
+def test_runs_are_committed_once_skipped_when_unchanged_rerun_when_changed(tmp_path):
+  config = _tiny(_config())
+  results, work = str(tmp_path / "results" / "convex"), str(tmp_path / "work")
   with tfds.testing.mock_data(num_examples=600):
-    out = benchmark.benchmark(config, str(tmp_path / "runs"))
-  for name, o in out["optimizers"].items():
-    tuning = {float(k): v for k, v in o["tuning"].items()}
-    assert o["learning_rate"] == min(tuning, key=tuning.get)  # the lowest final loss of the grid
-    assert set(o["seeds"]) == {0, 1} and all(len(s["rows"]) == 2 for s in o["seeds"].values())
-    for s in o["seeds"].values():
-      assert s["report"]["step"] == 20
-      assert s["report"]["loss"] == pytest.approx(s["rows"][-1]["test_loss"], rel=1e-5)
-      assert s["report"]["error"] == pytest.approx(s["rows"][-1]["test_error"])
-  path = benchmark.write_report(config, out, str(tmp_path / "report"), "cmd")
-  text = open(path).read()
-  assert "| sgd |" in text and "| scsgd |" in text and "Tuning" in text and "final test loss" in text
-  for f in ("loss_vs_step.png", "loss_vs_train_time.png", "results.json", "metrics_scsgd_seed1.jsonl"):
-    assert (tmp_path / "report" / f).exists(), f
-  summary = open(benchmark.write_summary(str(tmp_path), ["other", "report"])).read()
-  assert "| [report](report/README.md) | scsgd |" in summary and "| [report](report/README.md) | sgd |" in summary
-  assert "No results yet for: other (" in summary
+    found = benchmark.benchmark(config, work, results, "cmd", ["convex", "other"])
+    runs = sorted(os.path.relpath(os.path.join(d, f), os.path.join(results, "runs"))
+                  for d, _, fs in os.walk(os.path.join(results, "runs")) for f in fs)
+    assert len(runs) == 6 and {r.split("/")[0] for r in runs} == {"sgd", "scsgd"}, runs  # 2 rates + 1 more seed
+    for name, o in found.items():
+      losses = {p.learning_rate: v for p, v in o["tried"].items()}
+      assert o["point"].learning_rate == min(losses, key=losses.get)  # the lowest final loss of the grid
+      assert set(o["seeds"]) == {0, 1}
+      for rec in o["seeds"].values():
+        assert rec["commit"] and rec["versions"]["jax"] and rec["machine"]["cores"]
+        assert rec["config"]["resolved"][f"optimizer.{name}"]  # the library's defaults written out
+        assert rec["report"]["step"] == 20
+        assert rec["report"]["loss"] == pytest.approx(rec["rows"][-1]["test_loss"], rel=1e-5)
+        assert rec["command"].startswith("cmd --config.benchmark.rerun=")
+    text = open(os.path.join(results, "README.md")).read()
+    assert "| 1 |" in text and "Not run yet (or not complete): adamw." in text and "Sanity anchors" in text
+    for f in ("loss_vs_step.png", "loss_vs_train_time.png", "results.json"):
+      assert os.path.exists(os.path.join(results, f)), f
+    summary = open(os.path.join(str(tmp_path / "results"), "README.md")).read()
+    assert "| [convex](convex/README.md) | 1 |" in summary and "No results yet for: other" in summary
+
+    # again: everything is committed with today's settings, so nothing trains
+    harness_runs = []
+    original = benchmark.train_one
+    benchmark.train_one = lambda *a, **k: harness_runs.append(a) or original(*a, **k)
+    try:
+      benchmark.benchmark(config, work, results, "cmd")
+      assert harness_runs == []
+      # a changed setting of one optimizer re-runs that optimizer's runs only
+      config.optimizer.scsgd = dict(rank=3)
+      benchmark.benchmark(config, work, results, "cmd")
+      assert {os.path.basename(os.path.dirname(a[1])) for a in harness_runs} == {"scsgd"} and len(harness_runs) >= 3
+    finally:
+      benchmark.train_one = original
+    for f in os.listdir(os.path.join(results, "runs", "scsgd")):
+      rec = json.load(open(os.path.join(results, "runs", "scsgd", f)))
+      assert rec["config"]["optimizer"]["scsgd"]["rank"] == 3, f
+
+    # a recorded run, trained again from its key, ends at the same loss
+    again = benchmark.rerun(config, work, results, "sgd/lr0.01_seed0")
+    assert again["rerun"] == pytest.approx(again["committed"], rel=1e-6)
+    with pytest.raises(errors.ConfigError, match="no committed run 'sgd/lr9_seed0'"):
+      benchmark.rerun(config, work, results, "sgd/lr9_seed0")
 
 
 def test_tasks_are_the_configs_beside_the_one_run():
@@ -104,39 +188,29 @@ def test_tasks_are_the_configs_beside_the_one_run():
 
 def _shakespeare_source(*args, **kwargs):
   """tiny_shakespeare's shape (one example holding a whole text) in its 65-character vocabulary."""
-  from experiments import data
-
   chars = np.random.default_rng(0).choice(list(data.SHAKESPEARE_CHARS), 64 * 40 + 1)
   return [{"text": "".join(chars).encode()}]
 
 
 @pytest.mark.parametrize("task", ["convex", "mnist", "shakespeare"])
 def test_every_optimizer_takes_steps_on_every_task(task, tmp_path):
-  """Each task's own model and settings, every optimizer of its protocol, two steps on mock data
-  (one for Sketchy on LeNet)."""
-  import importlib
-
-  from experiments import train
-
+  """Each task's own model and settings, every optimizer of its protocol at its authors' settings, two
+  steps on mock data."""
   config = importlib.import_module(f"configs.benchmark.{task}").get_config()
   config.download = False
+  config.train_split, config.eval_split = "train", "test"
   config.batch_size, config.max_train_examples, config.max_test_examples, config.eval_batch_size = 8, 64, 16, 16
   config.num_steps, config.train_log_every, config.eval_every, config.checkpoint_every = 2, 1, 2, 2
   source = dict(as_data_source_fn=_shakespeare_source) if config.dataset == "tiny_shakespeare" else {}
   names = benchmark.names(config)
-  assert {"sgd", "scsgd", "adamw", "nadamw", "muon", "shampoo", "sketchy", "kfac", "scsgd_adamw"} <= set(names)
+  assert set(names) == {"sgd", "scsgd", "adamw", "nadamw", "muon", "shampoo", "shampoo_input", "sketchy", "kfac",
+                        "scsgd_adamw"}
   # the peers broadcast implicitly; the library's own tests keep rank promotion an error (conftest)
   with tfds.testing.mock_data(num_examples=64, **source), jax.numpy_rank_promotion("allow"):
-    if source:  # one record holds the text: the batch is checked against its 40 windows once read
-      too_big = benchmark.run_config(config, "sgd", 0.01, 0, 2)
-      too_big.batch_size = 41
-      with pytest.raises(errors.ConfigError, match="=41 is larger than the 40 training windows of tiny_shakespeare"):
-        train.train_and_evaluate(too_big, str(tmp_path / "too_big"))
     for name in names:
-      # precondition-opt 0.3.0 gives an axis shorter than Sketchy's rank + 2 (LeNet's 1, 5, 5, 20) a full
-      # inverse root padded to the largest statistic (800) at every step: ~50 s a step on this CPU, so
-      # Sketchy takes one step on LeNet (the second step runs the same compiled code)
-      steps = 1 if (task, name) == ("mnist", "sketchy") else 2
-      lr = config.benchmark.default_lr[name]
-      last = train.train_and_evaluate(benchmark.run_config(config, name, lr, 0, steps), str(tmp_path / name))
-      assert last["step"] == steps and np.isfinite(last["test_loss"]) and np.isfinite(last["train_loss"]), name
+      lr = benchmark.learning_rates(config, name)[1]
+      extra = {"adam_learning_rate": 1e-3} if name == "muon" else {}
+      joint = benchmark.joint_points(config, name)[0]
+      cfg = benchmark.run_config(config, name, benchmark.Point(lr, joint), 0, extra)
+      last = train.train_and_evaluate(cfg, str(tmp_path / name))
+      assert last["step"] == 2 and np.isfinite(last["test_loss"]) and np.isfinite(last["train_loss"]), name

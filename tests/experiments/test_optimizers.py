@@ -19,6 +19,17 @@ def test_schedule_values():
   np.testing.assert_allclose(lr(10000), 0.01 * 2.0 ** -0.75, rtol=1e-6)
 
 
+def test_warmup_cosine_by_hand_and_muons_adamw_part_follows_the_same_shape():
+  config = helpers.smoke_config()
+  config.num_steps = 200
+  config.schedule = dict(name="warmup_cosine", base=0.1, warmup_fraction=0.05)  # warmup 10 steps
+  lr = optimizers.learning_rate(config)
+  np.testing.assert_allclose([lr(0), lr(5), lr(10)], [0.0, 0.05, 0.1], rtol=1e-6, atol=1e-9)
+  np.testing.assert_allclose(lr(105), 0.1 * 0.5 * (1 + np.cos(np.pi * 95 / 190)), rtol=1e-5)
+  np.testing.assert_allclose(lr(200), 0.0, atol=1e-9)
+  np.testing.assert_allclose(optimizers.learning_rate(config, 0.002)(105), 0.002 * 0.5, rtol=1e-4)
+
+
 def test_weight_decay_is_added_to_the_gradient_first():
   config = helpers.smoke_config()
   config.optimizer.name = "sgd"
@@ -70,7 +81,7 @@ def test_adam_takes_its_own_learning_rate_from_its_sub_config():
   np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["adamw", "nadamw", "scsgd_adamw", "muon", "shampoo", "sketchy"])
+@pytest.mark.parametrize("name", ["adamw", "nadamw", "scsgd_adamw", "muon", "shampoo", "shampoo_input", "sketchy"])
 def test_every_benchmark_optimizer_builds_from_its_sub_config_and_steps(name):
   pytest.importorskip("precondition")
   config = helpers.smoke_config()

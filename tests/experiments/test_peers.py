@@ -80,21 +80,84 @@ def _step(tx, params, grads):
   return updates
 
 
-@pytest.mark.parametrize("name", ["shampoo", "sketchy"])
+def _second_step(tx, params, grads, first=None):
+  """The update of a second step on ``grads`` after a first on ``first`` (default: ``grads``)."""
+  update = jax.jit(tx.update)
+  _, state = update(grads if first is None else first, tx.init(params), params)
+  return update(grads, state, params)[0]
+
+
+@pytest.mark.parametrize("name", ["shampoo_input", "sketchy"])
 def test_input_side_shampoo_and_sketchy_condition_only_the_input_side(name):
   """Input-side only: a kernel's update is G times nothing on the output side, i.e. P G with P from
-  the input statistics; for a gradient G = u v^T the update stays in span(v) on the output side."""
+  the input statistics; for a gradient G = u v^T the update stays in span(v) on the output side, even after a
+  full-rank gradient made the output-side statistics full rank (two-sided Shampoo then leaves span(v))."""
   rng = np.random.default_rng(0)
   u, v = rng.standard_normal((8, 1)), rng.standard_normal((1, 4))
   params = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
   grads = {"w": jnp.asarray(u @ v, jnp.float32), "b": jnp.ones(4)}
+  first = {"w": jnp.asarray(rng.standard_normal((8, 4)), jnp.float32), "b": jnp.ones(4)}
   kwargs = {"compression_rank": 4} if name == "sketchy" else {}
-  tx = getattr(peers, name)(0.1, start_preconditioning_step=1, preconditioning_compute_steps=1, **kwargs)
-  upd = np.asarray(_step(tx, params, grads)["w"])
+  # the first step is the grafting optimizer's alone (before start_preconditioning_step): read the second,
+  # without momentum, so that it is the preconditioned gradient alone
+  upd = np.asarray(_second_step(getattr(peers, name)(0.1, start_preconditioning_step=1, preconditioning_compute_steps=1,
+                                                     beta1=0.0, **kwargs), params, grads, first)["w"])
   assert np.all(np.isfinite(upd)) and np.abs(upd).max() > 0
   # every row of the update is a multiple of v (no output-side mixing)
   resid = upd - (upd @ v.T) @ v / (v @ v.T)
   assert np.abs(resid).max() < 1e-4 * np.abs(upd).max()
+  two_sided = np.asarray(_second_step(peers.shampoo(0.1, start_preconditioning_step=1, preconditioning_compute_steps=1,
+                                                    beta1=0.0), params, grads, first)["w"])
+  resid = two_sided - (two_sided @ v.T) @ v / (v @ v.T)
+  assert np.abs(resid).max() > 1e-2 * np.abs(two_sided).max()  # the same check fails for two-sided Shampoo
+
+
+def test_conv_kernels_routed_to_grafting_take_the_graft_only_step():
+  """``graft_conv``: a 4-D kernel's update equals that of a Shampoo that preconditions nothing; a matrix's
+  does not."""
+  rng = np.random.default_rng(1)
+  params = {"conv": jnp.zeros((3, 3, 2, 4)), "dense": jnp.zeros((6, 5))}
+  grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+  first = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+  common = dict(start_preconditioning_step=1, preconditioning_compute_steps=1)  # the second step is preconditioned
+  routed = _second_step(peers.shampoo(0.1, graft_conv=True, **common), params, grads, first)
+  graft_only = _second_step(peers.shampoo(0.1, skip_preconditioning_rank_lt=99, **common), params, grads, first)
+  full = _second_step(peers.shampoo(0.1, **common), params, grads, first)
+  np.testing.assert_allclose(routed["conv"], graft_only["conv"], rtol=1e-5, atol=1e-7)
+  # (upstream pads every statistic of one instance to the largest: the inverse roots differ in rounding)
+  np.testing.assert_allclose(routed["dense"], full["dense"], rtol=1e-3, atol=1e-3)
+  assert np.abs(np.asarray(routed["dense"]) - np.asarray(graft_only["dense"])).max() > 1e-4
+
+
+def test_adamw_decays_only_matrices_when_asked():
+  """Zero gradients: AdamW's update is -lr wd w on decayed leaves, 0 elsewhere (nanoGPT's mask)."""
+  params = {"kernel": jnp.ones((3, 2)), "bias": jnp.ones(2), "table": jnp.ones((4, 3))}
+  grads = jax.tree.map(jnp.zeros_like, params)
+  for fn in (peers.adamw, peers.nadamw):
+    masked = _step(fn(0.1, weight_decay=0.5, decay_matrices_only=True), params, grads)
+    np.testing.assert_allclose(masked["kernel"], -0.05 * np.ones((3, 2)), rtol=1e-6)
+    np.testing.assert_allclose(masked["table"], -0.05 * np.ones((4, 3)), rtol=1e-6)
+    np.testing.assert_allclose(masked["bias"], 0.0)
+    plain = _step(fn(0.1, weight_decay=0.5), params, grads)
+    np.testing.assert_allclose(plain["bias"], -0.05 * np.ones(2), rtol=1e-6)
+
+
+def test_muon_sends_tables_and_the_output_layer_to_adamw_at_its_own_rate():
+  params = {"embed": {"embedding": jnp.zeros((10, 4))}, "pos": jnp.zeros((8, 4)),
+            "hidden": {"kernel": jnp.zeros((4, 6))}, "head": {"kernel": jnp.zeros((6, 10))}}
+  dims = peers.muon_dimension_numbers(params, output_layer="head")
+  assert dims["hidden"]["kernel"].reduction_axis == (0,)
+  assert dims["head"]["kernel"] is None and dims["embed"]["embedding"] is None and dims["pos"] is None
+  rng = np.random.default_rng(0)
+  grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+  upd = _step(peers.muon(0.02, output_layer="head", adam_learning_rate=0.001), params, grads)
+  # the AdamW part (weight decay 0, Nesterov as Muon's) at AdamW's rate: its first step is
+  # lr (1 + b1 (1 - b1) / (1 - b1^2)) sign(g) (bias-corrected Nesterov moments, up to eps)
+  for leaf in (upd["head"]["kernel"], upd["pos"]):
+    np.testing.assert_allclose(np.abs(np.asarray(leaf)), 0.001 * (1 + 0.9 * 0.1 / 0.19), rtol=1e-4)
+  s = np.linalg.svd(np.asarray(upd["hidden"]["kernel"]), compute_uv=False)
+  raw = np.linalg.svd(np.asarray(grads["hidden"]["kernel"]), compute_uv=False)
+  assert s.max() / s.min() < 2.0 < raw.max() / raw.min(), (s, raw)  # orthogonalised (5 Newton-Schulz steps)
 
 
 def test_muon_gets_conv_kernels_too():
