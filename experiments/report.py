@@ -3,6 +3,8 @@ machine, commit and package versions), the page (``README.md``) with its header,
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.metadata
 import json
 import os
@@ -53,8 +55,11 @@ def write_markdown(out_dir: str, lines: list[str]) -> str:
 PACKAGES = ("scsgd-jax", "jax", "jaxlib", "optax", "flax", "orbax-checkpoint", "tensorflow-datasets")
 
 
+@functools.lru_cache(maxsize=None)
 def provenance() -> dict[str, Any]:
-  """The commit of the working tree (``+dirty`` if it has uncommitted changes) and the package versions."""
+  """The commit of the working tree (``+dirty`` if it has uncommitted changes) and the package versions,
+  read once per process: the code that runs is the code this process imported, even if the checkout
+  moves on while it runs (the benchmark's runs take hours)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -79,7 +84,7 @@ def write_results(out_dir: str, record: dict[str, Any], command: str, filename: 
   (atomically: a reader never sees half a file); returns its path. Every entry point writes through it."""
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, filename)
-  full = {"command": command, "machine": machine or machine_lib.describe(), **provenance(), **record}
+  full = {"command": command, "machine": machine or machine_lib.describe(), **copy.deepcopy(provenance()), **record}
   with open(f"{path}.tmp", "w") as f:
     json.dump(full, f, indent=1)
   os.replace(f"{path}.tmp", path)
