@@ -209,15 +209,16 @@ def kfac_loss(apply_fn: Callable, params, batch):
 
 def kfac(learning_rate, *, apply_fn: Callable, example_batch, damping: float = 1e-3, momentum: float = 0.9,
          nesterov: bool = True, inverse_update_period: int = 5, curvature_ema: float = 0.95,
-         curvature_update_period: int = 1, norm_constraint: float = 0.0, **kwargs) -> optax.GradientTransformationExtraArgs:
+         norm_constraint: float = 0.0, **kwargs) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning chained with Nesterov SGD, as one transformation.
 
   kfac-jax's ``OptaxPreconditioner`` (its optax interface) estimates the Fisher's Kronecker factors
   from the model itself, so ``update`` needs the batch and a key: ``update(grads, state, params,
   batch=(inputs, labels), key=key)``. ``apply_fn(params, inputs) -> logits`` is the model;
   ``example_batch`` (any values, the right shapes) lets ``init`` trace it to find the layers.
-  ``damping`` (no default upstream) 1e-3; ``inverse_update_period`` 5, ``curvature_ema`` 0.95 and
-  ``curvature_update_period`` 1 (the curvature estimated every step) are upstream's defaults; ``norm_constraint`` > 0 caps the preconditioned gradient's Fisher norm (upstream's
+  ``damping`` (no default upstream) 1e-3; ``inverse_update_period`` 5 and ``curvature_ema`` 0.95 are
+  upstream's defaults (its ``curvature_update_period`` must stay 1: upstream refuses others);
+  ``norm_constraint`` > 0 caps the preconditioned gradient's Fisher norm (upstream's
   KL clipping; 0: off); the inverses are computed on this device (``distributed_*=False``, outside pmap).
   """
   patch_kfac()
@@ -225,7 +226,7 @@ def kfac(learning_rate, *, apply_fn: Callable, example_batch, damping: float = 1
 
   pre = kfac_jax.OptaxPreconditioner(
       lambda params, batch: kfac_loss(apply_fn, params, batch), damping=damping,
-      norm_constraint=norm_constraint or None, curvature_update_period=curvature_update_period,
+      norm_constraint=norm_constraint or None,
       inverse_update_period=inverse_update_period, curvature_ema=curvature_ema,
       distributed_inverses=False, distributed_precon_apply=False, **kwargs)
   sgd = optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)
@@ -284,9 +285,6 @@ KFAC = ("kfac-jax (Botev & Martens): its optax interface (OptaxPreconditioner) c
         "(benchmark.joint_grid); KL-clipping norm_constraint 1e-3 (FermiNet's kfac-jax setting); "
         "curvature_ema 0.95 and inverse_update_period 5 (upstream's defaults)")
 
-KFAC_CNN = ("on LeNet the curvature is estimated every 5th step (upstream's curvature_update_period, default 1; "
-            "inverses every 5th as upstream): kfac-jax's estimation through LeNet's max-pooling costs ~1.2 s a step "
-            "on the benchmark CPU (28x SGD's step), which the task's 4-hour budget cannot pay for 14 runs")
 _SHAMPOO_SETTINGS = dict(beta1=0.9, beta2=0.999, block_size=1536, matrix_epsilon=1e-8, graft="RMSPROP_NORMALIZED",
                          nesterov=False, moving_average_for_momentum=True, exponent_override=0,
                          start_preconditioning_step=51, preconditioning_compute_steps=50)
@@ -331,7 +329,5 @@ def recipe(name: str, kind: str) -> Recipe:
     return Recipe(1e-3, settings, SKETCHY + INPUT_SIDE + ("; conv kernels take the grafting step alone (their small axes cost "
                                              "~50 s a step on the benchmark CPU)" if conv else ""))
   if name == "kfac":
-    if kind == "cnn":  # see KFAC_CNN
-      return Recipe(0.01, dict(norm_constraint=1e-3, curvature_update_period=5), f"{KFAC}; {KFAC_CNN}")
     return Recipe(0.01, dict(norm_constraint=1e-3), KFAC)
   raise ValueError(f"no recipe for optimizer {name!r}")
