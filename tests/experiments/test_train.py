@@ -217,6 +217,7 @@ def test_divergence_names_the_optimizer_and_the_step(tmp_path):
 def test_ctrl_c_finishes_the_step_checkpoints_it_and_the_same_call_resumes(tmp_path, straight, monkeypatch):
   workdir = str(tmp_path)
   real = data_lib.batch_indices
+  before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN when pytest runs in the background
 
   def ctrl_c_during_step_25(num, batch, step, seed):
     if step == 25:
@@ -226,7 +227,7 @@ def test_ctrl_c_finishes_the_step_checkpoints_it_and_the_same_call_resumes(tmp_p
   monkeypatch.setattr(data_lib, "batch_indices", ctrl_c_during_step_25)
   with pytest.raises(errors.Interrupted, match=f"interrupted at step 26; {workdir} keeps the checkpoint of step 26"):
     train.train_and_evaluate(helpers.smoke_config(), workdir)
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+  assert signal.getsignal(signal.SIGINT) is before  # the handler is given back
   monkeypatch.undo()
   assert helpers.final_params(workdir)[1] == 26
   train.train_and_evaluate(helpers.smoke_config(), workdir)
