@@ -151,7 +151,6 @@ class Harness:
 
   def __init__(self, config, workdir: str, results_dir: str, command: str):
     self.config, self.workdir, self.results_dir, self.command = config, workdir, results_dir, command
-    self.ran: list[str] = []  # keys trained by this process (the others were found committed)
 
   def path(self, key_: str) -> str:
     return os.path.join(self.results_dir, RUNS, f"{key_}.json")
@@ -192,7 +191,6 @@ class Harness:
                                 filename=os.path.basename(self.path(k)))
     with open(path) as f:
       rec = json.load(f)  # as committed: with its commit, versions and machine
-    self.ran.append(k)
     print(f"{k}: final {self.config.eval_split} loss {final(rec):.4f}" + (" (diverged)" if rec["diverged"] else ""),
           flush=True)
     return rec
@@ -489,16 +487,18 @@ def _report(config, harness, found, everyone, marks, results_dir, command, tasks
   """The report from ``found`` plus every other optimizer whose runs are all committed (none is run here)."""
   complete = dict(found)
   for name in everyone:
-    if name not in complete and complete_without_running(harness, name):
-      complete[name] = harness.optimizer(name)
+    found_committed = None if name in complete else committed_results(harness, name)
+    if found_committed is not None:
+      complete[name] = found_committed
   ordered = {n: complete[n] for n in everyone if n in complete}
   ordered.update({n: complete[n] for n in complete if n not in ordered})
   write_report(config, ordered, marks, results_dir, command, [n for n in everyone if n not in complete])
   write_summary(os.path.dirname(os.path.abspath(results_dir)), tasks)
 
 
-def complete_without_running(harness: Harness, name: str) -> bool:
-  """Whether every run ``harness.optimizer(name)`` needs is committed with today's settings (runs nothing)."""
+def committed_results(harness: Harness, name: str) -> Optional[dict]:
+  """``harness.optimizer(name)`` if every run it needs is committed with today's settings, else None
+  (runs nothing)."""
   run = harness.run
 
   def probe(n, point, seed):
@@ -509,10 +509,9 @@ def complete_without_running(harness: Harness, name: str) -> bool:
 
   harness.run = probe
   try:
-    harness.optimizer(name)
-    return True
+    return harness.optimizer(name)
   except LookupError:
-    return False
+    return None
   finally:
     harness.run = run
 
