@@ -520,6 +520,7 @@ def main(argv):
   del argv
   config = cli.config()
   command = cli.command_line()
+  report.provenance()  # the commit of the code this process imported, read now: the checkout may move on
   with data_lib.reuse_decoded_splits():
     if config.benchmark.rerun:
       rerun(config, FLAGS.workdir, FLAGS.results_dir, config.benchmark.rerun)
