@@ -198,3 +198,26 @@ def test_kfac_step_is_the_pi_damped_kronecker_inverse_of_the_input_and_output_fa
   got = np.concatenate([updates["dense"]["kernel"], updates["dense"]["bias"][None]], 0)
   np.testing.assert_allclose(got, -lr * (1 + momentum) * p, rtol=1e-4, atol=1e-6)
   assert int(state.preconditioner.count) == 1
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_kfac_conv_input_factor_is_the_second_moment_of_the_im2col_patches(explicit):
+  """A conv layer's K-FAC input factor after one step is [P, 1]^T [P, 1] / (B L) for P the im2col patches
+  (rows (i, j) of each image, columns (di, dj, c)), built here by explicit loops: the same with the
+  extracted-patches implementation the benchmark uses and with upstream's 4-D convolution loop."""
+  params = {"conv": {"kernel": 0.1 * jax.random.normal(jax.random.PRNGKey(0), (3, 3, 2, 4)), "bias": jnp.zeros(4)}}
+
+  def apply_fn(p, inputs):
+    out = jax.lax.conv_general_dilated(inputs, p["conv"]["kernel"], (1, 1), "VALID",
+                                       dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["conv"]["bias"]
+    return out.sum(axis=(1, 2))
+
+  x, y = jax.random.normal(jax.random.PRNGKey(1), (2, 6, 5, 2)), jnp.array([0, 3])
+  tx = peers.kfac(0.1, apply_fn=apply_fn, example_batch=(jnp.zeros_like(x), y), explicit_conv_patches=explicit)
+  grads = jax.grad(lambda p: peers.kfac_loss(apply_fn, p, (x, y)))(params)
+  _, state = tx.update(grads, tx.init(params), params, batch=(x, y), key=jax.random.PRNGKey(2))
+  a = np.asarray(state.preconditioner.estimator_state.blocks_states[0].factors[0].value)
+  xn = np.asarray(x)
+  rows = [np.append(xn[b, i:i + 3, j:j + 3, :].reshape(-1), 1.0) for b in range(2) for i in range(4) for j in range(3)]
+  p = np.stack(rows)
+  np.testing.assert_allclose(a, p.T @ p / len(rows), rtol=1e-5, atol=1e-6)
