@@ -96,6 +96,18 @@ def _scsgd_adamw(lr, kwargs, config, forward):
   return Optimizer(tx, True)
 
 
+def _scsgd_graft(lr, kwargs, config, forward):
+  """SCSGD's conditioned direction at normalized RMSprop's per-layer step size (``graft_*``: its
+  ``decay``, ``eps``), then Nesterov momentum at SCSGD's default: Shampoo's grafting layout (issue 20)."""
+  graft_args = {k[len("graft_"):]: kwargs.pop(k) for k in list(kwargs) if k.startswith("graft_")}
+  momentum = inspect.signature(scsgd_jax.scsgd).parameters["momentum"].default
+  tx = optax.chain(
+      scsgd_jax.scale_by_grafting(scsgd_jax.scale_by_normalized_rms(**graft_args),
+                                  scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs)),
+      optax.sgd(lr, momentum=momentum, nesterov=True))
+  return Optimizer(tx, True)
+
+
 # name -> builder(learning rate schedule, the sub-config as a dict, the whole config, the model's Forward)
 BUILDERS = {
     "scsgd": _scsgd,
@@ -104,6 +116,7 @@ BUILDERS = {
     "adamw": _optax(peers.adamw),
     "nadamw": _optax(peers.nadamw),
     "scsgd_adamw": _scsgd_adamw,
+    "scsgd_graft": _scsgd_graft,
     # peers from other packages (the optional `bench` extra), with their patches: experiments/peers.py
     "muon": _muon,
     "shampoo": _optax(peers.shampoo),
@@ -115,6 +128,7 @@ OPTIMIZERS = tuple(BUILDERS)
 # name -> the function whose keyword arguments its sub-config holds
 FUNCTIONS = {"scsgd": scsgd_jax.scsgd, "sgd": optax.sgd, "adam": optax.adam, "adamw": peers.adamw,
              "nadamw": peers.nadamw, "scsgd_adamw": scsgd_jax.scale_by_sketched_conditioning,
+             "scsgd_graft": scsgd_jax.scale_by_sketched_conditioning,
              "muon": peers.muon, "shampoo": peers.shampoo, "shampoo_input": peers.shampoo_input,
              "sketchy": peers.sketchy, "kfac": peers.kfac}
 NOT_IN_SUB_CONFIG = ("learning_rate", "seed", "apply_fn", "example_batch")  # from config.schedule / .seed / the model

@@ -57,14 +57,16 @@ PACKAGES = ("scsgd-jax", "jax", "jaxlib", "optax", "flax", "orbax-checkpoint", "
 
 @functools.lru_cache(maxsize=None)
 def provenance() -> dict[str, Any]:
-  """The commit of the working tree (``+dirty`` if it has uncommitted changes) and the package versions,
+  """The commit of the working tree (``+dirty`` if its code has uncommitted changes) and the package versions,
   read once per process: the code that runs is the code this process imported, even if the checkout
   moves on while it runs (the benchmark's runs take hours)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                             check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+    # code only: the results the runs write (experiments/results/) do not make the code dirty
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":(exclude)experiments/results"], cwd=root,
                            capture_output=True, text=True, check=True).stdout.strip()
     commit += "+dirty" if dirty else ""
   except (OSError, subprocess.CalledProcessError):

@@ -8,6 +8,9 @@ from scsgd_jax._src.capture import capture_nnx as capture_nnx
 from scsgd_jax._src.capture import input_axes_linen as input_axes_linen
 from scsgd_jax._src.capture import input_axes_nnx as input_axes_nnx
 from scsgd_jax._src.capture import layer_rows as layer_rows
+from scsgd_jax._src.graft import GraftState as GraftState
+from scsgd_jax._src.graft import scale_by_grafting as scale_by_grafting
+from scsgd_jax._src.graft import scale_by_normalized_rms as scale_by_normalized_rms
 from scsgd_jax._src.patches import conv_patch_rows as conv_patch_rows
 from scsgd_jax._src.patches import dense_rows as dense_rows
 from scsgd_jax._src.sketch import BoundTerms as BoundTerms

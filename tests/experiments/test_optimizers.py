@@ -81,7 +81,8 @@ def test_adam_takes_its_own_learning_rate_from_its_sub_config():
   np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["adamw", "nadamw", "scsgd_adamw", "muon", "shampoo", "shampoo_input", "sketchy"])
+@pytest.mark.parametrize("name", ["adamw", "nadamw", "scsgd_adamw", "scsgd_graft", "muon", "shampoo", "shampoo_input",
+                                  "sketchy"])
 def test_every_benchmark_optimizer_builds_from_its_sub_config_and_steps(name):
   pytest.importorskip("precondition")
   config = helpers.smoke_config()
@@ -90,10 +91,33 @@ def test_every_benchmark_optimizer_builds_from_its_sub_config_and_steps(name):
   if name == "sketchy":
     config.optimizer.sketchy.compression_rank = 2  # < the kernel's input side, 6
   opt = optimizers.create(config)
-  assert opt.needs_layer_inputs is (name == "scsgd_adamw")
+  assert opt.needs_layer_inputs is name.startswith("scsgd_")
   params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
   grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.5), params)
   extra = {"layer_inputs": {"dense": {"kernel": jnp.eye(6)}}} if opt.needs_layer_inputs else {}
   with jax.numpy_rank_promotion("allow"):
     updates, _ = opt.tx.update(grads, opt.tx.init(params), params, **extra)
   assert all(np.all(np.isfinite(u)) and np.abs(u).max() > 0 for u in jax.tree.leaves(updates))
+
+
+def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
+  """The factory's scsgd_graft equals chain(graft(normalized RMSprop, conditioning), Nesterov SGD 0.9)
+  built by hand from the library, with the sub-config's graft_decay reaching RMSprop."""
+  config = helpers.smoke_config()
+  config.optimizer.name = "scsgd_graft"
+  config.optimizer.scsgd_graft = optimizers.sub_config("scsgd_graft", graft_decay=0.9, update_every=1)
+  opt = optimizers.create(config)
+  by_hand = optax.chain(
+      scsgd_jax.scale_by_grafting(scsgd_jax.scale_by_normalized_rms(decay=0.9),
+                                  scsgd_jax.scale_by_sketched_conditioning(update_every=1, seed=config.seed)),
+      optax.sgd(optimizers.learning_rate(config), momentum=0.9, nesterov=True))
+  rng = np.random.default_rng(0)
+  params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
+  s1, s2 = opt.tx.init(params), by_hand.init(params)
+  for _ in range(3):
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+    extra = {"layer_inputs": {"dense": {"kernel": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32)}}}
+    u1, s1 = opt.tx.update(grads, s1, params, **extra)
+    u2, s2 = by_hand.update(grads, s2, params, **extra)
+    for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+      np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -1,0 +1,81 @@
+"""Layer-wise grafting: one optimizer's direction at another's step size (issue 20, direction 2).
+
+Agarwal, Anil, Hazan, Koren & Zhang, "Disentangling Adaptive Gradient Methods from Learning Rates"
+(arXiv:2002.11803, 2020): per parameter, the update of ``direction`` rescaled to the norm of the
+update of ``magnitude``, both computed from the same gradients. Distributed Shampoo grafts its
+preconditioned direction onto a normalized RMSprop's norm this way, so that one learning rate serves
+every layer whatever the scale of its conditioner.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from scsgd_jax._src import checks
+
+__all__ = ["GraftState", "scale_by_grafting", "scale_by_normalized_rms"]
+
+
+class GraftState(NamedTuple):
+  magnitude: optax.OptState
+  direction: optax.OptState
+
+
+def scale_by_grafting(magnitude: optax.GradientTransformation, direction: optax.GradientTransformation,
+                      eps: float = 1e-16) -> optax.GradientTransformationExtraArgs:
+  r"""Per leaf, ``direction``'s update with the Frobenius norm of ``magnitude``'s:
+  :math:`u = d \, \|m\| / \max(\|d\|, \epsilon)` (zero where ``d`` is zero).
+
+  Both transformations see the same gradients; extra arguments (``layer_inputs=`` for
+  :func:`scale_by_sketched_conditioning`) reach whichever accepts them.
+  """
+  checks.check_float("eps", eps, low=0.0, low_open=True)
+  magnitude = optax.with_extra_args_support(magnitude)
+  direction = optax.with_extra_args_support(direction)
+
+  def init(params):
+    return GraftState(magnitude.init(params), direction.init(params))
+
+  def update(updates, state, params=None, **extra):
+    m, m_state = magnitude.update(updates, state.magnitude, params, **extra)
+    d, d_state = direction.update(updates, state.direction, params, **extra)
+
+    def graft(m_leaf, d_leaf):
+      m_norm = jnp.linalg.norm(m_leaf.astype(jnp.float32).ravel())
+      d_norm = jnp.linalg.norm(d_leaf.astype(jnp.float32).ravel())
+      return (d_leaf * (m_norm / jnp.maximum(d_norm, eps))).astype(d_leaf.dtype)
+
+    return jax.tree.map(graft, m, d), GraftState(m_state, d_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+class _Nothing(NamedTuple):
+  pass
+
+
+def scale_by_normalized_rms(decay: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+  r"""Shampoo's ``RMSPROP_NORMALIZED`` grafting step: each leaf's gradient divided by its norm, then
+  RMSprop with bias correction, :math:`\hat g / (\sqrt{\hat v} + \epsilon)`. Conditioned SCSGD grafted
+  onto it, then Nesterov momentum (Shampoo's layout; rates on Adam's scale)::
+
+    optax.chain(scale_by_grafting(scale_by_normalized_rms(), scale_by_sketched_conditioning()),
+                optax.sgd(learning_rate, momentum=0.9, nesterov=True))
+  """
+  checks.check_float("decay", decay, low=0.0, high=1.0, high_open=True)
+  checks.check_float("eps", eps, low=0.0)
+
+  def normalize(updates, state, params=None):
+    del params
+
+    def unit(g):
+      return g / jnp.maximum(jnp.linalg.norm(g.astype(jnp.float32).ravel()), 1e-30).astype(g.dtype)
+
+    return jax.tree.map(unit, updates), state
+
+  return optax.chain(optax.GradientTransformation(lambda _: _Nothing(), normalize),
+                     optax.scale_by_rms(decay=decay, eps=eps, eps_in_sqrt=False, bias_correction=True))
