@@ -59,7 +59,7 @@ def _model(name: str, shape: tuple, classes: int) -> nnx.Module:
   raise ValueError(f"unknown benchmark model {name!r}")
 
 
-def _step(model: nnx.Module, tx, capture: str, max_rows):
+def jitted_step(model: nnx.Module, tx, capture: str, max_rows):
   """A jitted step on pure state: ``capture`` is ``'none'``, ``'rows'`` (computed, summed, not used) or ``'use'``."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params, rest = nnx.as_pure(params), nnx.as_pure(rest)  # BatchNorm's statistics: the rest of the state
@@ -103,7 +103,7 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
     variant = dict(variant)
     capture = variant.pop("capture", "use" if variant["name"].startswith("scsgd") else "none")
     tx = optimizers.create(optimizers.variant(config.run, variant)).tx
-    fn, params, rest, opt_state = _step(_model(name, shape, classes), tx, capture, config.run.max_rows or None)
+    fn, params, rest, opt_state = jitted_step(_model(name, shape, classes), tx, capture, config.run.max_rows or None)
     variants[vname] = [fn, [params, rest, opt_state], [], tx]
   key = jax.random.PRNGKey(0)
   total = period * (config.windows + 1)  # the first window is warm-up (compilation, warm-start refreshes)

@@ -1,0 +1,126 @@
+"""Development runs for issue 20 (variants of SCSGD on transformers), on synthetic data only.
+
+  python -m experiments.develop --config configs/develop.py --results_dir experiments/results/develop
+
+The head to head's char transformer learns a random order-2 Markov source over the vocabulary (each
+pair of previous symbols has its own next-symbol distribution, drawn from a Dirichlet); every window
+is an independent stretch of the chain. Each optimizer of ``config.develop.optimizers`` runs at its
+authors' settings (``peers.recipe``, the benchmark's) for each rate of ``develop.grid`` x its authors'
+rate, on seed ``config.seed``; reported: the final held-out loss per rate against the source's own
+(the best any model can do on the same windows) and a unigram model's. Nothing here is a benchmark
+task, so settings may be chosen on it (issue 19's rule); the head to head then confirms them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import flags
+from flax import nnx
+
+from experiments import benchmark_step
+from experiments import cli
+from experiments import models
+from experiments import optimizers
+from experiments import peers
+from experiments import report
+
+FLAGS = flags.FLAGS
+
+
+def markov_source(vocab: int, concentration: float, seed: int) -> np.ndarray:
+  """``p[a * vocab + b, c]``: the probability of ``c`` after ``a, b``."""
+  return np.random.default_rng(seed).dirichlet(np.full(vocab, concentration), size=vocab * vocab)
+
+
+def sample_windows(table: np.ndarray, num: int, length: int, rng: np.random.Generator) -> np.ndarray:
+  """``num`` independent stretches of ``length`` symbols of the chain, from a uniform first pair."""
+  vocab = table.shape[1]
+  cdf = np.cumsum(table, axis=1)
+  out = np.empty((num, length), np.int32)
+  out[:, :2] = rng.integers(0, vocab, (num, 2))
+  for t in range(2, length):
+    ctx = out[:, t - 2] * vocab + out[:, t - 1]
+    out[:, t] = np.minimum((cdf[ctx] < rng.random(num)[:, None]).sum(axis=1), vocab - 1)
+  return out
+
+
+def source_loss(table: np.ndarray, windows: np.ndarray) -> float:
+  """The source's own mean negative log-likelihood of the targets with a full context (positions >= 1)."""
+  vocab = table.shape[1]
+  ctx = windows[:, :-2] * vocab + windows[:, 1:-1]
+  return float(-np.log(table[ctx, windows[:, 2:]]).mean())
+
+
+def _heldout_loss(model_fn, params, rest, windows: np.ndarray) -> float:
+  x, y = windows[:, :-1], windows[:, 1:]
+  logits = model_fn(params, rest, jnp.asarray(x))
+  return float(optax.softmax_cross_entropy_with_integer_labels(logits[:, 1:], jnp.asarray(y[:, 1:])).mean())
+
+
+def run(config: ml_collections.ConfigDict, name: str, rate: float, table: np.ndarray,
+        heldout: np.ndarray) -> dict:
+  """One run: ``name`` at peak ``rate``; its final held-out loss (inf if it diverged)."""
+  d = config.develop
+  recipe = peers.recipe(name, config.benchmark.kind)
+  settings = dict(recipe.settings)
+  if name == "muon":  # its AdamW part at AdamW's authors' rate (the head to head: AdamW's tuned rate)
+    settings["adam_learning_rate"] = peers.recipe("adamw", config.benchmark.kind).learning_rate
+  run_config = ml_collections.ConfigDict(config.to_dict())
+  run_config.schedule.base = rate
+  tx = optimizers.create(optimizers.variant(run_config, {"name": name, **settings})).tx
+  model = models.MODELS[config.model](nnx.Rngs(config.seed), d.vocab, (d.context,))
+  graphdef = nnx.graphdef(model)
+  capture = "use" if name.startswith("scsgd") else "none"
+  step, params, rest, opt_state = benchmark_step.jitted_step(model, tx, capture, config.max_rows or None)
+  apply = jax.jit(lambda p, r, x: nnx.merge(graphdef, p, r)(x))
+  rng = np.random.default_rng(config.seed + 1)
+  key = jax.random.PRNGKey(config.seed)
+  for i in range(config.num_steps):
+    batch = sample_windows(table, config.batch_size, d.context + 1, rng)
+    params, rest, opt_state, loss = step(params, rest, opt_state, jnp.asarray(batch[:, :-1]),
+                                         jnp.asarray(batch[:, 1:]), jax.random.fold_in(key, i))
+  final = _heldout_loss(apply, params, rest, heldout)
+  return {"optimizer": name, "learning_rate": rate, "settings": settings,
+          "heldout_loss": final if np.isfinite(final) else float("inf")}
+
+
+def develop(config: ml_collections.ConfigDict, results_dir: str, command: str) -> dict:
+  """Every run of ``config.develop``; writes and returns the record (``<results_dir>/develop.json``)."""
+  d = config.develop
+  table = markov_source(d.vocab, d.concentration, d.source_seed)
+  heldout = sample_windows(table, d.heldout_windows, d.context + 1, np.random.default_rng(d.source_seed + 1))
+  counts = np.bincount(heldout[:, 2:].ravel(), minlength=d.vocab) + 1.0
+  anchors = {"source": source_loss(table, heldout),
+             "unigram": float(-np.log(counts / counts.sum())[heldout[:, 2:]].mean())}
+  runs = []
+  for name in d.optimizers:
+    centre = peers.recipe(name, config.benchmark.kind).learning_rate
+    for factor in d.grid:
+      runs.append(run(config, name, float(f"{centre * factor:.3g}"), table, heldout))
+      print(f"{name} lr {runs[-1]['learning_rate']:g}: held-out loss {runs[-1]['heldout_loss']:.4f}", flush=True)
+  best = {}
+  for r in runs:
+    if r["optimizer"] not in best or r["heldout_loss"] < best[r["optimizer"]]["heldout_loss"]:
+      best[r["optimizer"]] = r
+  record = {"anchors": anchors, "config": config.to_dict(), "runs": runs,
+            "best": {k: {"learning_rate": v["learning_rate"], "heldout_loss": v["heldout_loss"]} for k, v in best.items()}}
+  path = report.write_results(results_dir, record, command, filename="develop.json")
+  print(f"source {anchors['source']:.4f}, unigram {anchors['unigram']:.4f} (held-out, positions >= 1)")
+  for k, v in sorted(best.items(), key=lambda kv: kv[1]["heldout_loss"]):
+    print(f"{k:12s} best lr {v['learning_rate']:g}: {v['heldout_loss']:.4f}")
+  print(f"written {path}")
+  return record
+
+
+def main(argv):
+  del argv
+  develop(cli.config(), FLAGS.results_dir, cli.command_line())
+
+
+if __name__ == "__main__":
+  cli.define_flags(workdir=False, data=False)
+  cli.run(main)
