@@ -16,7 +16,7 @@ def get_config():
   config.develop = ml_collections.ConfigDict(dict(
       optimizers=("sgd", "scsgd", "scsgd_adamw", "scsgd_graft", "adamw", "muon"),
       grid=(0.316, 1.0, 3.16),  # x each optimizer's authors' rate (peers.recipe)
-      vocab=65, context=64,  # tiny_shakespeare's shapes
+      vocab=16, context=64,  # 256 contexts: learnable in a short run (65 symbols: 4,225 were not, at 300 steps)
       concentration=0.1,  # Dirichlet concentration of each context's next-symbol distribution
       source_seed=1234, heldout_windows=256))
   return config

@@ -118,6 +118,7 @@ def develop(config: ml_collections.ConfigDict, results_dir: str, command: str) -
 
 def main(argv):
   del argv
+  report.provenance()  # the commit of the code this process imported, read now
   develop(cli.config(), FLAGS.results_dir, cli.command_line())
 
 
