@@ -88,9 +88,14 @@ def _muon(lr, kwargs, config, forward):
   return Optimizer(peers.muon(lr, **kwargs), False)
 
 
+def _pop_prefixed(kwargs: dict, prefix: str) -> dict:
+  """The ``prefix``-ed entries of ``kwargs``, removed from it, without their prefix."""
+  return {k[len(prefix):]: kwargs.pop(k) for k in list(kwargs) if k.startswith(prefix)}
+
+
 def _scsgd_adamw(lr, kwargs, config, forward):
   """SCSGD's conditioning in front of AdamW: Adam's moments see the conditioned gradients."""
-  adamw_args = {k[len("adamw_"):]: kwargs.pop(k) for k in list(kwargs) if k.startswith("adamw_")}
+  adamw_args = _pop_prefixed(kwargs, "adamw_")
   tx = optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs),
                    peers.adamw(lr, **adamw_args))
   return Optimizer(tx, True)
@@ -99,7 +104,7 @@ def _scsgd_adamw(lr, kwargs, config, forward):
 def _scsgd_graft(lr, kwargs, config, forward):
   """SCSGD's conditioned direction at normalized RMSprop's per-layer step size (``graft_*``: its
   ``decay``, ``eps``), then Nesterov momentum at SCSGD's default: Shampoo's grafting layout (issue 20)."""
-  graft_args = {k[len("graft_"):]: kwargs.pop(k) for k in list(kwargs) if k.startswith("graft_")}
+  graft_args = _pop_prefixed(kwargs, "graft_")
   momentum = inspect.signature(scsgd_jax.scsgd).parameters["momentum"].default
   tx = optax.chain(
       scsgd_jax.scale_by_grafting(scsgd_jax.scale_by_normalized_rms(**graft_args),

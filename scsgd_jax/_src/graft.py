@@ -20,6 +20,11 @@ from scsgd_jax._src import checks
 __all__ = ["GraftState", "scale_by_grafting", "scale_by_normalized_rms"]
 
 
+def _norm(x):
+  """The Frobenius norm of a leaf, accumulated in float32."""
+  return jnp.linalg.norm(x.astype(jnp.float32).ravel())
+
+
 class GraftState(NamedTuple):
   magnitude: optax.OptState
   direction: optax.OptState
@@ -45,17 +50,11 @@ def scale_by_grafting(magnitude: optax.GradientTransformation, direction: optax.
     d, d_state = direction.update(updates, state.direction, params, **extra)
 
     def graft(m_leaf, d_leaf):
-      m_norm = jnp.linalg.norm(m_leaf.astype(jnp.float32).ravel())
-      d_norm = jnp.linalg.norm(d_leaf.astype(jnp.float32).ravel())
-      return (d_leaf * (m_norm / jnp.maximum(d_norm, eps))).astype(d_leaf.dtype)
+      return (d_leaf * (_norm(m_leaf) / jnp.maximum(_norm(d_leaf), eps))).astype(d_leaf.dtype)
 
     return jax.tree.map(graft, m, d), GraftState(m_state, d_state)
 
   return optax.GradientTransformationExtraArgs(init, update)
-
-
-class _Nothing(NamedTuple):
-  pass
 
 
 def scale_by_normalized_rms(decay: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
@@ -69,13 +68,8 @@ def scale_by_normalized_rms(decay: float = 0.999, eps: float = 1e-8) -> optax.Gr
   checks.check_float("decay", decay, low=0.0, high=1.0, high_open=True)
   checks.check_float("eps", eps, low=0.0)
 
-  def normalize(updates, state, params=None):
-    del params
+  def unit(g):
+    return g / jnp.maximum(_norm(g), 1e-30).astype(g.dtype)
 
-    def unit(g):
-      return g / jnp.maximum(jnp.linalg.norm(g.astype(jnp.float32).ravel()), 1e-30).astype(g.dtype)
-
-    return jax.tree.map(unit, updates), state
-
-  return optax.chain(optax.GradientTransformation(lambda _: _Nothing(), normalize),
+  return optax.chain(optax.stateless(lambda updates, params: jax.tree.map(unit, updates)),
                      optax.scale_by_rms(decay=decay, eps=eps, eps_in_sqrt=False, bias_correction=True))
