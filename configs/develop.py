@@ -1,6 +1,7 @@
 """Issue 20's development task (experiments/develop.py): the head to head's char transformer on a
 synthetic order-2 Markov source, so that no variant is tuned on a benchmark task's data. Short runs at
-the protocol's schedule (warmup + cosine) and each optimizer's authors' settings (transformer kind)."""
+the protocol's schedule (warmup + cosine), tuning (rate grid grown past a winning end, 3 seeds at the
+chosen rate: configs/benchmark/common.py) and each optimizer's authors' settings (transformer kind)."""
 
 import ml_collections
 
@@ -14,8 +15,7 @@ def get_config():
   config.batch_size = 16
   config.num_steps = 300
   config.develop = ml_collections.ConfigDict(dict(
-      optimizers=("sgd", "scsgd", "scsgd_adamw", "scsgd_graft", "adamw", "muon"),
-      grid=(0.316, 1.0, 3.16),  # x each optimizer's authors' rate (peers.recipe)
+      optimizers=("scsgd_graft", "scsgd_muon", "muon", "adamw", "scsgd_adamw", "scsgd", "sgd"),
       vocab=16, context=64,  # 256 contexts: learnable in a short run (65 symbols: 4,225 were not, at 300 steps)
       concentration=0.1,  # Dirichlet concentration of each context's next-symbol distribution
       source_seed=1234, heldout_windows=256))

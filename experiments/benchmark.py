@@ -157,8 +157,8 @@ class Harness:
 
   def extra(self, name: str) -> dict:
     """Settings that come from another optimizer's tuning: Muon's AdamW part at AdamW's own chosen rate."""
-    if name == "muon":
-      return {"adam_learning_rate": self.choose("adamw")[0].learning_rate}
+    if name in ("muon", "scsgd_muon"):
+      return {peers.MUON_ADAM_RATE[name]: self.choose("adamw")[0].learning_rate}
     return {}
 
   def committed(self, name: str, point: Point, seed: int) -> Optional[dict]:
@@ -317,8 +317,8 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
                  missing: Sequence[str] = ()) -> str:
   summary = summarize(config, results, anchors)
   m = machine.describe()
-  report.write_results(results_dir, {**summary, "settings": _protocol(config), "missing": list(missing)},
-                       command, machine=m)
+  settings = json.loads(config.to_json_best_effort())
+  report.write_results(results_dir, {**summary, "settings": settings, "missing": list(missing)}, command, machine=m)
   figs = []
   for x, label in (("step", "iteration"), ("train_time", "training seconds")):
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
@@ -377,10 +377,6 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
   for name in rank(summary):
     lines.append(f"- **{name}** ({', '.join(s_[name]['commits'])}): {s_[name]['source']}.")
   return report.write_markdown(results_dir, lines)
-
-
-def _protocol(config) -> dict:
-  return json.loads(config.to_json_best_effort())
 
 
 def anchors(config) -> dict[str, dict[str, float]]:

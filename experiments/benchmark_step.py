@@ -46,10 +46,8 @@ BASELINE = "sgd"
 
 def _model(name: str, shape: tuple, classes: int) -> nnx.Module:
   rngs = nnx.Rngs(0)
-  if name == "lenet":
-    return models.LeNet(rngs=rngs, num_classes=classes, channels=shape[-1])
-  if name == "char_transformer":  # the head to head's: 3 blocks, d = 128, GPT-2-layout 2-D attention kernels
-    return models.MODELS["char_transformer"](rngs, classes, shape)
+  if name in models.MODELS:  # LeNet; the head to head's char transformer (GPT-2-layout 2-D attention kernels)
+    return models.MODELS[name](rngs, classes, shape)
   if name == "transformer_lm":  # ~0.4M parameters, the Flax examples' layout: nnx.MultiHeadAttention
     return models.CharTransformer(rngs=rngs, vocab=classes, d=128, heads=4, layers=2, context=shape[0])
   if name == "small_resnet":

@@ -5,13 +5,20 @@
 The head to head's char transformer learns a random order-2 Markov source over the vocabulary (each
 pair of previous symbols has its own next-symbol distribution, drawn from a Dirichlet); every window
 is an independent stretch of the chain. Each optimizer of ``config.develop.optimizers`` runs at its
-authors' settings (``peers.recipe``, the benchmark's) for each rate of ``develop.grid`` x its authors'
-rate, on seed ``config.seed``; reported: the final held-out loss per rate against the source's own
-(the best any model can do on the same windows) and a unigram model's. Nothing here is a benchmark
-task, so settings may be chosen on it (issue 19's rule); the head to head then confirms them.
+authors' settings (``peers.recipe``, the benchmark's) under the head to head's tuning
+(``experiments.benchmark.tune``): its rate grid (``benchmark.grid`` x its authors' rate) on seed 0,
+grown past a winning end, then ``benchmark.seeds`` at the chosen rate. Reported: every run's final
+held-out loss and each optimizer's median over the seeds, against the source's own (the best any
+model can do on the same windows) and a unigram model's. Each run is written to
+``<results_dir>/runs/`` as it finishes and found there on the next invocation (same settings), so an
+interrupted invocation resumes. Nothing here is a benchmark task, so settings may be chosen on it
+(issue 19's rule); the head to head then confirms them.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +28,7 @@ import optax
 from absl import flags
 from flax import nnx
 
+from experiments import benchmark
 from experiments import benchmark_step
 from experiments import cli
 from experiments import models
@@ -61,31 +69,56 @@ def _heldout_loss(model_fn, params, rest, windows: np.ndarray) -> float:
   return float(optax.softmax_cross_entropy_with_integer_labels(logits[:, 1:], jnp.asarray(y[:, 1:])).mean())
 
 
-def run(config: ml_collections.ConfigDict, name: str, rate: float, table: np.ndarray,
+def run(config: ml_collections.ConfigDict, name: str, rate: float, seed: int, table: np.ndarray,
         heldout: np.ndarray) -> dict:
-  """One run: ``name`` at peak ``rate``; its final held-out loss (inf if it diverged)."""
+  """One run: ``name`` at peak ``rate`` on ``seed`` (initialisation and batches); its final held-out loss
+  (inf if it diverged)."""
   d = config.develop
   recipe = peers.recipe(name, config.benchmark.kind)
   settings = dict(recipe.settings)
-  if name == "muon":  # its AdamW part at AdamW's authors' rate (the head to head: AdamW's tuned rate)
-    settings["adam_learning_rate"] = peers.recipe("adamw", config.benchmark.kind).learning_rate
+  if name in peers.MUON_ADAM_RATE:  # its AdamW part at AdamW's authors' rate (the head to head: AdamW's tuned)
+    settings[peers.MUON_ADAM_RATE[name]] = peers.recipe("adamw", config.benchmark.kind).learning_rate
   run_config = ml_collections.ConfigDict(config.to_dict())
   run_config.schedule.base = rate
+  run_config.seed = seed
   tx = optimizers.create(optimizers.variant(run_config, {"name": name, **settings})).tx
-  model = models.MODELS[config.model](nnx.Rngs(config.seed), d.vocab, (d.context,))
+  model = models.MODELS[config.model](nnx.Rngs(seed), d.vocab, (d.context,))
   graphdef = nnx.graphdef(model)
   capture = "use" if name.startswith("scsgd") else "none"
   step, params, rest, opt_state = benchmark_step.jitted_step(model, tx, capture, config.max_rows or None)
   apply = jax.jit(lambda p, r, x: nnx.merge(graphdef, p, r)(x))
-  rng = np.random.default_rng(config.seed + 1)
-  key = jax.random.PRNGKey(config.seed)
+  rng = np.random.default_rng(seed + 1)
+  key = jax.random.PRNGKey(seed)
   for i in range(config.num_steps):
     batch = sample_windows(table, config.batch_size, d.context + 1, rng)
     params, rest, opt_state, loss = step(params, rest, opt_state, jnp.asarray(batch[:, :-1]),
                                          jnp.asarray(batch[:, 1:]), jax.random.fold_in(key, i))
   final = _heldout_loss(apply, params, rest, heldout)
-  return {"optimizer": name, "learning_rate": rate, "settings": settings,
+  return {"optimizer": name, "learning_rate": rate, "seed": seed, "settings": settings,
           "heldout_loss": final if np.isfinite(final) else float("inf")}
+
+
+def _settings(config) -> dict:
+  """What decides a run besides its optimizer, rate and seed (JSON-normal, as a record holds it)."""
+  out = json.loads(json.dumps(config.to_dict()))
+  del out["seed"], out["develop"]["optimizers"]
+  out["benchmark"] = {"kind": out["benchmark"]["kind"]}
+  return out
+
+
+def _cached_run(config, name: str, rate: float, seed: int, table, heldout, results_dir: str, command: str) -> dict:
+  """``run``, or its record under ``<results_dir>/runs/`` if one was written with today's settings."""
+  path = os.path.join(results_dir, "runs", f"{name}_lr{rate:g}_seed{seed}.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      rec = json.load(f)
+    if rec.get("develop_config") == _settings(config):
+      return rec
+  rec = run(config, name, rate, seed, table, heldout)
+  rec["develop_config"] = _settings(config)
+  report.write_results(os.path.dirname(path), rec, command, filename=os.path.basename(path))
+  print(f"{name} lr {rate:g} seed {seed}: held-out loss {rec['heldout_loss']:.4f}", flush=True)
+  return rec
 
 
 def develop(config: ml_collections.ConfigDict, results_dir: str, command: str) -> dict:
@@ -96,22 +129,27 @@ def develop(config: ml_collections.ConfigDict, results_dir: str, command: str) -
   counts = np.bincount(heldout[:, 2:].ravel(), minlength=d.vocab) + 1.0
   anchors = {"source": source_loss(table, heldout),
              "unigram": float(-np.log(counts / counts.sum())[heldout[:, 2:]].mean())}
-  runs = []
+  b = config.benchmark
+  runs, best = [], {}
   for name in d.optimizers:
-    centre = peers.recipe(name, config.benchmark.kind).learning_rate
-    for factor in d.grid:
-      runs.append(run(config, name, float(f"{centre * factor:.3g}"), table, heldout))
-      print(f"{name} lr {runs[-1]['learning_rate']:g}: held-out loss {runs[-1]['heldout_loss']:.4f}", flush=True)
-  best = {}
-  for r in runs:
-    if r["optimizer"] not in best or r["heldout_loss"] < best[r["optimizer"]]["heldout_loss"]:
-      best[r["optimizer"]] = r
-  record = {"anchors": anchors, "config": config.to_dict(), "runs": runs,
-            "best": {k: {"learning_rate": v["learning_rate"], "heldout_loss": v["heldout_loss"]} for k, v in best.items()}}
+    one = lambda lr, seed, name=name: _cached_run(config, name, lr, seed, table, heldout, results_dir, command)
+    tried = benchmark.tune(lambda lr: one(lr, 0)["heldout_loss"], benchmark.learning_rates(config, name),
+                           b.extend_edge)
+    chosen = min(tried, key=lambda lr: (tried[lr], lr))
+    runs += [one(lr, 0) for lr in tried]
+    seeds = [one(chosen, seed) for seed in b.seeds if seed != 0]
+    runs += seeds
+    losses = [tried[chosen]] + [r["heldout_loss"] for r in seeds]
+    best[name] = {"learning_rate": chosen, "heldout_losses": losses, "median": float(np.median(losses)),
+                  "at_grid_end": chosen in (min(tried), max(tried))}
+  runs = [{k: v for k, v in r.items() if k not in ("develop_config", "command", "machine", "commit", "versions")}
+          for r in runs]
+  record = {"anchors": anchors, "config": config.to_dict(), "runs": runs, "best": best}
   path = report.write_results(results_dir, record, command, filename="develop.json")
   print(f"source {anchors['source']:.4f}, unigram {anchors['unigram']:.4f} (held-out, positions >= 1)")
-  for k, v in sorted(best.items(), key=lambda kv: kv[1]["heldout_loss"]):
-    print(f"{k:12s} best lr {v['learning_rate']:g}: {v['heldout_loss']:.4f}")
+  for k, v in sorted(best.items(), key=lambda kv: kv[1]["median"]):
+    print(f"{k:12s} chosen lr {v['learning_rate']:g}: median {v['median']:.4f} over seeds "
+          f"({', '.join(f'{x:.4f}' for x in v['heldout_losses'])})" + (" at a grid end" if v["at_grid_end"] else ""))
   print(f"written {path}")
   return record
 

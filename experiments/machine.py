@@ -1,5 +1,6 @@
-"""A description of the machine a result was measured on."""
+"""A description of the machine a result was measured on, and of the packages installed on it."""
 
+import importlib.metadata
 import os
 import platform
 
@@ -25,3 +26,14 @@ def describe() -> dict:
       "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()],
   }
+
+
+def package_versions(packages) -> dict[str, str]:
+  """``{package: version}`` of the installed distributions (``'not installed'`` for a missing one)."""
+  out = {}
+  for package in packages:
+    try:
+      out[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      out[package] = "not installed"
+  return out

@@ -319,6 +319,8 @@ _SHAMPOO_SETTINGS = dict(beta1=0.9, beta2=0.999, block_size=1536, matrix_epsilon
 INPUT_SIDE = (" (upstream's INPUT preconditioner type, which needs best_effort_shape_interpretation off; "
               "vectors take the grafting step)")
 _OUTPUT_LAYER = {"cnn": "dense2", "transformer": "head", "linear": ""}  # the benchmark models' heads
+# the argument that takes AdamW's tuned rate for Muon's AdamW part, per optimizer that has one
+MUON_ADAM_RATE = {"muon": "adam_learning_rate", "scsgd_muon": "muon_adam_learning_rate"}
 
 
 def _adam_settings(kind: str) -> dict:
@@ -342,14 +344,17 @@ def recipe(name: str, kind: str) -> Recipe:
     return Recipe(1e-3, {f"adamw_{k}": v for k, v in adam.items()},
                   f"scsgd_jax's conditioning at its defaults in front of AdamW as AdamW's recipe: {adam_source}")
   if name == "scsgd_graft":
-    return Recipe(1e-3, {"graft_decay": _SHAMPOO_SETTINGS["beta2"], "graft_eps": 1e-8},
+    return Recipe(1e-3, {"graft_decay": _SHAMPOO_SETTINGS["beta2"]},
                   "scsgd_jax's conditioning at its defaults, grafted onto normalized RMSprop as Shampoo's "
                   "RMSPROP_NORMALIZED grafting (Agarwal et al. 2020; beta2 as Shampoo's above), Nesterov 0.9; "
                   "an Adam-scale rate (centre 1e-3)")
-  if name == "muon":
+  if name in ("muon", "scsgd_muon"):
     settings = {"output_layer": _OUTPUT_LAYER[kind], **{f"adam_{k}": v for k, v in adam.items() if k != "decay_matrices_only"}}
     note = "" if _OUTPUT_LAYER[kind] else " (a one-layer model: its only matrix, the output layer, stays on Muon)"
-    return Recipe(0.02, settings, MUON + note)
+    if name == "muon":
+      return Recipe(0.02, settings, MUON + note)
+    return Recipe(0.02, {f"muon_{k}": v for k, v in settings.items()},
+                  f"scsgd_jax's conditioning at its defaults in front of Muon as Muon's recipe: {MUON}{note}")
   if name == "shampoo":
     return Recipe(1e-3, dict(_SHAMPOO_SETTINGS), SHAMPOO)
   if name == "shampoo_input":

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -71,13 +70,7 @@ def provenance() -> dict[str, Any]:
     commit += "+dirty" if dirty else ""
   except (OSError, subprocess.CalledProcessError):
     commit = "unknown (not a git checkout)"
-  versions = {}
-  for package in PACKAGES:
-    try:
-      versions[package] = importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-      pass
-  return {"commit": commit, "versions": versions}
+  return {"commit": commit, "versions": machine_lib.package_versions(PACKAGES)}
 
 
 def write_results(out_dir: str, record: dict[str, Any], command: str, filename: str = "results.json",

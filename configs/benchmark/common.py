@@ -12,6 +12,8 @@ from configs import default
 # AdamW's tuned rate).
 OPTIMIZERS = ("sgd", "scsgd", "scsgd_adamw", "adamw", "nadamw", "muon", "shampoo", "shampoo_input", "sketchy",
               "kfac")
+# MNIST's tasks (LeNet, convex) choose on the last 10,000 training images and report on the test split
+MNIST_HOLDOUT = dict(train_split="train[:50000]", eval_split="train[50000:]")
 
 
 def get_config():

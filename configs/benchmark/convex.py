@@ -9,8 +9,7 @@ def get_config():
   config.model = "logreg"
   config.benchmark.kind = "linear"
   config.num_steps = 3000
-  config.train_split = "train[:50000]"
-  config.eval_split = "train[50000:]"
+  config.update(common.MNIST_HOLDOUT)
   config.train_log_every = 100
   config.eval_every = 100
   config.checkpoint_every = 1000

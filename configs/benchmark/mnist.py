@@ -7,8 +7,7 @@ from configs.benchmark import common
 def get_config():
   config = common.get_config()
   config.num_steps = 1000
-  config.train_split = "train[:50000]"
-  config.eval_split = "train[50000:]"
+  config.update(common.MNIST_HOLDOUT)
   config.train_log_every = 50
   config.eval_every = 50
   config.checkpoint_every = 500

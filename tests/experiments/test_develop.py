@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from configs import develop as develop_config
 from experiments import develop
@@ -23,18 +24,31 @@ def test_windows_follow_the_chain_and_the_source_loss_is_its_nll():
   np.testing.assert_allclose(develop.source_loss(table, small), by_hand, rtol=1e-12)
 
 
-def test_two_step_runs_write_every_rate_and_the_anchors(tmp_path):
+def test_two_step_runs_write_every_rate_seed_and_anchor_and_resume(tmp_path, monkeypatch):
   config = develop_config.get_config()
   config.num_steps = 2
   config.develop.optimizers = ("sgd", "scsgd_graft")
-  config.develop.grid = (1.0,)
+  config.benchmark.grid = (1.0,)
+  config.benchmark.seeds = (0, 1)
   config.develop.heldout_windows = 4
   develop.develop(config, str(tmp_path), "python -m experiments.develop (test)")
   record = json.load(open(os.path.join(tmp_path, "develop.json")))
-  assert [(r["optimizer"], r["learning_rate"]) for r in record["runs"]] == [("sgd", 0.01), ("scsgd_graft", 0.001)]
+  assert [(r["optimizer"], r["learning_rate"], r["seed"]) for r in record["runs"]] == [
+      ("sgd", 0.01, 0), ("sgd", 0.01, 1), ("scsgd_graft", 0.001, 0), ("scsgd_graft", 0.001, 1)]
   assert all(np.isfinite(r["heldout_loss"]) for r in record["runs"])
+  by_seed = [r["heldout_loss"] for r in record["runs"][:2]]
+  assert by_seed[0] != by_seed[1]  # the seed reaches initialisation and batches
+  assert record["best"]["sgd"]["heldout_losses"] == by_seed
+  np.testing.assert_allclose(record["best"]["sgd"]["median"], np.median(by_seed))
   # two steps from a random start: about the uniform model's log(vocab), far above the source's loss
   uniform = np.log(config.develop.vocab)
   assert record["anchors"]["source"] < record["anchors"]["unigram"] < uniform + 0.05
   assert all(abs(r["heldout_loss"] - uniform) < 1.0 for r in record["runs"])
   assert all(r["heldout_loss"] > record["anchors"]["source"] + 0.5 for r in record["runs"])
+  # a second invocation finds every run written (no training); other settings train again
+  monkeypatch.setattr(develop, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained again")))
+  again = develop.develop(config, str(tmp_path), "python -m experiments.develop (test)")
+  assert again["runs"] == record["runs"]
+  config.num_steps = 3
+  with pytest.raises(AssertionError, match="trained again"):
+    develop.develop(config, str(tmp_path), "python -m experiments.develop (test)")

@@ -1,5 +1,7 @@
 """The optimizer factory: schedule, per-optimizer sub-configs passed with **, what update needs."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,8 +83,8 @@ def test_adam_takes_its_own_learning_rate_from_its_sub_config():
   np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["adamw", "nadamw", "scsgd_adamw", "scsgd_graft", "muon", "shampoo", "shampoo_input",
-                                  "sketchy"])
+@pytest.mark.parametrize("name", ["adamw", "nadamw", "scsgd_adamw", "scsgd_graft", "scsgd_muon", "muon", "shampoo",
+                                  "shampoo_input", "sketchy"])
 def test_every_benchmark_optimizer_builds_from_its_sub_config_and_steps(name):
   pytest.importorskip("precondition")
   config = helpers.smoke_config()
@@ -121,3 +123,42 @@ def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
     u2, s2 = by_hand.update(grads, s2, params, **extra)
     for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
       np.testing.assert_allclose(a, b, rtol=1e-6)
+  # the record writes out the grafting part's library defaults next to the settings given
+  resolved = optimizers.resolved_settings(config)
+  assert resolved["graft_decay"] == 0.9
+  assert resolved["graft_eps"] == inspect.signature(scsgd_jax.scale_by_normalized_rms).parameters["eps"].default
+  assert resolved["update_every"] == 1 and resolved["rank"] == scsgd_jax.resolve_static_args()["rank"]
+
+
+def test_scsgd_muon_is_the_conditioning_in_front_of_the_benchmarks_muon():
+  """The factory's scsgd_muon equals chain(conditioning, peers.muon) built by hand, with the sub-config's
+  muon_* arguments reaching Muon (its output layer on AdamW at its own rate)."""
+  pytest.importorskip("optax.contrib")
+  from experiments import peers
+
+  config = helpers.smoke_config()
+  config.optimizer.name = "scsgd_muon"
+  config.optimizer.scsgd_muon = optimizers.sub_config("scsgd_muon", update_every=1, muon_output_layer="head",
+                                                      muon_adam_learning_rate=0.003)
+  opt = optimizers.create(config)
+  by_hand = optax.chain(
+      scsgd_jax.scale_by_sketched_conditioning(update_every=1, seed=config.seed),
+      peers.muon(optimizers.learning_rate(config), output_layer="head",
+                 adam_learning_rate=optimizers.learning_rate(config, 0.003)))
+  rng = np.random.default_rng(0)
+  params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}, "head": {"kernel": jnp.ones((3, 4))}}
+  s1, s2 = opt.tx.init(params), by_hand.init(params)
+  for _ in range(3):
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+    extra = {"layer_inputs": {"dense": {"kernel": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32)},
+                              "head": {"kernel": jnp.asarray(rng.standard_normal((8, 3)), jnp.float32)}}}
+    u1, s1 = opt.tx.update(grads, s1, params, **extra)
+    u2, s2 = by_hand.update(grads, s2, params, **extra)
+    for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+      np.testing.assert_allclose(a, b, rtol=1e-6)
+  # and the conditioning acts: from the same state, plain Muon's first step differs on the kernels
+  plain = peers.muon(optimizers.learning_rate(config), output_layer="head",
+                     adam_learning_rate=optimizers.learning_rate(config, 0.003))
+  first, _ = opt.tx.update(grads, opt.tx.init(params), params, **extra)
+  u3, _ = plain.update(grads, plain.init(params), params)
+  assert not np.allclose(u3["dense"]["kernel"], first["dense"]["kernel"], rtol=1e-3)
