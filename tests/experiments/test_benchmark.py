@@ -15,6 +15,7 @@ from configs.benchmark import convex
 from experiments import benchmark
 from experiments import data
 from experiments import errors
+from experiments import peers
 from experiments import train
 
 
@@ -204,12 +205,12 @@ def test_every_optimizer_takes_steps_on_every_task(task, tmp_path):
   source = dict(as_data_source_fn=_shakespeare_source) if config.dataset == "tiny_shakespeare" else {}
   names = benchmark.names(config)
   assert set(names) == {"sgd", "scsgd", "adamw", "nadamw", "muon", "shampoo", "shampoo_input", "sketchy", "kfac",
-                        "scsgd_adamw"}
+                        "scsgd_adamw", "scsgd_graft", "scsgd_muon"}
   # the peers broadcast implicitly; the library's own tests keep rank promotion an error (conftest)
   with tfds.testing.mock_data(num_examples=64, **source), jax.numpy_rank_promotion("allow"):
     for name in names:
       lr = benchmark.learning_rates(config, name)[1]
-      extra = {"adam_learning_rate": 1e-3} if name == "muon" else {}
+      extra = {peers.MUON_ADAM_RATE[name]: 1e-3} if name in peers.MUON_ADAM_RATE else {}
       joint = benchmark.joint_points(config, name)[0]
       cfg = benchmark.run_config(config, name, benchmark.Point(lr, joint), 0, extra)
       last = train.train_and_evaluate(cfg, str(tmp_path / name))
