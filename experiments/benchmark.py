@@ -157,7 +157,7 @@ class Harness:
 
   def extra(self, name: str) -> dict:
     """Settings that come from another optimizer's tuning: Muon's AdamW part at AdamW's own chosen rate."""
-    if name in ("muon", "scsgd_muon"):
+    if name in peers.MUON_ADAM_RATE:
       return {peers.MUON_ADAM_RATE[name]: self.choose("adamw")[0].learning_rate}
     return {}
 

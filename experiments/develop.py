@@ -109,13 +109,14 @@ def _settings(config) -> dict:
 def _cached_run(config, name: str, rate: float, seed: int, table, heldout, results_dir: str, command: str) -> dict:
   """``run``, or its record under ``<results_dir>/runs/`` if one was written with today's settings."""
   path = os.path.join(results_dir, "runs", f"{name}_lr{rate:g}_seed{seed}.json")
+  settings = _settings(config)
   if os.path.exists(path):
     with open(path) as f:
       rec = json.load(f)
-    if rec.get("develop_config") == _settings(config):
+    if rec.get("develop_config") == settings:
       return rec
   rec = run(config, name, rate, seed, table, heldout)
-  rec["develop_config"] = _settings(config)
+  rec["develop_config"] = settings
   report.write_results(os.path.dirname(path), rec, command, filename=os.path.basename(path))
   print(f"{name} lr {rate:g} seed {seed}: held-out loss {rec['heldout_loss']:.4f}", flush=True)
   return rec
@@ -133,10 +134,11 @@ def develop(config: ml_collections.ConfigDict, results_dir: str, command: str) -
   runs, best = [], {}
   for name in d.optimizers:
     one = lambda lr, seed, name=name: _cached_run(config, name, lr, seed, table, heldout, results_dir, command)
-    tried = benchmark.tune(lambda lr: one(lr, 0)["heldout_loss"], benchmark.learning_rates(config, name),
-                           b.extend_edge)
+    grid = {}  # seed 0's records by rate, as the tuning runs them
+    tried = benchmark.tune(lambda lr: grid.setdefault(lr, one(lr, 0))["heldout_loss"],
+                           benchmark.learning_rates(config, name), b.extend_edge)
     chosen = min(tried, key=lambda lr: (tried[lr], lr))
-    runs += [one(lr, 0) for lr in tried]
+    runs += [grid[lr] for lr in tried]
     seeds = [one(chosen, seed) for seed in b.seeds if seed != 0]
     runs += seeds
     losses = [tried[chosen]] + [r["heldout_loss"] for r in seeds]

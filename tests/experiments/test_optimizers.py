@@ -11,6 +11,7 @@ import pytest
 import scsgd_jax
 from configs import default
 from experiments import optimizers
+from experiments import peers
 from tests import helpers
 
 
@@ -133,9 +134,6 @@ def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
 def test_scsgd_muon_is_the_conditioning_in_front_of_the_benchmarks_muon():
   """The factory's scsgd_muon equals chain(conditioning, peers.muon) built by hand, with the sub-config's
   muon_* arguments reaching Muon (its output layer on AdamW at its own rate)."""
-  pytest.importorskip("optax.contrib")
-  from experiments import peers
-
   config = helpers.smoke_config()
   config.optimizer.name = "scsgd_muon"
   config.optimizer.scsgd_muon = optimizers.sub_config("scsgd_muon", update_every=1, muon_output_layer="head",
