@@ -1,6 +1,7 @@
 """scsgd-jax: Faster SGD Using Sketched Conditioning (Gonen & Shalev-Shwartz, 2015) for JAX, Optax and Flax."""
 
 from scsgd_jax._src.alias import scsgd as scsgd
+from scsgd_jax._src.capture import CapturedInputs as CapturedInputs
 from scsgd_jax._src.capture import LayerInput as LayerInput
 from scsgd_jax._src.capture import apply_gradients as apply_gradients
 from scsgd_jax._src.capture import capture_linen as capture_linen

@@ -33,6 +33,7 @@ from scsgd_jax._src import patches
 
 __all__ = [
     "LayerInput",
+    "CapturedInputs",
     "apply_gradients",
     "LayerSpec",
     "capture_linen",
@@ -51,6 +52,40 @@ LINEN_LAYERS = (nn.Dense, nn.Conv, nn.DenseGeneral, nn.Einsum, nn.Embed)
 
 class LayerInput(nnx.Intermediate):
   """NNX variable type of the captured input rows (a subtype of ``nnx.Intermediate``)."""
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class CapturedInputs(dict):
+  """What :func:`capture_nnx` and :func:`capture_linen` return: a ``dict`` of the captured rows (mirroring the
+  parameter tree) that also says how each kernel is read.
+
+  ``input_axes`` (``{param path: input axes}``, e.g. ``{'attn/q_einsum/kernel': (1,)}``) is read from the
+  layers themselves at capture, Einsum equations included; it is static pytree metadata (no leaves), so it
+  travels through ``jit``, ``pmap``, ``shard_map`` and ``jax.tree.map`` unchanged and costs nothing. The
+  transformation reads it, so a DenseGeneral/Einsum model of any layout needs no ``input_axes=`` argument.
+  Converted to a plain ``dict``, the rows stay valid and the kernels fall back to the name-based default axes.
+  """
+
+  def __init__(self, rows=(), input_axes=None):
+    super().__init__(rows)
+    self.input_axes = dict(input_axes or {})
+
+  def tree_flatten_with_keys(self):
+    keys = tuple(sorted(self))
+    return ([(jax.tree_util.DictKey(k), self[k]) for k in keys],
+            (keys, tuple(sorted(self.input_axes.items()))))
+
+  def tree_flatten(self):
+    children, aux = self.tree_flatten_with_keys()
+    return [c for _, c in children], aux
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    keys, axes = aux
+    return cls(zip(keys, children), dict(axes))
+
+  def __repr__(self):
+    return f"CapturedInputs({dict.__repr__(self)}, input_axes={self.input_axes})"
 
 
 class LayerSpec(NamedTuple):
@@ -223,14 +258,19 @@ def _einsum_arg(layer, args, kwargs) -> Optional[str]:
   return None
 
 
+def _param_path(name: str, spec: LayerSpec) -> str:
+  return f"{name}/{spec.param}" if name else spec.param
+
+
 @contextlib.contextmanager
-def _patched_nnx(names, max_rows, counter):
+def _patched_nnx(names, max_rows, counter, axes):
   originals = {cls: cls.__call__ for cls in NNX_LAYERS}
 
   def make(orig):
     def call(self, inputs, *args, **kwargs):
       name = names.get(id(self), type(self).__name__)
       spec = layer_spec(self, name, _einsum_arg(self, args, kwargs))
+      axes[_param_path(names.get(id(self), ""), spec)] = spec.input_axes
       self.sow(LayerInput, spec.param, spec.rows(jax.lax.stop_gradient(inputs), max_rows, counter.key()))
       return orig(self, inputs, *args, **kwargs)
 
@@ -276,25 +316,26 @@ def capture_nnx(
       An embedding always keeps all its ids.
 
   Returns:
-    ``(output, layer_inputs)``, ``layer_inputs`` a nested dict mirroring the
-    model's ``nnx.Param`` state: ``{..., 'layer': {'kernel': rows}}``. A layer called
-    several times gets its rows concatenated.
+    ``(output, layer_inputs)``, ``layer_inputs`` a :class:`CapturedInputs`: a nested dict mirroring the
+    model's ``nnx.Param`` state, ``{..., 'layer': {'kernel': rows}}``, that also holds each kernel's
+    input axes as read from its layer. A layer called several times gets its rows concatenated.
   """
   _check_max_rows(max_rows)
   names = {id(node): "/".join(map(str, path)) for path, node in nnx.iter_graph(model)
            if isinstance(node, nnx.Module)}
-  counter = _Counter(rng)
-  with _patched_nnx(names, max_rows, counter):
+  counter, axes = _Counter(rng), {}
+  with _patched_nnx(names, max_rows, counter, axes):
     out, captured = nnx.capture(lambda m, *a, **k: m(*a, **k), LayerInput)(model, *args, **kwargs)
   pure = nnx.to_pure_dict(captured)
-  return out, jax.tree.map(_merge, pure, is_leaf=lambda v: isinstance(v, tuple))
+  return out, CapturedInputs(jax.tree.map(_merge, pure, is_leaf=lambda v: isinstance(v, tuple)), axes)
 
 
 def input_axes_nnx(model: nnx.Module) -> dict[str, tuple[int, ...]]:
   """``{param path: input axes}`` of every captured layer of an NNX model, read from the layers themselves.
 
-  Pass it as ``scsgd(..., input_axes=input_axes_nnx(model))`` when a model has
-  DenseGeneral/Einsum kernels whose input axes the name-based default cannot know.
+  The captured :class:`CapturedInputs` already carry these axes (the transformation reads them); pass this
+  as ``scsgd(..., input_axes=input_axes_nnx(model))`` only to fix the plan at ``init`` (see
+  :func:`~scsgd_jax.scale_by_sketched_conditioning`) or for rows captured by other means.
   """
   out = {}
   for path, node in nnx.iter_graph(model):
@@ -305,19 +346,18 @@ def input_axes_nnx(model: nnx.Module) -> dict[str, tuple[int, ...]]:
         raise ValueError(
             f"layer '{name}' is an Einsum whose equation is given only at call time; name its kernel's "
             f"input axes yourself, e.g. input_axes={{'{name}/kernel': (0,)}}.")
-      out[f"{name}/{spec.param}" if name else spec.param] = spec.input_axes
+      out[_param_path(name, spec)] = spec.input_axes
   return out
 
 
-def _linen_interceptor(max_rows, counter, record=None):
+def _linen_interceptor(max_rows, counter, record, sow=True):
   def interceptor(next_fun, a, k, context):
     mod = context.module
     if context.method_name == "__call__" and isinstance(mod, LINEN_LAYERS) and a:
       name = "/".join(map(str, mod.path)) or type(mod).__name__
       spec = layer_spec(mod, name, _einsum_arg(mod, a[1:], k))
-      if record is not None:
-        record["/".join((*map(str, mod.path), spec.param))] = spec.input_axes
-      else:
+      record["/".join((*map(str, mod.path), spec.param))] = spec.input_axes
+      if sow:
         mod.sow(LINEN_COLLECTION, spec.param, spec.rows(jax.lax.stop_gradient(a[0]), max_rows, counter.key()))
     return next_fun(*a, **k)
 
@@ -348,14 +388,15 @@ def capture_linen(
 
   Returns:
     ``(output, layer_inputs)`` (``(output, layer_inputs, updated_collections)`` if
-    ``mutable``), ``layer_inputs`` mirroring ``variables['params']``.
+    ``mutable``), ``layer_inputs`` a :class:`CapturedInputs` mirroring ``variables['params']``.
   """
   _check_max_rows(max_rows)
-  with nn.intercept_methods(_linen_interceptor(max_rows, _Counter(rng))):
+  axes = {}
+  with nn.intercept_methods(_linen_interceptor(max_rows, _Counter(rng), axes)):
     out, state = module.apply(variables, *args, mutable=[LINEN_COLLECTION, *mutable], **kwargs)
   state = dict(state)
   captured = state.pop(LINEN_COLLECTION, {})
-  captured = jax.tree.map(_merge, captured, is_leaf=lambda v: isinstance(v, tuple))
+  captured = CapturedInputs(jax.tree.map(_merge, dict(captured), is_leaf=lambda v: isinstance(v, tuple)), axes)
   if mutable:
     return out, captured, state
   return out, captured
@@ -366,7 +407,7 @@ def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str,
   record = {}
 
   def run(variables, *a):
-    with nn.intercept_methods(_linen_interceptor(None, _Counter(None), record)):
+    with nn.intercept_methods(_linen_interceptor(None, _Counter(None), record, sow=False)):
       return module.apply(variables, *a, **kwargs)
 
   jax.eval_shape(run, variables, *args)

@@ -1,8 +1,9 @@
 r"""Which kernels are conditioned, and how: the per-kernel plan and the memory rule.
 
-Decided once from the parameters' shapes (at ``init``) and static afterwards. For each kernel: its
-input axes (so the kernel reads as the matrix ``(n, p)``), the statistics kept for it and the
-conditioner's rank (:class:`KernelPlan`). Under ``statistics='auto'`` the choice follows the memory
+Decided from the parameters' shapes (at ``init``), once more at the first update when the captured
+inputs read a kernel by other axes than the name-based defaults (a DenseGeneral/Einsum), and static
+afterwards. For each kernel: its input axes (so the kernel reads as the matrix ``(n, p)``), the
+statistics kept for it and the conditioner's rank (:class:`KernelPlan`). Under ``statistics='auto'`` the choice follows the memory
 rule: each kernel's options, best first (dense ``C``, streaming at ``rank``, at each smaller rank,
 diagonal), each costing :func:`state_floats`; a kernel takes the best that fits in its own ``n * p``
 floats (Adam's second moment), and with ``budget='model'`` the model's leftover floats then go to the
@@ -124,9 +125,9 @@ def default_input_axes(path: str, leaf: jax.Array) -> tuple[int, ...]:
   - everything else: all but the last axis (Dense ``(n, p)``, Conv ``(*window, cin, cout)``,
     attention's ``out`` ``(heads, head_dim, out)``, a DenseGeneral with one output axis).
 
-  A DenseGeneral with several output axes or an Einsum kernel needs the exact axes:
-  pass ``input_axes=scsgd_jax.input_axes_nnx(model)`` (or ``input_axes_linen``); a
-  mismatch with the captured rows is reported at the first update, naming the kernel.
+  A DenseGeneral with several output axes or an Einsum kernel is read by the axes that
+  :func:`~scsgd_jax.capture_nnx` / :func:`~scsgd_jax.capture_linen` read from the layer itself
+  (carried by the captured inputs); these defaults serve rows captured by other means.
   """
   parts = path.split("/")
   if parts[-1] == "embedding":
@@ -142,12 +143,16 @@ def kernel_paths(tree, kernel_filter: Callable[[str, Any], bool] = default_kerne
   return {path_to_str(p): leaf for p, leaf in flat if kernel_filter(path_to_str(p), leaf)}
 
 
-def axes_of(path: str, leaf, input_axes: InputAxes) -> tuple[int, ...]:
-  """The checked input axes of kernel ``path``: ``input_axes`` (callable or mapping) over the defaults."""
+def axes_of(path: str, leaf, input_axes: InputAxes, captured: Optional[Mapping[str, Sequence[int]]] = None
+            ) -> tuple[int, ...]:
+  """The checked input axes of kernel ``path``: ``input_axes`` (callable or mapping), else the axes the
+  capture read from the layer (``captured``), else the name-based defaults."""
   if callable(input_axes):
     axes = input_axes(path, leaf)
   elif input_axes is not None and path in input_axes:
     axes = input_axes[path]
+  elif captured and captured.get(path) is not None:
+    axes = captured[path]
   else:
     axes = default_input_axes(path, leaf)
   axes = tuple(int(a) % leaf.ndim for a in axes)
@@ -247,13 +252,14 @@ def _fixed(spec: Spec, path: str, n: int) -> Optional[tuple[str, Optional[int]]]
   return None
 
 
-def make_plans(tree, spec: Spec) -> dict[str, KernelPlan]:
-  """The plan of every kernel of ``tree`` (arrays or shapes) that ``spec.kernel_filter`` selects."""
+def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Sequence[int]]] = None) -> dict[str, KernelPlan]:
+  """The plan of every kernel of ``tree`` (arrays or shapes) that ``spec.kernel_filter`` selects
+  (``captured``: the input axes the capture read from the layers, under ``spec.input_axes``)."""
   custom = isinstance(spec.statistics, stats_lib.CorrelationStatistics)
   decided: dict[str, tuple[str, Optional[int]]] = {}
   axes, dims, shapes, opts = {}, {}, {}, {}
   for path, leaf in kernel_paths(tree, spec.kernel_filter).items():
-    axes[path] = axes_of(path, leaf, spec.input_axes)
+    axes[path] = axes_of(path, leaf, spec.input_axes, captured)
     n = dims[path] = math.prod(leaf.shape[a] for a in axes[path])
     if path.rsplit("/", 1)[-1] == "embedding" and not custom:
       decided[path] = ("embedding", 0)
@@ -279,3 +285,42 @@ def make_plans(tree, spec: Spec) -> dict[str, KernelPlan]:
                        (i * spec.update_every) // len(ordered) if spec.stagger else 0)
       for i, (path, (kind, k)) in enumerate((p, decided[p]) for p in ordered)
   }
+
+
+def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[str, Sequence[int]]
+           ) -> dict[str, KernelPlan]:
+  """``planned`` (``init``'s plans, by the default axes) with each kernel that the capture read by other
+  input axes re-planned with those: its kind of statistics kept (so the state keeps its structure, which
+  ``nnx.Optimizer`` needs), its ``n`` and rank those of the true axes (rank below ``n``; the full
+  conditioner up to ``full_max_dim``), and, under ``statistics='auto'``, its memory at most its own budget
+  (a clear error otherwise)."""
+  leaves = kernel_paths(tree, spec.kernel_filter)
+  out = {}
+  for path, plan in planned.items():
+    leaf = leaves[path]
+    axes = axes_of(path, leaf, spec.input_axes, captured)
+    if axes == plan.input_axes:
+      out[path] = plan
+      continue
+    n = math.prod(leaf.shape[a] for a in axes)
+    k = plan.rank
+    if plan.kind in ("dense", "custom"):
+      k = None if spec.conditioner != "sketched" and (_full(spec, n) or plan.rank is None or plan.rank >= n) else k
+      if k is not None and k >= n:
+        _check_rank(path, n, k)
+    elif plan.kind == "streaming":
+      k = min(plan.rank, n - 1)
+    width = min((k or 0) + spec.oversample, n)
+    floats = state_floats("dense" if plan.kind == "custom" else plan.kind, n, k, width)
+    bound = max(state_floats("dense" if plan.kind == "custom" else plan.kind, plan.n, plan.rank,
+                             min((plan.rank or 0) + spec.oversample, plan.n)), leaf.size)
+    if k == 0 and plan.kind == "streaming" or (spec.statistics == "auto" and floats > bound):
+      raise ValueError(
+          f"kernel '{path}' {tuple(leaf.shape)}: its layer meets its input along axes {axes} (n={n}), but "
+          f"init, which sees only the parameters, planned it along the default axes {plan.input_axes} "
+          f"(n={plan.n}) as '{plan.describe()}', a statistic that does not fit the true n within its memory. "
+          "Pass input_axes=scsgd_jax.input_axes_nnx(model) (or input_axes_linen) so that init plans it "
+          "with the true axes.")
+    stats = spec.statistics if plan.kind == "custom" else spec.choices.of(plan.kind, k)
+    out[path] = plan._replace(input_axes=axes, n=n, rank=k, statistics=stats)
+  return out

@@ -192,7 +192,8 @@ def scale_by_sketched_conditioning(
 
   ``update(updates, state, params=None, *, layer_inputs)`` takes the captured inputs: at each
   conditioned kernel's path, rows ``(..., n)`` in the kernel's input-axis order (integer ids for
-  an embedding); see :func:`scsgd_jax.capture_nnx` and :func:`scsgd_jax.capture_linen`. Rows
+  an embedding); see :func:`scsgd_jax.capture_nnx` and :func:`scsgd_jax.capture_linen`, whose
+  output also says each kernel's input axes. Rows
   that are not finite are skipped, outliers clipped (``state.clipped_rows``), a kernel with no rows
   in a step (shape ``(0, n)``) keeps its statistics, and a non-finite refresh keeps the old factor.
 
@@ -218,7 +219,14 @@ def scale_by_sketched_conditioning(
     kernel_filter: ``(path, leaf) -> bool`` selecting the conditioned leaves (default: Flax kernels
       and embeddings, :func:`default_kernel_filter`).
     input_axes: each kernel's input axes, a callable ``(path, leaf) -> axes`` or a mapping ``{path: axes}``
-      over :func:`default_input_axes` (e.g. :func:`scsgd_jax.input_axes_nnx` of the model).
+      (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), overriding what the capture read. Not needed
+      with :func:`~scsgd_jax.capture_nnx` / :func:`~scsgd_jax.capture_linen`: their output says each
+      kernel's axes, read from its layer (Einsum equations included). ``init`` sees only the parameters
+      and reads a kernel by :func:`default_input_axes` (right for Dense, Conv, attention, embeddings);
+      a DenseGeneral/Einsum kernel read otherwise is re-planned at the first update with its true axes,
+      keeping the kind of statistics ``init`` chose (so the state keeps its structure) and starting them
+      afresh (the state's shapes change once: ``jit`` traces twice, and a checkpoint template from
+      ``init`` does not fit it; pass ``input_axes`` to plan with the true axes at ``init``).
     axis_name: under ``jax.pmap`` or ``shard_map`` with a data-parallel axis, its name: the folded
       statistics are averaged over it (``lax.pmean``), so every replica keeps the same state, equal to
       one device folding the gathered rows. Not needed under ``jit`` with sharded arrays (the rows are
@@ -248,23 +256,24 @@ def scale_by_sketched_conditioning(
 
   def init_fn(params):
     kernel_plans = plans(params)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(kernel_plans) + 1)
+    key, fresh = _fresh_kernel_states(kernel_plans, seed)
     return ScaleBySketchedConditioningState(
         count=jnp.zeros([], jnp.int32),
-        key=keys[0],
-        statistics={p: plan.statistics.init(plan.n, kk) for (p, plan), kk in zip(kernel_plans.items(), keys[1:])},
-        factors={p: _identity_factor(plan) for p, plan in kernel_plans.items()},
-        clipped_rows={p: jnp.zeros([], jnp.int32) for p in kernel_plans},
-        plan=PlanSummary((p, plan.describe()) for p, plan in kernel_plans.items()),
+        key=key,
+        statistics={p: f[0] for p, f in fresh.items()},
+        factors={p: f[1] for p, f in fresh.items()},
+        clipped_rows={p: f[2] for p, f in fresh.items()},
+        plan=_summary(kernel_plans),
     )
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
     del params, extra_args
-    kernel_plans = plans(updates)
+    kernel_plans = plans(updates, getattr(layer_inputs, "input_axes", None))
     if set(kernel_plans) != set(state.factors):
       raise ValueError(
           f"the conditioned kernels of `updates` {sorted(kernel_plans)} do not match those the state "
           f"was initialised with {sorted(state.factors)}.")
+    state = _replanned(state, kernel_plans, seed)
     rows = _checked_rows(kernel_plans, layer_inputs)
     fold = lambda operand: _fold(kernel_plans, rows, *operand, outlier_threshold, axis_name)
     operand = (state.statistics, state.clipped_rows)
@@ -298,17 +307,58 @@ def _check_choices(conditioner, statistics, budget, warm_start, stagger) -> None
 
 
 class _PlanCache:
-  """The plans of a parameter tree, computed once per tree of shapes (at ``init``) and reused by ``update``."""
+  """The plans of a parameter tree, computed once per tree of shapes and captured input axes (at ``init``
+  and at the first update) and reused by later updates."""
 
   def __init__(self, spec: plan_lib.Spec):
     self._spec, self._plans = spec, {}
 
-  def __call__(self, tree) -> dict[str, plan_lib.KernelPlan]:
+  def __call__(self, tree, captured=None) -> dict[str, plan_lib.KernelPlan]:
     flat, treedef = jax.tree_util.tree_flatten(tree)
     key = (treedef, tuple(tuple(np.shape(leaf)) for leaf in flat))
     if key not in self._plans:
       self._plans[key] = plan_lib.make_plans(tree, self._spec)
-    return self._plans[key]
+    if not captured:
+      return self._plans[key]
+    key_captured = key + (tuple(sorted(captured.items())),)
+    if key_captured not in self._plans:
+      self._plans[key_captured] = plan_lib.replan(self._plans[key], tree, self._spec, captured)
+    return self._plans[key_captured]
+
+
+def _summary(kernel_plans) -> PlanSummary:
+  return PlanSummary((p, plan.describe()) for p, plan in kernel_plans.items())
+
+
+def _fresh_kernel_states(kernel_plans, seed: int):
+  """The state key and each kernel's ``(statistics, factor, clipped rows)`` before any data."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(kernel_plans) + 1)
+  return keys[0], {p: (plan.statistics.init(plan.n, kk), _identity_factor(plan), jnp.zeros([], jnp.int32))
+                   for (p, plan), kk in zip(kernel_plans.items(), keys[1:])}
+
+
+def _same_shapes(a, b) -> bool:
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(
+      np.shape(x) == np.shape(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int):
+  """``state`` with every kernel whose statistics or factor do not have its plan's shapes started afresh.
+
+  ``init`` sees only the parameters, so it reads a DenseGeneral/Einsum kernel by the name-based default
+  axes; the captured inputs say the layer's true axes, and the first update re-plans such a kernel
+  (:func:`plan.replan`: same kind of statistics, so the same structure) and starts its state afresh (a
+  kernel whose shapes already fit, e.g. from an earlier update, keeps its state).
+  """
+  _, shapes = jax.eval_shape(lambda: _fresh_kernel_states(kernel_plans, seed))
+  stale = [p for p in kernel_plans
+           if not _same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2])]
+  if not stale:
+    return state._replace(plan=_summary(kernel_plans))
+  _, fresh = _fresh_kernel_states(kernel_plans, seed)
+  pick = lambda field, i: {p: fresh[p][i] if p in stale else field[p] for p in kernel_plans}
+  return state._replace(statistics=pick(state.statistics, 0), factors=pick(state.factors, 1),
+                        clipped_rows=pick(state.clipped_rows, 2), plan=_summary(kernel_plans))
 
 
 def _fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
@@ -384,8 +434,9 @@ def _checked_rows(kernel_plans: dict[str, plan_lib.KernelPlan], layer_inputs) ->
       raise ValueError(
           f"layer_inputs['{path}'] has shape {shape}, expected (rows, {n}) to match kernel '{path}' "
           f"read with input axes {plan.input_axes} (n={n}). A conv kernel (kh, kw, cin, cout) needs im2col "
-          "rows of size kh*kw*cin; a DenseGeneral/Einsum kernel whose input axes are not the default "
-          "needs input_axes=scsgd_jax.input_axes_nnx(model) (or input_axes_linen).")
+          "rows of size kh*kw*cin; rows not captured by scsgd_jax.capture_nnx / capture_linen (whose "
+          "output says each kernel's axes) of a DenseGeneral/Einsum kernel whose input axes are not the "
+          "default need input_axes=scsgd_jax.input_axes_nnx(model) (or input_axes_linen).")
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"layer_inputs['{path}'] must be floating point, got dtype {x.dtype}.")
     rows[path] = jax.lax.stop_gradient(x).reshape(-1, n).astype(jnp.float32)

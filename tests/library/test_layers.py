@@ -73,14 +73,16 @@ def test_linen_rows_reproduce_layer_output(name, _, module, x, axes):
   assert sk.input_axes_linen(module, variables, x) == {param: axes}
 
 
+@pytest.mark.parametrize("told", [False, True], ids=["captured_axes", "input_axes_given"])
 @pytest.mark.parametrize("name,make,_,x,axes", CASES, ids=[c[0] for c in CASES])
-def test_one_conditioned_step_equals_dense_oracle(name, make, _, x, axes):
-  """C from this batch alone (ema_rate = 1), A = C^{1/2}: the update is -lr A^{-1} G in the kernel's layout."""
+def test_one_conditioned_step_equals_dense_oracle(name, make, _, x, axes, told):
+  """C from this batch alone (ema_rate = 1), A = C^{1/2}: the update is -lr A^{-1} G in the kernel's layout,
+  with the axes the capture read from the layer, or told up front."""
   layer = _nnx_layer(make)
   param = "embedding" if name == "embed" else "kernel"
   tx = optax.chain(sk.scale_by_sketched_conditioning(
       conditioner="full", statistics="dense", ema_rate=1.0, update_every=1,
-      input_axes={param: axes}), optax.sgd(LR))
+      input_axes={param: axes} if told else None), optax.sgd(LR))
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
   target = jnp.asarray(RNG.standard_normal(layer(x).shape), jnp.float32)
 
@@ -115,13 +117,36 @@ def test_attention_kernels_read_by_true_input_axes():
                                      [("query", (0,)), ("key", (0,)), ("value", (0,)), ("out", (0, 1))]}
 
 
+def test_captured_inputs_carry_the_axes_and_survive_tree_maps_and_jit():
+  layer = nnx.Einsum("btd,od->bto", (6, 8), rngs=nnx.Rngs(0))   # input axis is 1, the default reads 0
+  _, li = sk.capture_nnx(layer, X3)
+  assert isinstance(li, sk.CapturedInputs) and li.input_axes == {"kernel": (1,)}
+  assert jax.tree.map(lambda r: r * 2, li).input_axes == {"kernel": (1,)}
+  assert jax.jit(lambda t: t)(li).input_axes == {"kernel": (1,)}
+  flat, _ = jax.tree_util.tree_flatten_with_path(li)
+  assert [jax.tree_util.keystr(p) for p, _ in flat] == ["['kernel']"]
+
+
 def test_wrong_input_axes_are_reported_naming_the_kernel():
   layer = nnx.Einsum("btd,od->bto", (6, 8), rngs=nnx.Rngs(0))   # input axis is 1, the default reads 0
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
   tx = sk.scsgd(0.1, statistics="dense")
   _, li = sk.capture_nnx(layer, X3)
+  grads = jax.tree.map(jnp.ones_like, params)
+  # rows without the captured axes (a plain dict) are read by the name-based default, axis 0
   with pytest.raises(ValueError, match=r"'kernel' read with input axes \(0,\) \(n=6\).*input_axes_nnx"):
-    tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params, layer_inputs=li)
+    tx.update(grads, tx.init(params), params, layer_inputs=dict(li))
+  # input_axes= overrides what the capture read
+  told = sk.scsgd(0.1, statistics="dense", input_axes={"kernel": (0,)})
+  with pytest.raises(ValueError, match=r"'kernel' read with input axes \(0,\) \(n=6\)"):
+    told.update(grads, told.init(params), params, layer_inputs=li)
+  # the captured inputs alone: init's plan (n = 6) is redone at the first update (n = 8), under jit
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params, layer_inputs=li)
+  assert state[0].summary() == {"kernel": "dense C, full C^(1/2), n=8"}
+  assert state[0].statistics["kernel"].moments.shape == (8, 8)
+  _, again = jax.jit(tx.update)(grads, state, params, layer_inputs=li)  # shapes fit now: the state is kept
+  # re-started afresh, the same rows would give the first fold's moments again
+  assert not np.allclose(again[0].statistics["kernel"].moments, state[0].statistics["kernel"].moments)
 
 
 def test_unknown_layer_kernel_gets_a_clear_error():

@@ -112,3 +112,156 @@ def test_nnx_model_with_batchnorm_trains_with_the_readme_recipe():
   assert not np.allclose(model.bn.mean[...], mean0)  # the batch statistics were updated in place
   assert len(optimizer.opt_state[0].factors) == 2  # conv and head conditioned
   assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
+
+
+# --- models with Einsum/DenseGeneral kernels of non-default layouts: the recipes as written, no input_axes=
+
+D, N, H, F, V = 8, 2, 3, 12, 11  # features, heads, head dim, hidden, vocabulary
+
+
+class GemmaStyle(nnx.Module):
+  """A Gemma-style block (its Einsum layouts): q (N, D, H) and out (N, H, D) Einsums, a gated MLP whose
+  down-projection kernel is (F, D) read by axis 0 and up-projection (2, D, F) by axis 1, and a
+  LinearGeneral with two output axes: none of these input axes is the name-based default."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(V, D, rngs=rngs)
+    self.q = nnx.Einsum("BTD,NDH->BTNH", (N, D, H), rngs=rngs)
+    self.kv = nnx.LinearGeneral(D, (2, N, H), use_bias=False, rngs=rngs)
+    self.out = nnx.Einsum("BTNH,NHD->BTD", (N, H, D), rngs=rngs)
+    self.up = nnx.Einsum("BTD,GDF->GBTF", (2, D, F), rngs=rngs)
+    self.down = nnx.Einsum("BTF,FD->BTD", (F, D), rngs=rngs)
+    self.head = nnx.Linear(D, V, rngs=rngs)
+
+  def __call__(self, ids):
+    x = self.embed(ids)
+    q, (k, v) = self.q(x), jnp.moveaxis(self.kv(x), -3, 0)
+    weights = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H), axis=-1)
+    x = x + self.out(jnp.einsum("bnts,bsnh->btnh", weights, v))
+    gate, up = self.up(x)
+    return self.head(x + self.down(jax.nn.gelu(gate) * up))
+
+
+# the true input axes, as a reader of the equations above gives them (the defaults: all but the last axis)
+GEMMA_AXES = {"q/kernel": (1,), "kv/kernel": (0,), "out/kernel": (0, 1), "up/kernel": (1,), "down/kernel": (0,)}
+
+
+def _tokens(seed):
+  rng = np.random.default_rng(seed)
+  ids = jnp.asarray(rng.integers(0, V, (4, 6)), jnp.int32)
+  return ids, jnp.roll(ids, -1, axis=1)
+
+
+def _train_gemma(tx, steps):
+  model = GemmaStyle(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y, key):  # the README's NNX recipe
+    def loss_fn(model):
+      logits, layer_inputs = scsgd_jax.capture_nnx(model, x, rng=key)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), layer_inputs
+    (loss, layer_inputs), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads, layer_inputs=layer_inputs)
+    return loss, grads, layer_inputs
+
+  first = jax.tree.map(np.asarray, nnx.as_pure(nnx.state(model, nnx.Param)))
+  out = [train_step(model, optimizer, *_tokens(i), jax.random.PRNGKey(i)) for i in range(steps)]
+  return model, optimizer, first, out
+
+
+def test_gemma_style_nnx_model_trains_with_no_input_axes_argument():
+  # the captured inputs say each kernel's axes: the plan of init (default axes) is redone at the first update
+  assert scsgd_jax.input_axes_nnx(GemmaStyle(nnx.Rngs(0))) | GEMMA_AXES == scsgd_jax.input_axes_nnx(
+      GemmaStyle(nnx.Rngs(0)))
+  tx = scsgd_jax.scsgd(0.05, statistics="dense", conditioner="full")
+  model, optimizer, first, out = _train_gemma(tx, 3)
+  state = nnx.as_pure(optimizer.opt_state)[0]
+  dims = {p: f.q.shape[0] for p, f in state.factors.items() if f.q is not None}
+  assert dims == {"q/kernel": D, "kv/kernel": D, "out/kernel": N * H, "up/kernel": D, "down/kernel": F,
+                  "head/kernel": D}
+  # the first update of q by hand: Nesterov SGD (1.9 g at step 0) on C^{-1/2} G over q's input axis 1 (n = D),
+  # C the first fold's warm-started batch correlation (isotropic fill of the missing weight, floored)
+  _, grads, rows = out[0]
+  x = np.asarray(rows["q"]["kernel"], np.float64)
+  c = x.T @ x / x.shape[0]
+  c = c + (1 - 0.05) * np.trace(c) / D * np.eye(D)
+  w, v = np.linalg.eigh(c)
+  a_inv = (v / np.sqrt(np.maximum(w, 1e-2 * np.trace(c) / D))) @ v.T
+  g = np.moveaxis(np.asarray(grads["q"]["kernel"]), 1, 0).reshape(D, -1)
+  expected = np.moveaxis(np.moveaxis(first["q"]["kernel"], 1, 0) - 0.05 * 1.9 * (a_inv @ g).reshape(D, N, H), 0, 1)
+  np.testing.assert_allclose(_train_gemma(tx, 1)[0].q.kernel[...], expected, rtol=2e-4, atol=2e-5)
+  # and the whole run equals one told the axes up front (bitwise: the re-planned state is init's with them)
+  explicit, _, _, _ = _train_gemma(scsgd_jax.scsgd(0.05, statistics="dense", conditioner="full",
+                                                   input_axes=GEMMA_AXES), 3)
+  for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(explicit, nnx.Param))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_gemma_style_at_the_defaults_keeps_the_state_structure_under_nnx_optimizer():
+  """At the defaults (statistics chosen by memory at init, by the default axes) the re-plan keeps each
+  kernel's kind of statistics, so nnx.Optimizer's state keeps its structure; the kernels are read by their
+  true n; the planned memory stays within Adam's."""
+  tx = scsgd_jax.scsgd(0.05)
+  model, optimizer, _, out = _train_gemma(tx, 3)
+  params = nnx.as_pure(nnx.state(GemmaStyle(nnx.Rngs(0)), nnx.Param))
+  init = tx.init(params)[0]
+  after = nnx.as_pure(optimizer.opt_state)[0]
+  assert jax.tree.structure(after.statistics) == jax.tree.structure(init.statistics)
+  assert jax.tree.structure(after.factors) == jax.tree.structure(init.factors)
+  # the plan the update made, as a pure optax user sees it (nnx.Optimizer keeps init's static summary)
+  _, rows = out[0][1:]
+  planned = jax.eval_shape(lambda s: tx.update(jax.tree.map(jnp.zeros_like, params), s, params,
+                                               layer_inputs=rows)[1], tx.init(params))[0]
+  true_n = {"q/kernel": D, "kv/kernel": D, "up/kernel": D}
+  for path, n in true_n.items():
+    assert planned.summary()[path].endswith(f"n={n}"), planned.summary()
+    assert planned.summary()[path].split(",")[0] == init.summary()[path].split(",")[0]  # same kind
+  assert jax.tree.map(np.shape, after.statistics) == jax.tree.map(np.shape, planned.statistics)
+  adam = sum(x.size for x in jax.tree.leaves(optax.adam(0.1).init(params)))
+  state_floats = sum(np.size(x) for x in jax.tree.leaves(planned)) + sum(
+      x.size for x in jax.tree.leaves(optax.sgd(0.1, 0.9).init(params)))
+  assert state_floats <= adam
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+class LinenGemmaStyle(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    x = nn.Embed(V, D)(ids)
+    q = nn.Einsum((N, D, H), "BTD,NDH->BTNH", name="q")(x)
+    k, v = jnp.moveaxis(nn.DenseGeneral((2, N, H), use_bias=False, name="kv")(x), -3, 0)
+    weights = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H), axis=-1)
+    x = x + nn.Einsum((N, H, D), "BTNH,NHD->BTD", name="out")(jnp.einsum("bnts,bsnh->btnh", weights, v))
+    return nn.Dense(V, name="head")(x)
+
+
+def test_linen_einsum_model_trains_with_no_input_axes_argument():
+  model = LinenGemmaStyle()
+  ids, _ = _tokens(0)
+  params = model.init(jax.random.PRNGKey(0), ids)["params"]
+  axes = {"q/kernel": (1,), "kv/kernel": (0,), "out/kernel": (0, 1)}
+  assert scsgd_jax.input_axes_linen(model, {"params": params}, ids) | axes == scsgd_jax.input_axes_linen(
+      model, {"params": params}, ids)
+
+  def run(tx):
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    @jax.jit
+    def train_step(state, x, y, key):  # the README's Linen recipe, no mutable collections
+      def loss_fn(params):
+        logits, layer_inputs = scsgd_jax.capture_linen(model, {"params": params}, x, rng=key)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), layer_inputs
+      (loss, layer_inputs), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+      return scsgd_jax.apply_gradients(state, grads=grads, layer_inputs=layer_inputs), loss
+
+    for i in range(3):
+      state, _ = train_step(state, *_tokens(i), jax.random.PRNGKey(i))
+    return state
+
+  dense = dict(statistics="dense", conditioner="full")  # the same kinds either way: the runs are equal
+  zero, explicit = run(scsgd_jax.scsgd(0.05, **dense)), run(scsgd_jax.scsgd(0.05, input_axes=axes, **dense))
+  assert jax.tree.map(np.shape, zero.opt_state) == jax.tree.map(np.shape, explicit.opt_state)
+  for a, b in zip(jax.tree.leaves(zero.params), jax.tree.leaves(explicit.params)):
+    np.testing.assert_array_equal(a, b)
+  assert zero.opt_state[0].summary() == explicit.opt_state[0].summary()
