@@ -17,6 +17,7 @@ def get_config():
       "adamw": {"name": "adamw"},
       "muon": {"name": "muon"},
       "scsgd": {"name": "scsgd"},
+      "scsgd_muon": {"name": "scsgd_muon"},  # issue 20's rule: at most 1.3x SGD's step on the transformer
       "sgd_capture": {"name": "sgd", "capture": "rows"},  # phases: the capture's cost
       "scsgd_no_fold": {"name": "scsgd", "statistics_every": 10**9},  # phases: all but the fold
   })

@@ -136,6 +136,7 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
 def main(argv):
   del argv
   config = cli.config()
+  report.provenance()  # the commit of the code this process imported, read now: the checkout may move on
   only = [m for m in config.only.split(",") if m]
   results = {"setup": {"update_every": scsgd_jax.resolve_static_args()["update_every"], "windows": config.windows,
                        "variants": config.variants.to_dict(), "models": config.models.to_dict(),

@@ -19,6 +19,7 @@ from scsgd_jax._src.sketch import Factor as Factor
 from scsgd_jax._src.sketch import apply_inverse as apply_inverse
 from scsgd_jax._src.sketch import bound_terms as bound_terms
 from scsgd_jax._src.sketch import conditioner_matrix as conditioner_matrix
+from scsgd_jax._src.sketch import dense_factor as dense_factor
 from scsgd_jax._src.sketch import diagonal_factor as diagonal_factor
 from scsgd_jax._src.sketch import full_factor as full_factor
 from scsgd_jax._src.sketch import identity_factor as identity_factor

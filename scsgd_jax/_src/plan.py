@@ -170,7 +170,7 @@ def state_floats(kind: str, n: int, k: Optional[int], width: int) -> int:
   """Floats of one kernel's statistics + factor (a test checks it against real states)."""
   if kind in ("diagonal", "embedding"):
     return 2 * n + 1
-  factor = 2 * n * n + 1 if k is None else n * k + k * k + 1
+  factor = n * n + 1 if k is None else n * k + k * k + 1  # a full conditioner is kept as the dense A^{-1}
   stats = n * n + 1 if kind == "dense" else 2 * n * width + 2
   return stats + factor
 

@@ -54,14 +54,20 @@ class Factor(NamedTuple):
 
   .. math:: A^{-1} = Q B^{-1} Q^\top + a^{-1} (I - Q Q^\top)
 
+  Two further forms keep a conditioner in the fewest floats and products:
+
+  - diagonal: ``q = b_inv = None`` (``k = 0``) and ``a_inv`` a vector ``(n,)``,
+    ``A^{-1} = diag(a_inv)`` (:func:`diagonal_factor`);
+  - dense: ``q = None`` and ``b_inv`` the ``(n, n)`` matrix ``A^{-1}`` itself (``a_inv`` a scalar 0),
+    the full conditioner applied in one product (:func:`dense_factor`).
+
   Attributes:
-    q: ``(n, k)`` matrix with orthonormal columns (``None`` for a diagonal factor).
-    b_inv: ``(k, k)`` symmetric positive definite matrix ``B^{-1}`` (``None`` for a diagonal factor).
+    q: ``(n, k)`` matrix with orthonormal columns (``None`` for a diagonal or dense factor).
+    b_inv: ``(k, k)`` symmetric positive definite matrix ``B^{-1}`` (``None`` for a diagonal
+      factor; ``A^{-1}`` for a dense one).
     a_inv: scalar ``a^{-1} >= 0`` applied on the orthogonal complement of ``Q``
-      (irrelevant when ``k == n``); or, with ``q = b_inv = None`` (``k = 0``), a
-      vector ``(n,)``, giving the diagonal conditioner ``A^{-1} = diag(a_inv)``
-      (see :func:`diagonal_factor`). ``None`` rather than empty arrays keeps the
-      state checkpointable (orbax refuses zero-size arrays).
+      (irrelevant when ``k == n``); or the diagonal's vector ``(n,)``. ``None`` rather than
+      empty arrays keeps the state checkpointable (orbax refuses zero-size arrays).
   """
 
   q: jax.Array
@@ -70,11 +76,15 @@ class Factor(NamedTuple):
 
   @property
   def dim(self) -> int:
-    return self.a_inv.shape[-1] if self.q is None else self.q.shape[-2]
+    if self.q is not None:
+      return self.q.shape[-2]
+    return self.a_inv.shape[-1] if self.b_inv is None else self.b_inv.shape[-1]
 
   @property
   def rank(self) -> int:
-    return 0 if self.q is None else self.q.shape[-1]
+    if self.q is not None:
+      return self.q.shape[-1]
+    return 0 if self.b_inv is None else self.b_inv.shape[-1]
 
 
 def _floor(trace: jax.Array, n: int, eigenvalue_floor: float) -> jax.Array:
@@ -92,8 +102,12 @@ def _finite_or_identity(factor: Factor, trace: jax.Array) -> Factor:
   """Replaces a factor of a zero or non-finite ``C`` by the identity (Lemma 2 with B = I, a = 1)."""
   ok = jnp.isfinite(trace) & (trace > _TINY)
   ok &= jnp.all(jnp.isfinite(factor.a_inv))
-  if factor.q is None:
+  if factor.q is None and factor.b_inv is None:
     return factor._replace(a_inv=jnp.where(ok, factor.a_inv, jnp.ones_like(factor.a_inv)))
+  if factor.q is None:  # dense
+    ok &= jnp.all(jnp.isfinite(factor.b_inv))
+    ident = jnp.eye(factor.b_inv.shape[-1], dtype=factor.b_inv.dtype)
+    return factor._replace(b_inv=jnp.where(ok, factor.b_inv, ident))
   ok &= jnp.all(jnp.isfinite(factor.q)) & jnp.all(jnp.isfinite(factor.b_inv))
   n, k = factor.q.shape
   ident = identity_factor(n, k, factor.q.dtype)
@@ -338,10 +352,19 @@ def full_factor(
   return _finite_or_identity(factor, trace)
 
 
+def dense_factor(factor: Factor) -> Factor:
+  """``factor`` in its dense form: ``A^{-1}`` as one ``(n, n)`` matrix (``q = None``, ``a_inv = 0``).
+
+  The same conditioner; for a full-rank factor (``k = n``, :func:`full_factor`) it halves the floats kept
+  (``n^2`` against ``2 n^2``) and :func:`apply_inverse` costs one product instead of three.
+  """
+  return Factor(None, inverse_matrix(factor), jnp.zeros((), factor.a_inv.dtype))
+
+
 def apply_inverse(factor: Factor, v: jax.Array) -> jax.Array:
   r"""``A^{-1} v`` in ``O(n k)`` per column (Lemma 2).
 
-  Uses :math:`A^{-1} v = a^{-1} v + Q (B^{-1} - a^{-1} I) Q^\top v`.
+  Uses :math:`A^{-1} v = a^{-1} v + Q (B^{-1} - a^{-1} I) Q^\top v` (one product for a dense factor).
 
   Args:
     factor: the conditioner.
@@ -350,6 +373,8 @@ def apply_inverse(factor: Factor, v: jax.Array) -> jax.Array:
   q, b_inv, a_inv = factor
   if a_inv.ndim == 1:  # diagonal conditioner (k == 0)
     return (a_inv[:, None] if v.ndim == 2 else a_inv) * v
+  if q is None:  # dense: b_inv is A^{-1}
+    return b_inv @ v
   qtv = q.T @ v
   inner = b_inv @ qtv - a_inv * qtv
   return a_inv * v + q @ inner
@@ -401,9 +426,11 @@ def conditioner_matrix(factor: Factor) -> jax.Array:
   a = jnp.where(a_inv > 0, 1.0 / jnp.where(a_inv > 0, a_inv, 1.0), 0.0)
   if a_inv.ndim == 1:
     return jnp.diag(a)
-  n = q.shape[-2]
   evals, evecs = jnp.linalg.eigh(0.5 * (b_inv + b_inv.T))
   b = (evecs / evals[None, :]) @ evecs.T
+  if q is None:  # dense: A = (A^{-1})^{-1}
+    return b
+  n = q.shape[-2]
   return q @ b @ q.T + a * (jnp.eye(n, dtype=q.dtype) - q @ q.T)
 
 
@@ -425,6 +452,8 @@ def bound_terms(factor: Factor, correlation: jax.Array) -> BoundTerms:
   if a_inv.ndim == 1:  # diagonal conditioner
     a = jnp.where(a_inv > 0, 1.0 / jnp.where(a_inv > 0, a_inv, 1.0), 0.0)
     return BoundTerms(jnp.sum(a), jnp.sum(a_inv * jnp.diagonal(c)))
+  if q is None:  # dense: tr(A) from the eigenvalues of A^{-1}
+    return BoundTerms(jnp.sum(1.0 / jnp.linalg.eigvalsh(0.5 * (b_inv + b_inv.T))), jnp.sum(b_inv * c.T))
   n, k = q.shape[-2], q.shape[-1]
   evals = jnp.linalg.eigvalsh(0.5 * (b_inv + b_inv.T))
   trace_b = jnp.sum(1.0 / evals)

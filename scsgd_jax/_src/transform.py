@@ -155,7 +155,14 @@ def _guard_rows(rows: jax.Array, reference: jax.Array, threshold) -> tuple[jax.A
 def _identity_factor(plan: plan_lib.KernelPlan) -> sketch.Factor:
   if plan.kind in ("diagonal", "embedding"):
     return sketch.Factor(None, None, jnp.ones((plan.n,)))
-  return sketch.identity_factor(plan.n, plan.n if plan.rank is None else plan.rank)
+  if plan.rank is None:  # the full conditioner is kept dense: one product per step
+    return sketch.Factor(None, jnp.eye(plan.n, dtype=jnp.float32), jnp.zeros((), jnp.float32))
+  return sketch.identity_factor(plan.n, plan.rank)
+
+
+def _kept_factor(plan: plan_lib.KernelPlan, factor: sketch.Factor) -> sketch.Factor:
+  """The form the state keeps: a full conditioner (``rank=None``) as the dense ``A^{-1}``."""
+  return sketch.dense_factor(factor) if plan.rank is None and factor.q is not None else factor
 
 
 def scale_by_sketched_conditioning(
@@ -200,7 +207,8 @@ def scale_by_sketched_conditioning(
   Args:
     rank: sketch rank ``k`` (default 32).
     update_every: refresh period ``N`` in steps (default 50, the paper's).
-    ema_rate: :math:`\nu \in (0, 1]`, the EMA weight of a new batch.
+    ema_rate: :math:`\nu \in (0, 1]`, the EMA weight of a new batch per step (a fold every ``s``
+      steps weighs its batch :math:`1 - (1 - \nu)^s`, so the average spans the same steps).
     conditioner: ``'full'`` (:math:`A = C^{1/2}`, Theorem 1), ``'sketched'`` (Algorithm 1) or
       ``'auto'`` (full when the dense ``C`` is kept and ``n <= full_max_dim``).
     statistics: ``'auto'``, ``'dense'``, ``'streaming'``, ``'diagonal'`` or a :class:`CorrelationStatistics`.
@@ -215,7 +223,8 @@ def scale_by_sketched_conditioning(
     power_iterations: range-finder power iterations of the dense sketch (default 1).
     eigenvalue_floor: eigenvalues below this multiple (in ``[0, 1]``) of ``tr(C) / n`` are raised to it
       (default 1e-2: no direction amplified more than 10x the average scale).
-    statistics_every: fold statistics every this many steps (default 1).
+    statistics_every: fold statistics every this many steps (default 2: half the fold cost; the EMA then
+      averages over twice the steps).
     kernel_filter: ``(path, leaf) -> bool`` selecting the conditioned leaves (default: Flax kernels
       and embeddings, :func:`default_kernel_filter`).
     input_axes: each kernel's input axes, a callable ``(path, leaf) -> axes`` or a mapping ``{path: axes}``
@@ -246,7 +255,10 @@ def scale_by_sketched_conditioning(
                                statistics_every=statistics_every)
   _check_choices(conditioner, statistics, budget, warm_start, stagger)
   checks.check_float("outlier_threshold", outlier_threshold, low=1.0, allow_inf=True)
-  choices = plan_lib.StatisticsChoices(ema_rate, warm_start=warm_start, oversample=static["oversample"],
+  checks.check_float("ema_rate", ema_rate, low=0.0, high=1.0, low_open=True)
+  # ema_rate is per step: a fold every s steps weighs its batch 1 - (1 - nu)^s, so the EMA spans as many steps
+  fold_rate = 1.0 - (1.0 - ema_rate) ** static["statistics_every"]
+  choices = plan_lib.StatisticsChoices(fold_rate, warm_start=warm_start, oversample=static["oversample"],
                                        power_iterations=static["power_iterations"],
                                        eigenvalue_floor=eigenvalue_floor)
   spec = plan_lib.Spec(static["rank"], static["update_every"], static["full_max_dim"], static["oversample"],
@@ -281,7 +293,8 @@ def scale_by_sketched_conditioning(
       new_stats, clipped = fold(operand)
     else:
       new_stats, clipped = jax.lax.cond(state.count % static["statistics_every"] == 0, fold, lambda o: o, operand)
-    due = lambda count, phase: _refresh_due(count, phase, static["update_every"], warm_start)
+    due = lambda count, phase: _refresh_due(count, phase, static["update_every"], warm_start,
+                                            static["statistics_every"])
     factors, key = _refresh(kernel_plans, new_stats, state.factors, state.key, state.count, due)
     return _condition(updates, kernel_plans, factors), state._replace(
         count=optax.safe_increment(state.count), key=key, statistics=new_stats, factors=factors,
@@ -384,12 +397,13 @@ def _fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None)
   return new_stats, new_clipped
 
 
-def _refresh_due(count, phase: int, update_every: int, warm_start: bool):
+def _refresh_due(count, phase: int, update_every: int, warm_start: bool, statistics_every: int):
   """Whether a kernel of ``phase`` refreshes at step ``count`` (and, warm, after 1, 2, 4, ... folds)."""
   due = (count >= phase) & ((count - phase) % update_every == 0)
   if warm_start:
-    t = count + 1  # folds so far
-    due |= (t < update_every) & ((t & (t - 1)) == 0)
+    t = count // statistics_every + 1  # folds so far
+    folded = count % statistics_every == 0
+    due |= folded & (count + 1 < update_every) & ((t & (t - 1)) == 0)
   return due
 
 
@@ -464,7 +478,8 @@ def _refresh(kernel_plans, stats, old_factors, key, count, refresh_due: Callable
         plan = kernel_plans[group[0]]
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[group_stats[p] for p in group])
         group_keys = jnp.stack([key_of[p] for p in group])
-        out = jax.vmap(lambda s, kk, plan=plan: plan.statistics.factor(s, kk, plan.rank))(stacked, group_keys)
+        out = jax.vmap(lambda s, kk, plan=plan: _kept_factor(plan, plan.statistics.factor(s, kk, plan.rank)))(
+            stacked, group_keys)
         for i, p in enumerate(group):
           # never replace a good factor by a non-finite one
           new[p] = _keep_if_not_finite(jax.tree.map(lambda a, i=i: a[i], out), group_factors[p])

@@ -44,7 +44,7 @@ def test_conditioned_sgd_grafted_onto_normalized_rmsprop_first_two_steps():
   tx = optax.chain(
       sk.scale_by_grafting(sk.scale_by_normalized_rms(decay, eps),
                            sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense", warm_start=False,
-                                                             ema_rate=nu, update_every=1)),
+                                                             ema_rate=nu, update_every=1, statistics_every=1)),
       optax.sgd(lr, momentum=mom, nesterov=True))
   state = tx.init(params)
   c, v, trace = np.eye(5), {"kernel": np.zeros((5, 2)), "bias": np.zeros(2)}, {"kernel": 0.0, "bias": 0.0}

@@ -111,7 +111,7 @@ def test_attention_kernels_read_by_true_input_axes():
                                 rngs=nnx.Rngs(0))
   params = nnx.as_pure(nnx.state(attn, nnx.Param))
   state = sk.scsgd(0.1, statistics="dense", conditioner="full").init(params)
-  dims = {p: f.q.shape[0] for p, f in state[0].factors.items()}
+  dims = {p: f.dim for p, f in state[0].factors.items()}
   assert dims == {"query/kernel": 16, "key/kernel": 16, "value/kernel": 16, "out/kernel": 32}
   assert sk.input_axes_nnx(attn) == {f"{p}/kernel": ax for p, ax in
                                      [("query", (0,)), ("key", (0,)), ("value", (0,)), ("out", (0, 1))]}
@@ -130,7 +130,7 @@ def test_captured_inputs_carry_the_axes_and_survive_tree_maps_and_jit():
 def test_wrong_input_axes_are_reported_naming_the_kernel():
   layer = nnx.Einsum("btd,od->bto", (6, 8), rngs=nnx.Rngs(0))   # input axis is 1, the default reads 0
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
-  tx = sk.scsgd(0.1, statistics="dense")
+  tx = sk.scsgd(0.1, statistics="dense", statistics_every=1)
   _, li = sk.capture_nnx(layer, X3)
   grads = jax.tree.map(jnp.ones_like, params)
   # rows without the captured axes (a plain dict) are read by the name-based default, axis 0

@@ -48,6 +48,20 @@ def test_apply_inverse_matches_dense_inverse():
   np.testing.assert_allclose(out.reshape(12, 7), dense_inv @ g.reshape(12, 7), rtol=1e-4, atol=1e-5)
 
 
+def test_dense_factor_is_the_same_conditioner_in_one_matrix():
+  """dense_factor keeps A^{-1} as one (n, n) matrix: every function reads it as the factor it came from."""
+  rng = np.random.default_rng(11)
+  factor, dense_a = _random_factor(rng, 10, 3)
+  c = jnp.asarray(_spd(rng, 10), jnp.float32)
+  for f, oracle_a in ((factor, dense_a), (sk.full_factor(c), helpers.psd_power(np.asarray(c, np.float64), 0.5))):
+    dense = sk.dense_factor(f)
+    assert dense.q is None and dense.b_inv.shape == (10, 10) and dense.dim == dense.rank == 10
+    np.testing.assert_allclose(dense.b_inv, np.linalg.inv(oracle_a), rtol=1e-3, atol=1e-4)
+    g = jnp.asarray(rng.standard_normal((2, 5, 7)), jnp.float32)  # input axes (0, 1): n = 10
+    np.testing.assert_allclose(sk.precondition_kernel(dense, g), sk.precondition_kernel(f, g), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(sk.conditioner_matrix(dense), oracle_a, rtol=1e-3, atol=1e-3)
+
+
 def test_lemma2_a_times_a_inverse_is_identity():
   rng = np.random.default_rng(1)
   factor, dense_a = _random_factor(rng, 10, 3)
@@ -127,7 +141,8 @@ def test_bound_terms_match_dense_traces_and_theorem1_optimality():
   x = _decaying_data(rng, n, 200)
   c = x @ x.T / 200
   cj = jnp.asarray(c, jnp.float32)
-  for f in (sk.full_factor(cj), sk.low_rank_factor(cj, 4), sk.sketched_factor(jax.random.PRNGKey(0), cj, 4)):
+  for f in (sk.full_factor(cj), sk.low_rank_factor(cj, 4), sk.sketched_factor(jax.random.PRNGKey(0), cj, 4),
+            sk.dense_factor(sk.full_factor(cj))):
     a = np.asarray(sk.conditioner_matrix(f), np.float64)
     t = sk.bound_terms(f, cj)
     np.testing.assert_allclose(t.trace_a, np.trace(a), rtol=2e-3)
@@ -145,8 +160,9 @@ def test_degenerate_and_extreme_correlations_stay_finite(scale):
   low = rng.standard_normal((n, 2))  # rank 2 < k
   c = jnp.asarray(scale * low @ low.T, jnp.float32)
   for f in (sk.sketched_factor(jax.random.PRNGKey(0), c, k), sk.low_rank_factor(c, k), sk.full_factor(c),
+            sk.dense_factor(sk.full_factor(c)),
             sk.sketched_factor_from_data(jax.random.PRNGKey(0), jnp.asarray(np.sqrt(scale) * low, jnp.float32), k)):
-    for leaf in f:
+    for leaf in jax.tree.leaves(f):
       assert np.all(np.isfinite(np.asarray(leaf))), (scale, f)
     g = sk.precondition_kernel(f, jnp.ones((n, 3), jnp.float32))
     assert np.all(np.isfinite(np.asarray(g)))

@@ -215,14 +215,18 @@ def _factor_history(tx, n, steps, rng):
 
 def test_warm_start_refreshes_after_1_2_4_8_folds_then_every_period():
   rng = np.random.default_rng(3)
-  tx = sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense", update_every=10)
+  tx = sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense", update_every=10, statistics_every=1)
   assert _factor_history(tx, 4, 25, rng) == [0, 1, 3, 7, 10, 20]
+  # the default folds every other step (0, 2, 4, ...): after 1, 2, 4 folds are steps 0, 2, 6
+  tx = sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense", update_every=10)
+  assert _factor_history(tx, 4, 25, rng) == [0, 2, 6, 10, 20]
   tx = sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense", update_every=10, warm_start=False)
   assert _factor_history(tx, 4, 25, rng) == [0, 10, 20]
 
 
 def test_warm_start_conditions_the_first_step_with_the_first_batch():
-  """Step 0 uses C = B + (1 - nu) (tr B / n) I from the first batch B (the paper's: (1 - nu) I + nu B)."""
+  """Step 0 uses C = B + (1 - w) (tr B / n) I from the first batch B (the paper's: (1 - w) I + w B), w the
+  first fold's weight: 1 - (1 - nu)^2 at the default fold every other step."""
   rng = np.random.default_rng(4)
   n = 5
   x = rng.standard_normal((32, n)) * np.linspace(0.2, 4, n)
@@ -232,7 +236,7 @@ def test_warm_start_conditions_the_first_step_with_the_first_batch():
   u, _ = tx.update({"d": {"kernel": jnp.asarray(g, jnp.float32)}}, tx.init(params), params,
                    layer_inputs={"d": {"kernel": jnp.asarray(x, jnp.float32)}})
   b = x.T @ x / 32
-  w, v = np.linalg.eigh(b + 0.95 * np.trace(b) / n * np.eye(n))
+  w, v = np.linalg.eigh(b + 0.95 ** 2 * np.trace(b) / n * np.eye(n))
   np.testing.assert_allclose(u["d"]["kernel"], (v / np.sqrt(w)) @ v.T @ g, rtol=1e-3, atol=1e-5)
 
 

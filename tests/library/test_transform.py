@@ -11,7 +11,8 @@ import scsgd_jax as sk
 from tests import helpers
 
 LR, NU = 0.1, 0.3
-PAPER = dict(statistics="dense", warm_start=False)  # the paper's C_0 = I EMA, refreshed every N from step 0
+# the paper's C_0 = I EMA, folded every step, refreshed every N from step 0
+PAPER = dict(statistics="dense", warm_start=False, statistics_every=1)
 
 
 def _params(rng, n=6, p=3):
@@ -367,7 +368,7 @@ def test_degenerate_inputs_keep_updates_finite(kind, conditioner, statistics, wa
 def test_non_finite_inputs_do_not_poison_statistics(bad):
   rng = np.random.default_rng(8)
   params = {"dense": {"kernel": jnp.zeros((6, 3)), "bias": jnp.zeros(3)}}
-  tx = sk.scale_by_sketched_conditioning(2, update_every=1, ema_rate=0.5, conditioner="full")
+  tx = sk.scale_by_sketched_conditioning(2, update_every=1, ema_rate=0.5, conditioner="full", statistics_every=1)
   grads = jax.tree.map(jnp.ones_like, params)
   good1, good2 = (jnp.asarray(rng.standard_normal((8, 6)), jnp.float32) for _ in range(2))
   poisoned = good1.at[3, 2].set(bad)
@@ -388,7 +389,8 @@ def test_non_finite_inputs_do_not_poison_statistics(bad):
 
 def test_statistics_every_folds_only_on_its_steps():
   params = {"dense": {"kernel": jnp.zeros((4, 2))}}
-  tx = sk.scale_by_sketched_conditioning(2, update_every=100, ema_rate=0.5, conditioner="full", statistics_every=3, **PAPER)
+  tx = sk.scale_by_sketched_conditioning(2, update_every=100, ema_rate=0.5, conditioner="full",
+                                         **{**PAPER, "statistics_every": 3})
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   x = jnp.full((2, 4), 2.0)
@@ -396,8 +398,8 @@ def test_statistics_every_folds_only_on_its_steps():
   step = jax.jit(tx.update)
   for t in range(7):
     _, state = step(grads, state, params, layer_inputs={"dense": {"kernel": x}})
-    if t % 3 == 0:
-      expected = 0.5 * expected + 0.5 * np.full((4, 4), 4.0)
+    if t % 3 == 0:  # ema_rate is per step: a fold every 3 steps weighs its batch 1 - 0.5^3
+      expected = 0.5 ** 3 * expected + (1 - 0.5 ** 3) * np.full((4, 4), 4.0)
     np.testing.assert_allclose(state.statistics["dense/kernel"].moments, expected, rtol=1e-6)
 
 
@@ -453,6 +455,7 @@ def test_outlier_threshold_inf_turns_the_guard_off():
   rng = np.random.default_rng(3)
   params = _params(rng)
   tx = sk.scale_by_sketched_conditioning(3, outlier_threshold=float("inf"), conditioner="full", update_every=1,
+                                         statistics_every=1,
                                          warm_start=False, ema_rate=NU)
   state = tx.init(params)
   x = rng.standard_normal((8, 6)).astype(np.float32)
