@@ -105,8 +105,10 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
     variants[vname] = [fn, [params, rest, opt_state], [], tx]
   key = jax.random.PRNGKey(0)
   total = period * (config.windows + 1)  # the first window is warm-up (compilation, warm-start refreshes)
+  names = list(variants)
   for i in range(total):
-    for v in variants.values():
+    # each round starts at another variant: no variant always runs first (or after the same one)
+    for v in (variants[names[(j + i) % len(names)]] for j in range(len(names))):
       t = time.perf_counter()
       params, rest, opt_state, loss = v[0](*v[1], xs[i % 4], ys[i % 4], jax.random.fold_in(key, i))
       jax.block_until_ready(loss)
