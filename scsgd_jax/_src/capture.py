@@ -268,9 +268,9 @@ def _patched_nnx(names, max_rows, counter, axes):
 
   def make(orig):
     def call(self, inputs, *args, **kwargs):
-      name = names.get(id(self), type(self).__name__)
-      spec = layer_spec(self, name, _einsum_arg(self, args, kwargs))
-      axes[_param_path(names.get(id(self), ""), spec)] = spec.input_axes
+      path = names.get(id(self), "")
+      spec = layer_spec(self, path or type(self).__name__, _einsum_arg(self, args, kwargs))
+      axes[_param_path(path, spec)] = spec.input_axes
       self.sow(LayerInput, spec.param, spec.rows(jax.lax.stop_gradient(inputs), max_rows, counter.key()))
       return orig(self, inputs, *args, **kwargs)
 

@@ -310,11 +310,10 @@ def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[s
         _check_rank(path, n, k)
     elif plan.kind == "streaming":
       k = min(plan.rank, n - 1)
-    width = min((k or 0) + spec.oversample, n)
-    floats = state_floats("dense" if plan.kind == "custom" else plan.kind, n, k, width)
-    bound = max(state_floats("dense" if plan.kind == "custom" else plan.kind, plan.n, plan.rank,
-                             min((plan.rank or 0) + spec.oversample, plan.n)), leaf.size)
-    if k == 0 and plan.kind == "streaming" or (spec.statistics == "auto" and floats > bound):
+    kind = "dense" if plan.kind == "custom" else plan.kind
+    cost = lambda n, k: state_floats(kind, n, k, min((k or 0) + spec.oversample, n))
+    if k == 0 and plan.kind == "streaming" or (
+        spec.statistics == "auto" and cost(n, k) > max(cost(plan.n, plan.rank), leaf.size)):
       raise ValueError(
           f"kernel '{path}' {tuple(leaf.shape)}: its layer meets its input along axes {axes} (n={n}), but "
           f"init, which sees only the parameters, planned it along the default axes {plan.input_axes} "

@@ -95,18 +95,20 @@ class NNXNet(nnx.Module):
     return self.head(jnp.mean(nnx.relu(self.bn(self.conv(x))), axis=(1, 2)))
 
 
+@nnx.jit
+def _nnx_train_step(model, optimizer, x, y, key):  # the README's NNX recipe (also returns grads and rows)
+  def loss_fn(model):
+    logits, layer_inputs = scsgd_jax.capture_nnx(model, x, rng=key)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), layer_inputs
+  (loss, layer_inputs), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+  optimizer.update(model, grads, layer_inputs=layer_inputs)
+  return loss, grads, layer_inputs
+
+
 def test_nnx_model_with_batchnorm_trains_with_the_readme_recipe():
   model = NNXNet(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, scsgd_jax.scsgd(0.05), wrt=nnx.Param)
-
-  @nnx.jit
-  def train_step(model, optimizer, x, y, key):  # the README's NNX recipe
-    def loss_fn(model):
-      logits, layer_inputs = scsgd_jax.capture_nnx(model, x, rng=key)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), layer_inputs
-    (loss, layer_inputs), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    optimizer.update(model, grads, layer_inputs=layer_inputs)
-    return loss
+  train_step = lambda *a: _nnx_train_step(*a)[0]
 
   mean0 = np.asarray(model.bn.mean[...])
   losses = [float(train_step(model, optimizer, *_data(i % 4), jax.random.PRNGKey(i))) for i in range(40)]
@@ -156,18 +158,8 @@ def _tokens(seed):
 def _train_gemma(tx, steps):
   model = GemmaStyle(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  @nnx.jit
-  def train_step(model, optimizer, x, y, key):  # the README's NNX recipe
-    def loss_fn(model):
-      logits, layer_inputs = scsgd_jax.capture_nnx(model, x, rng=key)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), layer_inputs
-    (loss, layer_inputs), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    optimizer.update(model, grads, layer_inputs=layer_inputs)
-    return loss, grads, layer_inputs
-
   first = jax.tree.map(np.asarray, nnx.as_pure(nnx.state(model, nnx.Param)))
-  out = [train_step(model, optimizer, *_tokens(i), jax.random.PRNGKey(i)) for i in range(steps)]
+  out = [_nnx_train_step(model, optimizer, *_tokens(i), jax.random.PRNGKey(i)) for i in range(steps)]
   return model, optimizer, first, out
 
 
