@@ -58,23 +58,31 @@ def _model(name: str, shape: tuple, classes: int) -> nnx.Module:
 
 
 def jitted_step(model: nnx.Module, tx, capture: str, max_rows):
-  """A jitted step on pure state: ``capture`` is ``'none'``, ``'rows'`` (computed, summed, not used) or ``'use'``."""
+  """A jitted step on pure state: ``capture`` is ``'none'``, ``'rows'`` (computed, summed, not used), ``'use'``
+  (``layer_inputs=``) or ``'two_sided'`` (``layer_inputs=`` and ``output_grads=``, the gradient of the loss
+  with respect to the layers' output perturbations)."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params, rest = nnx.as_pure(params), nnx.as_pure(rest)  # BatchNorm's statistics: the rest of the state
 
-  def loss_fn(params, rest, x, y, key):
+  def loss_fn(params, perturbations, rest, x, y, key):
     m = nnx.merge(graphdef, params, rest)
     if capture == "none":
       logits, rows = m(x), None
     else:
-      logits, rows = scsgd_jax.capture_nnx(m, x, rng=key, max_rows=max_rows)
+      logits, rows = scsgd_jax.capture_nnx(m, x, rng=key, max_rows=max_rows, output_perturbations=perturbations)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return loss, (rows, nnx.as_pure(nnx.state(m, nnx.Not(nnx.Param))))
 
   @jax.jit
   def step(params, rest, opt_state, x, y, key):
-    (loss, (rows, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, x, y, key)
-    extra = {"layer_inputs": rows} if capture == "use" else {}
+    perturbations = None
+    if capture == "two_sided":
+      perturbations = scsgd_jax.output_perturbations_nnx(nnx.merge(graphdef, params, rest), x)
+    (loss, (rows, rest)), (grads, output_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        params, perturbations, rest, x, y, key)
+    extra = {"layer_inputs": rows} if capture in ("use", "two_sided") else {}
+    if capture == "two_sided":
+      extra["output_grads"] = output_grads
     updates, opt_state = tx.update(grads, opt_state, params, **extra)
     if capture == "rows":  # the rows' cost without their use (a sum keeps them from being dropped)
       loss = loss + 0.0 * sum(jnp.sum(r) for r in jax.tree.leaves(rows))
@@ -99,8 +107,9 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
   variants: dict[str, tuple[Callable, list]] = {}
   for vname, variant in config.variants.items():
     variant = dict(variant)
-    capture = variant.pop("capture", "use" if variant["name"].startswith("scsgd") else "none")
-    tx = optimizers.create(optimizers.variant(config.run, variant)).tx
+    capture = variant.pop("capture", None)
+    opt = optimizers.create(optimizers.variant(config.run, variant))
+    tx, capture = opt.tx, capture or optimizers.capture_mode(opt)
     fn, params, rest, opt_state = jitted_step(_model(name, shape, classes), tx, capture, config.run.max_rows or None)
     variants[vname] = [fn, [params, rest, opt_state], [], tx]
   key = jax.random.PRNGKey(0)

@@ -81,11 +81,11 @@ def run(config: ml_collections.ConfigDict, name: str, rate: float, seed: int, ta
   run_config = ml_collections.ConfigDict(config.to_dict())
   run_config.schedule.base = rate
   run_config.seed = seed
-  tx = optimizers.create(optimizers.variant(run_config, {"name": name, **settings})).tx
+  opt = optimizers.create(optimizers.variant(run_config, {"name": name, **settings}))
   model = models.MODELS[config.model](nnx.Rngs(seed), d.vocab, (d.context,))
   graphdef = nnx.graphdef(model)
-  capture = "use" if name.startswith("scsgd") else "none"
-  step, params, rest, opt_state = benchmark_step.jitted_step(model, tx, capture, config.max_rows or None)
+  step, params, rest, opt_state = benchmark_step.jitted_step(model, opt.tx, optimizers.capture_mode(opt),
+                                                             config.max_rows or None)
   apply = jax.jit(lambda p, r, x: nnx.merge(graphdef, p, r)(x))
   rng = np.random.default_rng(seed + 1)
   key = jax.random.PRNGKey(seed)

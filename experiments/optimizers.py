@@ -26,6 +26,12 @@ class Optimizer(NamedTuple):
   tx: optax.GradientTransformation
   needs_layer_inputs: bool  # True: pass ``layer_inputs=`` (captured kernel inputs) to ``tx.update``
   needs_batch: bool = False  # True: pass ``batch=(inputs, labels), key=`` to ``tx.update`` (K-FAC)
+  needs_output_grads: bool = False  # True: also pass ``output_grads=`` (the layers' back-propagated outputs)
+
+
+def capture_mode(opt: Optimizer) -> str:
+  """What a training step captures for ``opt``: ``'two_sided'``, ``'use'`` (input rows) or ``'none'``."""
+  return "two_sided" if opt.needs_output_grads else "use" if opt.needs_layer_inputs else "none"
 
 
 class Forward(NamedTuple):
@@ -126,6 +132,12 @@ def _scsgd_graft(lr, kwargs, config, forward):
   return Optimizer(tx, True)
 
 
+def _scsgd_two_sided(lr, kwargs, config, forward):
+  """Two-sided conditioning (inputs and back-propagated outputs) grafted onto normalized RMSprop, then Nesterov
+  momentum (issue 20, direction 1): ``scsgd_jax.scsgd_two_sided``."""
+  return Optimizer(scsgd_jax.scsgd_two_sided(lr, seed=config.seed, **kwargs), True, needs_output_grads=True)
+
+
 # name -> builder(learning rate schedule, the sub-config as a dict, the whole config, the model's Forward)
 BUILDERS = {
     "scsgd": _scsgd,
@@ -136,6 +148,7 @@ BUILDERS = {
     "scsgd_adamw": _scsgd_adamw,
     "scsgd_graft": _scsgd_graft,
     "scsgd_muon": _scsgd_muon,
+    "scsgd_two_sided": _scsgd_two_sided,
     # peers from other packages (the optional `bench` extra), with their patches: experiments/peers.py
     "muon": _muon,
     "shampoo": _optax(peers.shampoo),
@@ -149,12 +162,14 @@ FUNCTIONS = {"scsgd": scsgd_jax.scsgd, "sgd": optax.sgd, "adam": optax.adam, "ad
              "nadamw": peers.nadamw, "scsgd_adamw": scsgd_jax.scale_by_sketched_conditioning,
              "scsgd_graft": scsgd_jax.scale_by_sketched_conditioning,
              "scsgd_muon": scsgd_jax.scale_by_sketched_conditioning,
+             "scsgd_two_sided": scsgd_jax.scale_by_sketched_conditioning,  # both sides' arguments
              "muon": peers.muon, "shampoo": peers.shampoo, "shampoo_input": peers.shampoo_input,
              "sketchy": peers.sketchy, "kfac": peers.kfac}
 # name -> (prefix, function): a composite's second part, whose arguments its sub-config holds prefixed
 # (their defaults are written out in the resolved settings). scsgd_adamw's AdamW part is not listed: its
 # committed rows' records predate this, and its recipe states every AdamW setting it changes.
-PREFIXED = {"scsgd_graft": ("graft_", scsgd_jax.scale_by_normalized_rms)}
+PREFIXED = {"scsgd_graft": ("graft_", scsgd_jax.scale_by_normalized_rms),
+            "scsgd_two_sided": ("graft_", scsgd_jax.scale_by_normalized_rms)}
 NOT_IN_SUB_CONFIG = ("learning_rate", "seed", "apply_fn", "example_batch")  # from config.schedule / .seed / the model
 
 

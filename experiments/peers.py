@@ -350,6 +350,11 @@ def recipe(name: str, kind: str) -> Recipe:
                   "scsgd_jax's conditioning at its defaults, grafted onto normalized RMSprop as Shampoo's "
                   "RMSPROP_NORMALIZED grafting (Agarwal et al. 2020; beta2 as Shampoo's above), Nesterov 0.9; "
                   "rate centre 3.16e-4, chosen on the development task (synthetic data)")
+  if name == "scsgd_two_sided":
+    return Recipe(1e-3, {"graft_decay": _SHAMPOO_SETTINGS["beta2"]},
+                  "scsgd_jax.scsgd_two_sided at its defaults: both sides' conditioning grafted onto normalized "
+                  "RMSprop as Shampoo's RMSPROP_NORMALIZED grafting (Agarwal et al. 2020; beta2 as Shampoo's above), "
+                  "Nesterov 0.9; rate centre Adam's 1e-3 (the grafted step is on Adam's scale)")
   if name in ("muon", "scsgd_muon"):
     settings = {"output_layer": _OUTPUT_LAYER[kind], **{f"adam_{k}": v for k, v in adam.items() if k != "decay_matrices_only"}}
     note = "" if _OUTPUT_LAYER[kind] else " (a one-layer model: its only matrix, the output layer, stays on Muon)"

@@ -68,6 +68,31 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, capture: bool
   return train_step
 
 
+def make_two_sided_train_step(graphdef, tx: optax.GradientTransformation, *, max_rows):
+  """:func:`make_train_step` with the capture for two-sided conditioning: ``tx.update`` also gets
+  ``output_grads=``, the loss's gradient with respect to zero perturbations of the layers' outputs.
+
+  A function of its own (not a flag of ``make_train_step``) so that the step of every other optimizer stays
+  the code the head to head's rows ran (issue 19: a row added later must leave the others' code unchanged).
+  """
+
+  def loss_fn(params, perturbations, images, labels, key):
+    logits, layer_inputs = scsgd_jax.capture_nnx(nnx.merge(graphdef, params), images, rng=key, max_rows=max_rows,
+                                                 output_perturbations=perturbations)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return loss, (jnp.mean(jnp.argmax(logits, -1) != labels), layer_inputs)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def train_step(params, opt_state, images, labels, key):
+    perturbations = scsgd_jax.output_perturbations_nnx(nnx.merge(graphdef, params), images)
+    (loss, (err, layer_inputs)), (grads, output_grads) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(params, perturbations, images, labels, key)
+    updates, opt_state = tx.update(grads, opt_state, params, layer_inputs=layer_inputs, output_grads=output_grads)
+    return optax.apply_updates(params, updates), opt_state, loss, err
+
+  return train_step
+
+
 def make_eval_fn(graphdef, placement: devices_lib.DataParallel | None = None):
   @jax.jit
   def eval_batch(params, images, labels):
@@ -170,8 +195,11 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
   test = data_lib.decode(eval_src, config.dataset, config.eval_split, config.max_test_examples)
   graphdef, params, opt, _ = build_lib.build(config)
   opt_state = opt.tx.init(params)
-  train_step = make_train_step(graphdef, opt.tx, capture=opt.needs_layer_inputs, max_rows=config.max_rows or None,
-                               pass_batch=opt.needs_batch)
+  if opt.needs_output_grads:
+    train_step = make_two_sided_train_step(graphdef, opt.tx, max_rows=config.max_rows or None)
+  else:
+    train_step = make_train_step(graphdef, opt.tx, capture=opt.needs_layer_inputs,
+                                 max_rows=config.max_rows or None, pass_batch=opt.needs_batch)
   placement = devices_lib.DataParallel()
   evaluate = make_eval_fn(graphdef, placement)
 

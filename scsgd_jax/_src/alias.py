@@ -8,10 +8,11 @@ import optax
 
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
+from scsgd_jax._src import graft
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import transform
 
-__all__ = ["scsgd"]
+__all__ = ["scsgd", "scsgd_two_sided"]
 
 
 def scsgd(
@@ -86,3 +87,38 @@ def scsgd(
       ),
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov),
   )
+
+
+def scsgd_two_sided(
+    learning_rate: optax.ScalarOrSchedule,
+    rank: Optional[int] = None,
+    *,
+    momentum: float = defaults.MOMENTUM,
+    graft_decay: float = defaults.GRAFT_DECAY,
+    graft_eps: float = defaults.GRAFT_EPS,
+    seed: int = 0,
+    **conditioning,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Two-sided sketched conditioning, grafted: :math:`C^{-1/2} G \Delta^{-1/2}` per kernel (input side from the
+  layer's inputs, output side from its back-propagated output rows), at the per-layer norm of a normalized
+  RMSprop step, then Nesterov momentum (Shampoo's grafting layout; rates on Adam's scale)::
+
+    optax.chain(scale_by_grafting(scale_by_normalized_rms(graft_decay, graft_eps),
+                                  optax.chain(scale_by_sketched_conditioning(rank, ...),
+                                              scale_by_output_conditioning(rank, ...))),
+                optax.sgd(learning_rate, momentum=momentum, nesterov=True))
+
+  ``update`` takes ``layer_inputs=`` and ``output_grads=`` (see :func:`output_perturbations_nnx`). Leaves
+  neither side conditions (biases, norms) get the grafted RMSprop step itself. ``**conditioning`` goes to
+  both sides (:func:`scale_by_sketched_conditioning`'s arguments), ``seed`` too (the output side's is
+  ``seed + 1``). The state is normalized RMSprop's and momentum's (Adam's two floats per parameter) plus
+  both sides' statistics.
+  """
+  if not callable(learning_rate):
+    checks.check_float("learning_rate", learning_rate, low=0.0)
+  checks.check_float("momentum", momentum, low=0.0, high=1.0, high_open=True)
+  direction = optax.chain(transform.scale_by_sketched_conditioning(rank, seed=seed, **conditioning),
+                          transform.scale_by_output_conditioning(rank, seed=seed + 1, **conditioning))
+  return optax.chain(
+      graft.scale_by_grafting(graft.scale_by_normalized_rms(graft_decay, graft_eps), direction),
+      optax.sgd(learning_rate, momentum=momentum, nesterov=True))

@@ -24,6 +24,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import linen as nn
 from flax import nnx
@@ -42,6 +43,8 @@ __all__ = [
     "input_axes_nnx",
     "layer_rows",
     "layer_spec",
+    "output_perturbations_linen",
+    "output_perturbations_nnx",
 ]
 
 DEFAULT_MAX_ROWS = defaults.MAX_ROWS
@@ -101,6 +104,9 @@ class LayerSpec(NamedTuple):
   param: str
   input_axes: Optional[tuple[int, ...]]
   rows: Callable[[jax.Array, Optional[int], Optional[jax.Array]], jax.Array]
+  output_axes: Optional[Callable[[int], tuple[int, ...]]] = None
+  """``output_axes(y.ndim)``: the axes of the layer's output ``y`` that the kernel's output axes make, in the
+  kernel's order (``None``: no output side, e.g. an embedding)."""
 
 
 def _to_tuple(v, d):
@@ -132,7 +138,11 @@ def _conv_spec(layer, name) -> LayerSpec:
     except (ValueError, NotImplementedError) as e:
       raise type(e)(f"layer '{name}': {e}") from None
 
-  return LayerSpec("kernel", tuple(range(d + 1)), rows)
+  return LayerSpec("kernel", tuple(range(d + 1)), rows, _last_axes(1))
+
+
+def _last_axes(count: int) -> Callable[[int], tuple[int, ...]]:
+  return lambda ndim: tuple(range(ndim - count, ndim))
 
 
 def _contracted_rows(x, axes, max_rows, key):
@@ -149,11 +159,21 @@ def _general_spec(layer, name, batch) -> LayerSpec:
         f"layer '{name}' has batch axes {tuple(batch)}: its kernel is one matrix per batch index, not "
         "one (n, p) matrix. Exclude it with kernel_filter or optax.masked.")
   axis = _as_tuple(layer.axis)
-  return LayerSpec("kernel", tuple(range(len(axis))), lambda x, m, k: _contracted_rows(x, axis, m, k))
+  features = _as_tuple(layer.out_features if isinstance(layer, nnx.LinearGeneral) else layer.features)
+  return LayerSpec("kernel", tuple(range(len(axis))), lambda x, m, k: _contracted_rows(x, axis, m, k),
+                   _last_axes(len(features)))
 
 
-def _parse_einsum(equation: str, name: str) -> tuple[tuple[int, ...], Callable]:
-  """Kernel input axes and the input's matching axes of ``'lhs,rhs->out'`` (rhs the kernel)."""
+def _expand_ellipsis(labels: str, ndim: int) -> str:
+  if "..." not in labels:
+    return labels
+  pre, post = labels.split("...")
+  return pre + "#" * (ndim - len(pre) - len(post)) + post
+
+
+def _parse_einsum(equation: str, name: str) -> tuple[tuple[int, ...], Callable, Callable]:
+  """Kernel input axes, the input's rows and the output's kernel-output axes of ``'lhs,rhs->out'`` (rhs the
+  kernel)."""
   eq = equation.replace(" ", "")
   try:
     ins, out = eq.split("->")
@@ -173,20 +193,20 @@ def _parse_einsum(equation: str, name: str) -> tuple[tuple[int, ...], Callable]:
   kernel_axes = tuple(rhs.index(c) for c in contracted)
 
   def rows(x, max_rows, key):
-    labels = lhs
-    if "..." in lhs:
-      pre, post = lhs.split("...")
-      labels = pre + "#" * (x.ndim - len(pre) - len(post)) + post
+    labels = _expand_ellipsis(lhs, x.ndim)
     return _contracted_rows(x, tuple(labels.index(c) for c in contracted), max_rows, key)
 
-  return kernel_axes, rows
+  def output_axes(ndim):
+    labels = _expand_ellipsis(out, ndim)
+    return tuple(labels.index(c) for c in rhs if c not in contracted)
+
+  return kernel_axes, rows, output_axes
 
 
 def _einsum_spec(layer, name, equation) -> LayerSpec:
   if equation is None:
     return LayerSpec("kernel", None, None)
-  axes, rows = _parse_einsum(equation, name)
-  return LayerSpec("kernel", axes, rows)
+  return LayerSpec("kernel", *_parse_einsum(equation, name))
 
 
 def _embed_rows(x, max_rows, key):
@@ -201,7 +221,7 @@ def layer_spec(layer: Any, name: str, einsum_str: Optional[str] = None) -> Layer
   if isinstance(layer, (nnx.Conv, nn.Conv)):
     return _conv_spec(layer, name)
   if isinstance(layer, (nnx.Linear, nn.Dense)):
-    return LayerSpec("kernel", (0,), lambda x, m, k: patches.dense_rows(x, m, k))
+    return LayerSpec("kernel", (0,), lambda x, m, k: patches.dense_rows(x, m, k), _last_axes(1))
   if isinstance(layer, nnx.LinearGeneral):
     return _general_spec(layer, name, dict(layer.batch_axis))
   if isinstance(layer, nn.DenseGeneral):
@@ -262,17 +282,67 @@ def _param_path(name: str, spec: LayerSpec) -> str:
   return f"{name}/{spec.param}" if name else spec.param
 
 
+class _Outputs:
+  """What a capture does to each conditioned layer's output ``y``: with ``perturbations`` (``{kernel path:
+  (rows, p)}``), adds them, the kernel's output axes of ``y`` moved last and flattened in the kernel's order
+  (so their gradient is the rows of the back-propagated ``delta``); without, records their shapes and the
+  kernel's output axes (:func:`output_perturbations_nnx`)."""
+
+  def __init__(self, perturbations=None):
+    self.perturbations = None if perturbations is None else _flat(perturbations)
+    self.shapes, self.axes = {}, {}
+
+  def __call__(self, path: str, spec: LayerSpec, y):
+    if spec.output_axes is None or spec.input_axes is None:
+      return y
+    out_axes = spec.output_axes(y.ndim)
+    rest = tuple(a for a in range(y.ndim) if a not in out_axes)
+    perm = rest + out_axes
+    moved_shape = tuple(y.shape[a] for a in perm)
+    p = math.prod(y.shape[a] for a in out_axes)
+    shape = (math.prod(moved_shape) // max(p, 1), p)
+    if self.perturbations is None:
+      if path in self.shapes:
+        raise NotImplementedError(
+            f"layer of kernel '{path}' is called more than once in one forward pass; output-side conditioning "
+            "needs one call per layer. Exclude the kernel with kernel_filter or optax.masked.")
+      self.shapes[path] = jax.ShapeDtypeStruct(shape, y.dtype)
+      ndim = len(spec.input_axes) + len(out_axes)
+      self.axes[path] = tuple(a for a in range(ndim) if a not in spec.input_axes)
+      return y
+    if path not in self.perturbations:
+      return y
+    delta = self.perturbations[path]
+    if tuple(delta.shape) != shape:
+      raise ValueError(
+          f"output_perturbations['{path}'] has shape {tuple(delta.shape)}, expected {shape} (the layer's output "
+          f"{tuple(y.shape)} as rows of its kernel's output axes): make them with output_perturbations_nnx / "
+          "output_perturbations_linen on a batch of this shape.")
+    moved = jnp.transpose(y, perm) + delta.reshape(moved_shape).astype(y.dtype)
+    return jnp.transpose(moved, tuple(int(i) for i in np.argsort(perm)))
+
+  def zeros(self) -> "CapturedInputs":
+    return CapturedInputs({p: jnp.zeros(s.shape, s.dtype) for p, s in self.shapes.items()}, self.axes)
+
+
+def _flat(tree) -> dict:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {"/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in p): v for p, v in flat}
+
+
 @contextlib.contextmanager
-def _patched_nnx(names, max_rows, counter, axes):
+def _patched_nnx(names, max_rows, counter, axes, outputs=None):
   originals = {cls: cls.__call__ for cls in NNX_LAYERS}
 
   def make(orig):
     def call(self, inputs, *args, **kwargs):
       path = names.get(id(self), "")
       spec = layer_spec(self, path or type(self).__name__, _einsum_arg(self, args, kwargs))
-      axes[_param_path(path, spec)] = spec.input_axes
+      param_path = _param_path(path, spec)
+      axes[param_path] = spec.input_axes
       self.sow(LayerInput, spec.param, spec.rows(jax.lax.stop_gradient(inputs), max_rows, counter.key()))
-      return orig(self, inputs, *args, **kwargs)
+      y = orig(self, inputs, *args, **kwargs)
+      return y if outputs is None else outputs(param_path, spec, y)
 
     return call
 
@@ -290,6 +360,7 @@ def capture_nnx(
     *args,
     rng: Optional[jax.Array] = None,
     max_rows: Optional[int] = DEFAULT_MAX_ROWS,
+    output_perturbations=None,
     **kwargs,
 ) -> tuple[Any, dict]:
   """Calls ``model(*args, **kwargs)`` and captures the inputs of its conditioned layers.
@@ -314,20 +385,53 @@ def capture_nnx(
     max_rows: rows kept per layer call, a positive int (``None``: all). Conv rows
       are sampled output positions, gathered without materialising all patches.
       An embedding always keeps all its ids.
+    output_perturbations: for output-side conditioning (:func:`scale_by_output_conditioning`), the zeros of
+      :func:`output_perturbations_nnx`, added to the conditioned layers' outputs; pass them as an argument
+      of the loss function and differentiate it with respect to them too: that gradient is each layer's
+      back-propagated output rows, the transformation's ``output_grads=``.
 
   Returns:
     ``(output, layer_inputs)``, ``layer_inputs`` a :class:`CapturedInputs`: a nested dict mirroring the
     model's ``nnx.Param`` state, ``{..., 'layer': {'kernel': rows}}``, that also holds each kernel's
     input axes as read from its layer. A layer called several times gets its rows concatenated.
   """
+  outputs = None if output_perturbations is None else _Outputs(output_perturbations)
+  return _capture_nnx(model, args, kwargs, rng, max_rows, outputs)
+
+
+def _capture_nnx(model, args, kwargs, rng, max_rows, outputs):
   _check_max_rows(max_rows)
   names = {id(node): "/".join(map(str, path)) for path, node in nnx.iter_graph(model)
            if isinstance(node, nnx.Module)}
   counter, axes = _Counter(rng), {}
-  with _patched_nnx(names, max_rows, counter, axes):
+  with _patched_nnx(names, max_rows, counter, axes, outputs):
     out, captured = nnx.capture(lambda m, *a, **k: m(*a, **k), LayerInput)(model, *args, **kwargs)
   pure = nnx.to_pure_dict(captured)
   return out, CapturedInputs(jax.tree.map(_merge, pure, is_leaf=lambda v: isinstance(v, tuple)), axes)
+
+
+def output_perturbations_nnx(model: nnx.Module, *args, **kwargs) -> CapturedInputs:
+  """Zeros to add to the outputs of an NNX model's conditioned layers, for output-side conditioning.
+
+  One ``(rows, p)`` array per conditioned kernel but embeddings, ``p`` the product of the kernel's output
+  axes (in the kernel's order) and ``rows`` all the other output positions of ``model(*args, **kwargs)``
+  (traced once, no compute; their shapes follow the batch's). Pass them to :func:`capture_nnx` inside the
+  loss and take the loss's gradient with respect to them: it is a :class:`CapturedInputs` of each layer's
+  back-propagated rows ``delta`` (which also says the kernel's output axes), the ``output_grads=`` of
+  :func:`scale_by_output_conditioning`::
+
+    perturbations = scsgd_jax.output_perturbations_nnx(model, x)
+    def loss_fn(model, perturbations):
+      logits, layer_inputs = scsgd_jax.capture_nnx(model, x, rng=key, output_perturbations=perturbations)
+      return loss(logits, y), layer_inputs
+    (loss, layer_inputs), (grads, output_grads) = nnx.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(model, perturbations)
+    optimizer.update(model, grads, layer_inputs=layer_inputs, output_grads=output_grads)
+  """
+  graphdef, state = nnx.split(model)
+  outputs = _Outputs()
+  jax.eval_shape(lambda s: _capture_nnx(nnx.merge(graphdef, s), args, kwargs, None, None, outputs)[0], state)
+  return outputs.zeros()
 
 
 def input_axes_nnx(model: nnx.Module) -> dict[str, tuple[int, ...]]:
@@ -350,15 +454,18 @@ def input_axes_nnx(model: nnx.Module) -> dict[str, tuple[int, ...]]:
   return out
 
 
-def _linen_interceptor(max_rows, counter, record, sow=True):
+def _linen_interceptor(max_rows, counter, record, sow=True, outputs=None):
   def interceptor(next_fun, a, k, context):
     mod = context.module
     if context.method_name == "__call__" and isinstance(mod, LINEN_LAYERS) and a:
       name = "/".join(map(str, mod.path)) or type(mod).__name__
       spec = layer_spec(mod, name, _einsum_arg(mod, a[1:], k))
-      record["/".join((*map(str, mod.path), spec.param))] = spec.input_axes
+      param_path = "/".join((*map(str, mod.path), spec.param))
+      record[param_path] = spec.input_axes
       if sow:
         mod.sow(LINEN_COLLECTION, spec.param, spec.rows(jax.lax.stop_gradient(a[0]), max_rows, counter.key()))
+      if outputs is not None:
+        return outputs(param_path, spec, next_fun(*a, **k))
     return next_fun(*a, **k)
 
   return interceptor
@@ -371,6 +478,7 @@ def capture_linen(
     rng: Optional[jax.Array] = None,
     max_rows: Optional[int] = DEFAULT_MAX_ROWS,
     mutable=(),
+    output_perturbations=None,
     **kwargs,
 ):
   """``module.apply(variables, *args, **kwargs)`` capturing the inputs of its conditioned layers.
@@ -385,14 +493,20 @@ def capture_linen(
     rng, max_rows: as for :func:`capture_nnx`.
     mutable: further mutable collections (e.g. ``['batch_stats']``); their new
       values are returned as a third output when given.
+    output_perturbations: as for :func:`capture_nnx`, from :func:`output_perturbations_linen`.
 
   Returns:
     ``(output, layer_inputs)`` (``(output, layer_inputs, updated_collections)`` if
     ``mutable``), ``layer_inputs`` a :class:`CapturedInputs` mirroring ``variables['params']``.
   """
+  outputs = None if output_perturbations is None else _Outputs(output_perturbations)
+  return _capture_linen(module, variables, args, kwargs, rng, max_rows, mutable, outputs)
+
+
+def _capture_linen(module, variables, args, kwargs, rng, max_rows, mutable, outputs):
   _check_max_rows(max_rows)
   axes = {}
-  with nn.intercept_methods(_linen_interceptor(max_rows, _Counter(rng), axes)):
+  with nn.intercept_methods(_linen_interceptor(max_rows, _Counter(rng), axes, outputs=outputs)):
     out, state = module.apply(variables, *args, mutable=[LINEN_COLLECTION, *mutable], **kwargs)
   state = dict(state)
   captured = state.pop(LINEN_COLLECTION, {})
@@ -400,6 +514,14 @@ def capture_linen(
   if mutable:
     return out, captured, state
   return out, captured
+
+
+def output_perturbations_linen(module: nn.Module, variables, *args, **kwargs) -> CapturedInputs:
+  """:func:`output_perturbations_nnx` for a Linen model (``module.apply(variables, *args, **kwargs)``);
+  pass them to :func:`capture_linen`."""
+  outputs = _Outputs()
+  jax.eval_shape(lambda v: _capture_linen(module, v, args, kwargs, None, None, (), outputs)[0], variables)
+  return outputs.zeros()
 
 
 def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str, tuple[int, ...]]:

@@ -16,6 +16,8 @@ EMA_RATE = 0.05  # nu, the EMA weight of a new batch
 OUTLIER_THRESHOLD = 100.0  # rows above 100x the running tr C (squared norm) are clipped
 BUDGET = "model"  # statistics='auto': the model-wide memory rule
 MOMENTUM = 0.9  # scsgd's Nesterov momentum (the paper's)
+GRAFT_DECAY = 0.999  # normalized RMSprop of the grafting (distributed Shampoo's default)
+GRAFT_EPS = 1e-8
 # The optimizer's eigenvalue floor, relative to tr(C) / n: a damping (no direction amplified more than
 # 10x the average scale). The reasons for the value are in docs/how_it_works.md.
 EIGENVALUE_FLOOR = 1e-2

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from scsgd_jax._src import checks
+from scsgd_jax._src import defaults
 
 __all__ = ["GraftState", "scale_by_grafting", "scale_by_normalized_rms"]
 
@@ -57,7 +58,7 @@ def scale_by_grafting(magnitude: optax.GradientTransformation, direction: optax.
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def scale_by_normalized_rms(decay: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+def scale_by_normalized_rms(decay: float = defaults.GRAFT_DECAY, eps: float = defaults.GRAFT_EPS) -> optax.GradientTransformation:
   r"""Shampoo's ``RMSPROP_NORMALIZED`` grafting step: each leaf's gradient divided by its norm, then
   RMSprop with bias correction, :math:`\hat g / (\sqrt{\hat v} + \epsilon)`. Conditioned SCSGD grafted
   onto it, then Nesterov momentum (Shampoo's layout; rates on Adam's scale)::

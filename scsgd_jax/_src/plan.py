@@ -69,6 +69,7 @@ class Spec(NamedTuple):
   kernel_filter: Callable[[str, Any], bool]
   input_axes: InputAxes
   choices: "StatisticsChoices"
+  default_axes: Callable[[str, Any], tuple[int, ...]] = None  # None: default_input_axes (the output side: its own)
 
 
 class StatisticsChoices:
@@ -143,8 +144,8 @@ def kernel_paths(tree, kernel_filter: Callable[[str, Any], bool] = default_kerne
   return {path_to_str(p): leaf for p, leaf in flat if kernel_filter(path_to_str(p), leaf)}
 
 
-def axes_of(path: str, leaf, input_axes: InputAxes, captured: Optional[Mapping[str, Sequence[int]]] = None
-            ) -> tuple[int, ...]:
+def axes_of(path: str, leaf, input_axes: InputAxes, captured: Optional[Mapping[str, Sequence[int]]] = None,
+            default: Optional[Callable[[str, Any], tuple[int, ...]]] = None) -> tuple[int, ...]:
   """The checked input axes of kernel ``path``: ``input_axes`` (callable or mapping), else the axes the
   capture read from the layer (``captured``), else the name-based defaults."""
   if callable(input_axes):
@@ -154,7 +155,7 @@ def axes_of(path: str, leaf, input_axes: InputAxes, captured: Optional[Mapping[s
   elif captured and captured.get(path) is not None:
     axes = captured[path]
   else:
-    axes = default_input_axes(path, leaf)
+    axes = (default or default_input_axes)(path, leaf)
   axes = tuple(int(a) % leaf.ndim for a in axes)
   if not axes or len(set(axes)) != len(axes) or len(axes) >= leaf.ndim:
     raise ValueError(
@@ -259,7 +260,7 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Sequence[int]]]
   decided: dict[str, tuple[str, Optional[int]]] = {}
   axes, dims, shapes, opts = {}, {}, {}, {}
   for path, leaf in kernel_paths(tree, spec.kernel_filter).items():
-    axes[path] = axes_of(path, leaf, spec.input_axes, captured)
+    axes[path] = axes_of(path, leaf, spec.input_axes, captured, spec.default_axes)
     n = dims[path] = math.prod(leaf.shape[a] for a in axes[path])
     if path.rsplit("/", 1)[-1] == "embedding" and not custom:
       decided[path] = ("embedding", 0)
@@ -298,7 +299,7 @@ def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[s
   out = {}
   for path, plan in planned.items():
     leaf = leaves[path]
-    axes = axes_of(path, leaf, spec.input_axes, captured)
+    axes = axes_of(path, leaf, spec.input_axes, captured, spec.default_axes)
     if axes == plan.input_axes:
       out[path] = plan
       continue

@@ -16,6 +16,7 @@ import optax
 
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
+from scsgd_jax._src import patches
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
 from scsgd_jax._src import statistics as stats_lib
@@ -23,7 +24,10 @@ from scsgd_jax._src import statistics as stats_lib
 __all__ = [
     "STATIC_ARGS",
     "ScaleBySketchedConditioningState",
+    "default_output_axes",
+    "output_kernel_filter",
     "resolve_static_args",
+    "scale_by_output_conditioning",
     "scale_by_sketched_conditioning",
 ]
 
@@ -250,6 +254,22 @@ def scale_by_sketched_conditioning(
     Tropp, Yurtsever, Udell & Cevher, Fixed-rank approximation of a positive-semidefinite
     matrix from streaming data, NeurIPS 2017.
   """
+  return _conditioning(
+      rank, update_every=update_every, ema_rate=ema_rate, conditioner=conditioner, statistics=statistics,
+      warm_start=warm_start, stagger=stagger, budget=budget, outlier_threshold=outlier_threshold,
+      full_max_dim=full_max_dim, oversample=oversample, power_iterations=power_iterations,
+      eigenvalue_floor=eigenvalue_floor, statistics_every=statistics_every, kernel_filter=kernel_filter,
+      input_axes=input_axes, axis_name=axis_name, seed=seed, default_axes=plan_lib.default_input_axes)
+
+
+def _conditioning(rank=None, *, update_every=None, ema_rate=defaults.EMA_RATE, conditioner="auto",
+                  statistics="auto", warm_start=True, stagger=True, budget=defaults.BUDGET,
+                  outlier_threshold=defaults.OUTLIER_THRESHOLD, full_max_dim=None, oversample=None,
+                  power_iterations=None, eigenvalue_floor=defaults.EIGENVALUE_FLOOR, statistics_every=None,
+                  kernel_filter=None, input_axes=None, axis_name=None, seed=0,
+                  default_axes=plan_lib.default_input_axes):
+  """:func:`scale_by_sketched_conditioning` reading a kernel along ``default_axes`` unless told otherwise
+  (the output side passes the kernel's output axes)."""
   static = resolve_static_args(rank=rank, update_every=update_every, full_max_dim=full_max_dim,
                                oversample=oversample, power_iterations=power_iterations,
                                statistics_every=statistics_every)
@@ -263,7 +283,7 @@ def scale_by_sketched_conditioning(
                                        eigenvalue_floor=eigenvalue_floor)
   spec = plan_lib.Spec(static["rank"], static["update_every"], static["full_max_dim"], static["oversample"],
                        conditioner, statistics, budget, stagger, kernel_filter or plan_lib.default_kernel_filter,
-                       input_axes, choices)
+                       input_axes, choices, default_axes)
   plans = _PlanCache(spec)
 
   def init_fn(params):
@@ -301,6 +321,80 @@ def scale_by_sketched_conditioning(
         clipped_rows=clipped)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def output_kernel_filter(path: str, leaf) -> bool:
+  """The kernels :func:`scale_by_output_conditioning` conditions by default: :func:`default_kernel_filter`'s
+  but embeddings (whose output side is the model's width, conditioned by the layers that read it)."""
+  return plan_lib.default_kernel_filter(path, leaf) and path.rsplit("/", 1)[-1] != "embedding"
+
+
+def default_output_axes(path: str, leaf) -> tuple[int, ...]:
+  """A kernel's output axes: those :func:`default_input_axes` leaves (Dense ``(n, p)``: ``(1,)``)."""
+  inputs = plan_lib.default_input_axes(path, leaf)
+  return tuple(a for a in range(leaf.ndim) if a not in inputs)
+
+
+def scale_by_output_conditioning(
+    rank: Optional[int] = None,
+    *,
+    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
+    output_axes: plan_lib.InputAxes = None,
+    max_rows: Optional[int] = defaults.MAX_ROWS,
+    seed: int = 0,
+    **kwargs,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Conditions each kernel gradient on its output side: ``G A_out^{-1}``, ``A_out`` built from the correlation
+  :math:`\Delta = E[\delta \delta^\top]` of the back-propagated output rows exactly as
+  :func:`scale_by_sketched_conditioning` builds ``A`` from the inputs' ``C`` (same arguments, statistics,
+  memory rule and refreshes; it is that transformation reading the kernel along its output axes).
+
+  Chained with the input side, ``optax.chain(scale_by_sketched_conditioning(), scale_by_output_conditioning())``
+  gives the two-sided :math:`C^{-1/2} G \Delta^{-1/2}` (full conditioners), i.e. full-matrix AdaGrad's
+  :math:`E[g g^\top]^{-1/2}` under the Kronecker approximation :math:`E[g g^\top] \approx C \otimes \Delta`
+  of K-FAC, at ``O(n k + p k)`` per step with the sketches. :math:`\Delta^{-1/2}` scales as the inverse of
+  the loss's scale, so the result belongs behind grafting (:func:`scale_by_grafting`), as in
+  :func:`scsgd_jax.scsgd_two_sided`.
+
+  ``update(updates, state, params=None, *, output_grads)``: the gradient of the loss with respect to the
+  perturbations of :func:`output_perturbations_nnx` / :func:`output_perturbations_linen` (passed to the
+  capture); rows ``(..., p)`` per kernel over its output axes. Embeddings are left out by default
+  (:func:`output_kernel_filter`).
+
+  Args:
+    rank, **kwargs: as for :func:`scale_by_sketched_conditioning`.
+    kernel_filter: ``(path, leaf) -> bool``, default :func:`output_kernel_filter`.
+    output_axes: each kernel's output axes (callable or mapping), overriding what the perturbations say
+      (default: the complement of :func:`default_input_axes`, then what the captured gradients carry).
+    max_rows: output rows per kernel and step folded into its statistics, sampled uniformly (``None``: all);
+      the capture's default for the input side.
+    seed: seed of the state's PRNG key (the sketches and the row sampling).
+  """
+  if "input_axes" in kwargs or "layer_inputs" in kwargs:
+    raise TypeError("scale_by_output_conditioning takes output_axes= (and output_grads= at update), not input_axes.")
+  if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+    raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}.")
+  inner = _conditioning(rank, kernel_filter=kernel_filter or output_kernel_filter, input_axes=output_axes,
+                        default_axes=default_output_axes, seed=seed, **kwargs)
+  row_key = jax.random.PRNGKey(seed + 1)
+
+  def update_fn(updates, state, params=None, *, output_grads=None, **extra_args):
+    del extra_args
+    if output_grads is None:
+      raise ValueError(
+          "scale_by_output_conditioning.update needs the keyword argument `output_grads`: the loss's gradient "
+          "with respect to the output perturbations (scsgd_jax.output_perturbations_nnx / _linen passed to the "
+          "capture), e.g. tx.update(grads, state, params, layer_inputs=layer_inputs, output_grads=output_grads).")
+    key = jax.random.fold_in(row_key, state.count)
+
+    leaves, treedef = jax.tree_util.tree_flatten(output_grads)
+    sampled = [patches.sample_rows(r.reshape(-1, r.shape[-1]), max_rows, jax.random.fold_in(key, i))
+               if getattr(r, "ndim", 0) >= 2 else r  # anything else: the inner transformation names the culprit
+               for i, r in enumerate(leaves)]
+    output_grads = jax.tree_util.tree_unflatten(treedef, sampled)
+    return inner.update(updates, state, params, layer_inputs=output_grads)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def _check_choices(conditioner, statistics, budget, warm_start, stagger) -> None:

@@ -131,6 +131,31 @@ def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
   assert resolved["update_every"] == 1 and resolved["rank"] == scsgd_jax.resolve_static_args()["rank"]
 
 
+def test_scsgd_two_sided_is_the_library_alias_with_its_settings():
+  """The factory's scsgd_two_sided equals scsgd_jax.scsgd_two_sided built by hand (the sub-config's graft and
+  conditioning settings reach it) and asks the step for both the input rows and the output gradients."""
+  config = helpers.smoke_config()
+  config.optimizer.name = "scsgd_two_sided"
+  config.optimizer.scsgd_two_sided = optimizers.sub_config("scsgd_two_sided", graft_decay=0.9, update_every=1)
+  opt = optimizers.create(config)
+  assert opt.needs_layer_inputs and opt.needs_output_grads and optimizers.capture_mode(opt) == "two_sided"
+  by_hand = scsgd_jax.scsgd_two_sided(optimizers.learning_rate(config), graft_decay=0.9, update_every=1,
+                                      seed=config.seed)
+  rng = np.random.default_rng(0)
+  params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
+  s1, s2 = opt.tx.init(params), by_hand.init(params)
+  for _ in range(3):
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+    extra = {"layer_inputs": {"dense": {"kernel": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32)}},
+             "output_grads": {"dense": {"kernel": jnp.asarray(rng.standard_normal((8, 3)), jnp.float32)}}}
+    u1, s1 = opt.tx.update(grads, s1, params, **extra)
+    u2, s2 = by_hand.update(grads, s2, params, **extra)
+    for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+      np.testing.assert_allclose(a, b, rtol=1e-6)
+  resolved = optimizers.resolved_settings(config)
+  assert resolved["graft_decay"] == 0.9 and resolved["update_every"] == 1
+
+
 def test_scsgd_muon_is_the_conditioning_in_front_of_the_benchmarks_muon():
   """The factory's scsgd_muon equals chain(conditioning, peers.muon) built by hand, with the sub-config's
   muon_* arguments reaching Muon (its output layer on AdamW at its own rate)."""
