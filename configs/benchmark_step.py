@@ -18,6 +18,7 @@ def get_config():
       "muon": {"name": "muon"},
       "scsgd": {"name": "scsgd"},
       "scsgd_muon": {"name": "scsgd_muon"},  # issue 20's rule: at most 1.3x SGD's step on the transformer
+      "scsgd_two_sided": {"name": "scsgd_two_sided"},  # issue 20, direction 1 (same rule)
       "sgd_capture": {"name": "sgd", "capture": "rows"},  # phases: the capture's cost
       "scsgd_no_fold": {"name": "scsgd", "statistics_every": 10**9},  # phases: all but the fold
   })
