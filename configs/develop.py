@@ -18,5 +18,8 @@ def get_config():
       optimizers=("scsgd_two_sided", "scsgd_graft", "scsgd_muon", "muon", "adamw", "scsgd_adamw", "scsgd", "sgd"),
       vocab=16, context=64,  # 256 contexts: learnable in a short run (65 symbols: 4,225 were not, at 300 steps)
       concentration=0.1,  # Dirichlet concentration of each context's next-symbol distribution
-      source_seed=1234, heldout_windows=256))
+      source_seed=1234, heldout_windows=256,
+      # a probe's settings on top of each optimizer's recipe, e.g. "update_every=10,ema_rate=0.2" (run it
+      # with --config.develop.optimizers=scsgd_two_sided and a results_dir of its own)
+      settings=""))
   return config

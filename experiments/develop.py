@@ -17,6 +17,7 @@ interrupted invocation resumes. Nothing here is a benchmark task, so settings ma
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 
@@ -75,7 +76,7 @@ def run(config: ml_collections.ConfigDict, name: str, rate: float, seed: int, ta
   (inf if it diverged)."""
   d = config.develop
   recipe = peers.recipe(name, config.benchmark.kind)
-  settings = dict(recipe.settings)
+  settings = {**recipe.settings, **probe_settings(d.settings)}  # a probe's settings on top of the authors'
   if name in peers.MUON_ADAM_RATE:  # its AdamW part at AdamW's authors' rate (the head to head: AdamW's tuned)
     settings[peers.MUON_ADAM_RATE[name]] = peers.recipe("adamw", config.benchmark.kind).learning_rate
   run_config = ml_collections.ConfigDict(config.to_dict())
@@ -98,10 +99,23 @@ def run(config: ml_collections.ConfigDict, name: str, rate: float, seed: int, ta
           "heldout_loss": final if np.isfinite(final) else float("inf")}
 
 
+def probe_settings(text: str) -> dict:
+  """``'update_every=10,ema_rate=0.2'`` as ``{'update_every': 10, 'ema_rate': 0.2}`` (Python literals)."""
+  out = {}
+  for item in filter(None, (t.strip() for t in text.split(","))):
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+      raise ValueError(f"config.develop.settings: {item!r} is not 'name=value' (e.g. 'update_every=10').")
+    out[key.strip()] = ast.literal_eval(value.strip())
+  return out
+
+
 def _settings(config) -> dict:
   """What decides a run besides its optimizer, rate and seed (JSON-normal, as a record holds it)."""
   out = json.loads(json.dumps(config.to_dict()))
   del out["seed"], out["develop"]["optimizers"]
+  if not out["develop"].get("settings"):  # no probe: the records made before probes existed stay valid
+    out["develop"].pop("settings", None)
   out["benchmark"] = {"kind": out["benchmark"]["kind"]}
   return out
 

@@ -55,3 +55,21 @@ def test_two_step_runs_write_every_rate_seed_and_anchor_and_resume(tmp_path, mon
   config.num_steps = 3
   with pytest.raises(AssertionError, match="trained again"):
     develop.develop(config, str(tmp_path), "python -m experiments.develop (test)")
+
+
+def test_probe_settings_reach_the_optimizer_and_are_recorded():
+  assert develop.probe_settings("") == {}
+  assert develop.probe_settings("update_every=10, ema_rate=0.2") == {"update_every": 10, "ema_rate": 0.2}
+  with pytest.raises(ValueError, match="'update_every' is not 'name=value'"):
+    develop.probe_settings("update_every")
+  config = develop_config.get_config()
+  config.num_steps = 1
+  config.develop.heldout_windows = 4
+  config.develop.settings = "update_every=7"
+  table = develop.markov_source(config.develop.vocab, 0.1, 0)
+  heldout = develop.sample_windows(table, 4, config.develop.context + 1, np.random.default_rng(0))
+  rec = develop.run(config, "scsgd_two_sided", 1e-3, 0, table, heldout)
+  assert rec["settings"]["update_every"] == 7 and rec["settings"]["graft_decay"] == 0.999
+  # an empty probe leaves the recorded settings as records made before probes existed
+  config.develop.settings = ""
+  assert "settings" not in develop._settings(config)["develop"]
