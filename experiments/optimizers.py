@@ -148,6 +148,7 @@ BUILDERS = {
     "scsgd_adamw": _scsgd_adamw,
     "scsgd_graft": _scsgd_graft,
     "scsgd_muon": _scsgd_muon,
+    "scsgd_muon_fresh": _scsgd_muon,  # the same, its recipe refreshing the statistics more often (peers.py)
     "scsgd_two_sided": _scsgd_two_sided,
     # peers from other packages (the optional `bench` extra), with their patches: experiments/peers.py
     "muon": _muon,
@@ -162,6 +163,7 @@ FUNCTIONS = {"scsgd": scsgd_jax.scsgd, "sgd": optax.sgd, "adam": optax.adam, "ad
              "nadamw": peers.nadamw, "scsgd_adamw": scsgd_jax.scale_by_sketched_conditioning,
              "scsgd_graft": scsgd_jax.scale_by_sketched_conditioning,
              "scsgd_muon": scsgd_jax.scale_by_sketched_conditioning,
+             "scsgd_muon_fresh": scsgd_jax.scale_by_sketched_conditioning,
              "scsgd_two_sided": scsgd_jax.scale_by_sketched_conditioning,  # both sides' arguments
              "muon": peers.muon, "shampoo": peers.shampoo, "shampoo_input": peers.shampoo_input,
              "sketchy": peers.sketchy, "kfac": peers.kfac}

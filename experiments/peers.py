@@ -320,7 +320,12 @@ INPUT_SIDE = (" (upstream's INPUT preconditioner type, which needs best_effort_s
               "vectors take the grafting step)")
 _OUTPUT_LAYER = {"cnn": "dense2", "transformer": "head", "linear": ""}  # the benchmark models' heads
 # the argument that takes AdamW's tuned rate for Muon's AdamW part, per optimizer that has one
-MUON_ADAM_RATE = {"muon": "adam_learning_rate", "scsgd_muon": "muon_adam_learning_rate"}
+MUON_ADAM_RATE = {"muon": "adam_learning_rate", "scsgd_muon": "muon_adam_learning_rate",
+                  "scsgd_muon_fresh": "muon_adam_learning_rate"}
+# scsgd_muon_fresh: the conditioning's statistics refreshed every 10 steps at EMA rate 0.2, chosen on the
+# development task (experiments/results/develop/probes/fresh_statistics, synthetic data) before any benchmark
+# task ran it
+FRESH_STATISTICS = {"update_every": 10, "ema_rate": 0.2}
 
 
 def _adam_settings(kind: str) -> dict:
@@ -355,13 +360,15 @@ def recipe(name: str, kind: str) -> Recipe:
                   "scsgd_jax.scsgd_two_sided at its defaults: both sides' conditioning grafted onto normalized "
                   "RMSprop as Shampoo's RMSPROP_NORMALIZED grafting (Agarwal et al. 2020; beta2 as Shampoo's above), "
                   "Nesterov 0.9; rate centre Adam's 1e-3 (the grafted step is on Adam's scale)")
-  if name in ("muon", "scsgd_muon"):
+  if name in ("muon", "scsgd_muon", "scsgd_muon_fresh"):
     settings = {"output_layer": _OUTPUT_LAYER[kind], **{f"adam_{k}": v for k, v in adam.items() if k != "decay_matrices_only"}}
     note = "" if _OUTPUT_LAYER[kind] else " (a one-layer model: its only matrix, the output layer, stays on Muon)"
     if name == "muon":
       return Recipe(0.02, settings, MUON + note)
-    return Recipe(0.02, {f"muon_{k}": v for k, v in settings.items()},
-                  f"scsgd_jax's conditioning at its defaults in front of Muon as Muon's recipe: {MUON}{note}")
+    fresh = FRESH_STATISTICS if name == "scsgd_muon_fresh" else {}
+    said = (f"with fresher statistics ({fresh}, chosen on the development task) " if fresh else "at its defaults ")
+    return Recipe(0.02, {**{f"muon_{k}": v for k, v in settings.items()}, **fresh},
+                  f"scsgd_jax's conditioning {said}in front of Muon as Muon's recipe: {MUON}{note}")
   if name == "shampoo":
     return Recipe(1e-3, dict(_SHAMPOO_SETTINGS), SHAMPOO)
   if name == "shampoo_input":

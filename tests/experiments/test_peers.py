@@ -221,3 +221,11 @@ def test_kfac_conv_input_factor_is_the_second_moment_of_the_im2col_patches(expli
   rows = [np.append(xn[b, i:i + 3, j:j + 3, :].reshape(-1), 1.0) for b in range(2) for i in range(4) for j in range(3)]
   p = np.stack(rows)
   np.testing.assert_allclose(a, p.T @ p / len(rows), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", peers.KINDS)
+def test_scsgd_muon_fresh_is_scsgd_muon_with_the_fresher_statistics(kind):
+  base, fresh = peers.recipe("scsgd_muon", kind), peers.recipe("scsgd_muon_fresh", kind)
+  assert fresh.learning_rate == base.learning_rate
+  assert fresh.settings == {**base.settings, "update_every": 10, "ema_rate": 0.2}
+  assert peers.MUON_ADAM_RATE["scsgd_muon_fresh"] == peers.MUON_ADAM_RATE["scsgd_muon"]
