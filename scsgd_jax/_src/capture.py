@@ -31,6 +31,7 @@ from flax import nnx
 
 from scsgd_jax._src import defaults
 from scsgd_jax._src import patches
+from scsgd_jax._src import plan as plan_lib
 
 __all__ = [
     "LayerInput",
@@ -326,8 +327,9 @@ class _Outputs:
 
 
 def _flat(tree) -> dict:
+  """``{'layer/kernel': leaf}``, named as the transformation names kernels (:func:`plan.path_to_str`)."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {"/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in p): v for p, v in flat}
+  return {plan_lib.path_to_str(p): v for p, v in flat}
 
 
 @contextlib.contextmanager
