@@ -15,7 +15,7 @@ def get_config():
   config.batch_size = 16
   config.num_steps = 300
   config.develop = ml_collections.ConfigDict(dict(
-      optimizers=("scsgd_two_sided", "scsgd_graft", "scsgd_muon", "muon", "adamw", "scsgd_adamw", "scsgd", "sgd"),
+      optimizers=("scsgd_two_sided", "scsgd_two_sided_lean", "scsgd_graft", "scsgd_muon", "muon", "adamw", "scsgd_adamw", "scsgd", "sgd"),
       vocab=16, context=64,  # 256 contexts: learnable in a short run (65 symbols: 4,225 were not, at 300 steps)
       concentration=0.1,  # Dirichlet concentration of each context's next-symbol distribution
       source_seed=1234, heldout_windows=256,

@@ -138,6 +138,16 @@ def _scsgd_two_sided(lr, kwargs, config, forward):
   return Optimizer(scsgd_jax.scsgd_two_sided(lr, seed=config.seed, **kwargs), True, needs_output_grads=True)
 
 
+# name -> the arguments its builder fixes (written out in the resolved settings)
+FIXED = {"scsgd_two_sided_lean": {"magnitude": "sign", "split_budget": True}}
+
+
+def _scsgd_two_sided_lean(lr, kwargs, config, forward):
+  """Two-sided conditioning at Adam's memory (issue 20): ``scsgd_jax.scsgd_two_sided`` with the stateless sign
+  magnitude (distributed Shampoo's SQRT_N grafting) and the two sides splitting the memory rule's budget."""
+  return _scsgd_two_sided(lr, {**kwargs, **FIXED["scsgd_two_sided_lean"]}, config, forward)
+
+
 # name -> builder(learning rate schedule, the sub-config as a dict, the whole config, the model's Forward)
 BUILDERS = {
     "scsgd": _scsgd,
@@ -150,6 +160,7 @@ BUILDERS = {
     "scsgd_muon": _scsgd_muon,
     "scsgd_muon_fresh": _scsgd_muon,  # the same, its recipe refreshing the statistics more often (peers.py)
     "scsgd_two_sided": _scsgd_two_sided,
+    "scsgd_two_sided_lean": _scsgd_two_sided_lean,
     # peers from other packages (the optional `bench` extra), with their patches: experiments/peers.py
     "muon": _muon,
     "shampoo": _optax(peers.shampoo),
@@ -165,6 +176,7 @@ FUNCTIONS = {"scsgd": scsgd_jax.scsgd, "sgd": optax.sgd, "adam": optax.adam, "ad
              "scsgd_muon": scsgd_jax.scale_by_sketched_conditioning,
              "scsgd_muon_fresh": scsgd_jax.scale_by_sketched_conditioning,
              "scsgd_two_sided": scsgd_jax.scale_by_sketched_conditioning,  # both sides' arguments
+             "scsgd_two_sided_lean": scsgd_jax.scale_by_sketched_conditioning,
              "muon": peers.muon, "shampoo": peers.shampoo, "shampoo_input": peers.shampoo_input,
              "sketchy": peers.sketchy, "kfac": peers.kfac}
 # name -> (prefix, function): a composite's second part, whose arguments its sub-config holds prefixed
@@ -236,6 +248,7 @@ def resolved_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   out = {k: (v if v is not None or k not in params else params[k].default) for k, v in given.items()}
   if FUNCTIONS[o.name] in (scsgd_jax.scsgd, scsgd_jax.scale_by_sketched_conditioning):
     out.update(scsgd_jax.resolve_static_args(**{k: out.get(k) for k in scsgd_jax.STATIC_ARGS}))
+  out.update(FIXED.get(o.name, {}))
   if o.name in PREFIXED:
     prefix, fn = PREFIXED[o.name]
     for arg, param in inspect.signature(fn).parameters.items():

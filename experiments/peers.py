@@ -360,6 +360,14 @@ def recipe(name: str, kind: str) -> Recipe:
                   "scsgd_jax.scsgd_two_sided at its defaults: both sides' conditioning grafted onto normalized "
                   "RMSprop as Shampoo's RMSPROP_NORMALIZED grafting (Agarwal et al. 2020; beta2 as Shampoo's above), "
                   "Nesterov 0.9; rate centre Adam's 1e-3 (the grafted step is on Adam's scale)")
+  if name == "scsgd_two_sided_lean":
+    # centre: the rate chosen on the development task (experiments/results/develop/, synthetic data; its grid
+    # was centred on Adam's 1e-3), frozen before any benchmark task ran it
+    return Recipe(3.16e-4, {},
+                  "scsgd_jax.scsgd_two_sided at Adam's memory (magnitude='sign', split_budget=True: "
+                  "experiments.optimizers.FIXED): both sides' conditioning at the per-layer norm of sign(g), "
+                  "distributed Shampoo's SQRT_N grafting (Anil et al. 2020), Nesterov 0.9; rate centre 3.16e-4, "
+                  "chosen on the development task (synthetic data)")
   if name in ("muon", "scsgd_muon", "scsgd_muon_fresh"):
     settings = {"output_layer": _OUTPUT_LAYER[kind], **{f"adam_{k}": v for k, v in adam.items() if k != "decay_matrices_only"}}
     note = "" if _OUTPUT_LAYER[kind] else " (a one-layer model: its only matrix, the output layer, stays on Muon)"

@@ -10,8 +10,8 @@ from configs import default
 
 # The rows of every task, in the report's default order (AdamW before Muon and SCSGD+Muon: Muon's AdamW
 # part takes AdamW's tuned rate).
-OPTIMIZERS = ("sgd", "scsgd", "scsgd_adamw", "scsgd_graft", "scsgd_two_sided", "adamw", "nadamw", "muon", "scsgd_muon",
-              "scsgd_muon_fresh", "shampoo", "shampoo_input", "sketchy", "kfac")
+OPTIMIZERS = ("sgd", "scsgd", "scsgd_adamw", "scsgd_graft", "scsgd_two_sided", "scsgd_two_sided_lean", "adamw",
+              "nadamw", "muon", "scsgd_muon", "scsgd_muon_fresh", "shampoo", "shampoo_input", "sketchy", "kfac")
 # MNIST's tasks (LeNet, convex) choose on the last 10,000 training images and report on the test split
 MNIST_HOLDOUT = dict(train_split="train[:50000]", eval_split="train[50000:]")
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Optional
+import inspect
+from typing import Any, Callable, Hashable, Literal, Optional
 
 import optax
 
@@ -94,31 +95,61 @@ def scsgd_two_sided(
     rank: Optional[int] = None,
     *,
     momentum: float = defaults.MOMENTUM,
+    magnitude: Literal["rms", "sign"] = "rms",
+    split_budget: bool = False,
     graft_decay: float = defaults.GRAFT_DECAY,
     graft_eps: float = defaults.GRAFT_EPS,
     seed: int = 0,
     **conditioning,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Two-sided sketched conditioning, grafted: :math:`C^{-1/2} G \Delta^{-1/2}` per kernel (input side from the
-  layer's inputs, output side from its back-propagated output rows), at the per-layer norm of a normalized
-  RMSprop step, then Nesterov momentum (Shampoo's grafting layout; rates on Adam's scale)::
+  layer's inputs, output side from its back-propagated output rows), at the per-layer norm of a base step,
+  then Nesterov momentum (Shampoo's grafting layout; rates on Adam's scale)::
 
-    optax.chain(scale_by_grafting(scale_by_normalized_rms(graft_decay, graft_eps),
+    optax.chain(scale_by_grafting(<magnitude>,
                                   optax.chain(scale_by_sketched_conditioning(rank, ...),
                                               scale_by_output_conditioning(rank, ...))),
                 optax.sgd(learning_rate, momentum=momentum, nesterov=True))
 
   ``update`` takes ``layer_inputs=`` and ``output_grads=`` (see :func:`output_perturbations_nnx`). Leaves
-  neither side conditions (biases, norms) get the grafted RMSprop step itself. ``**conditioning`` goes to
-  both sides (:func:`scale_by_sketched_conditioning`'s arguments), ``seed`` too (the output side's is
-  ``seed + 1``). The state is normalized RMSprop's and momentum's (Adam's two floats per parameter) plus
-  both sides' statistics.
+  neither side conditions (biases, norms) get the grafted base step's direction itself. ``**conditioning``
+  goes to both sides (:func:`scale_by_sketched_conditioning`'s arguments), ``seed`` too (the output side's
+  is ``seed + 1``).
+
+  Memory: momentum's float per parameter, plus the base step's state, plus each side's statistics, each
+  side within the memory rule's budget of one float per parameter (``split_budget=True``: half of it
+  each). ``magnitude='sign', split_budget=True`` keeps the whole state within Adam's two floats per
+  parameter; the default (``'rms'``, a side each) takes up to twice Adam's.
+
+  Args:
+    learning_rate: the rate (or schedule) of the Nesterov SGD that ends the chain.
+    rank: sketch rank ``k`` of both sides (default 32).
+    momentum: Nesterov momentum.
+    magnitude: the base step whose per-layer norm the direction takes: ``'rms'``, normalized RMSprop
+      (:func:`scale_by_normalized_rms`, distributed Shampoo's ``RMSPROP_NORMALIZED``; a float per
+      parameter), or ``'sign'``, ``optax.scale_by_sign`` (distributed Shampoo's ``SQRT_N``: every layer's
+      step has norm :math:`\sqrt{\text{size}}` times the rate; no state).
+    split_budget: the two sides split the memory rule's budget, half each (``statistics='auto'``).
+    graft_decay, graft_eps: normalized RMSprop's (``magnitude='rms'``).
+    seed: seed of the sides' PRNG keys.
   """
   if not callable(learning_rate):
     checks.check_float("learning_rate", learning_rate, low=0.0)
   checks.check_float("momentum", momentum, low=0.0, high=1.0, high_open=True)
-  direction = optax.chain(transform.scale_by_sketched_conditioning(rank, seed=seed, **conditioning),
-                          transform.scale_by_output_conditioning(rank, seed=seed + 1, **conditioning))
+  if magnitude not in ("rms", "sign"):
+    raise ValueError(f"magnitude must be 'rms' or 'sign', got {magnitude!r}.")
+  if not isinstance(split_budget, bool):
+    raise ValueError(f"split_budget must be a bool, got {split_budget!r}.")
+  share = 0.5 if split_budget else 1.0
+  both = set(inspect.signature(transform.scale_by_sketched_conditioning).parameters) - {"rank", "seed", "input_axes"}
+  for name in conditioning:
+    if name not in both:
+      raise TypeError(f"scsgd_two_sided got an argument neither side takes alike: {name}= (both sides take "
+                      f"{sorted(both)}); for one side only, build the chain above from "
+                      "scale_by_sketched_conditioning and scale_by_output_conditioning.")
+  inputs = transform._conditioning(rank, seed=seed, budget_share=share, **conditioning)  # pylint: disable=protected-access
+  outputs = transform.scale_by_output_conditioning(rank, seed=seed + 1, budget_share=share, **conditioning)
+  base = (graft.scale_by_normalized_rms(graft_decay, graft_eps) if magnitude == "rms" else optax.scale_by_sign())
   return optax.chain(
-      graft.scale_by_grafting(graft.scale_by_normalized_rms(graft_decay, graft_eps), direction),
+      graft.scale_by_grafting(base, optax.chain(inputs, outputs)),
       optax.sgd(learning_rate, momentum=momentum, nesterov=True))

@@ -70,6 +70,7 @@ class Spec(NamedTuple):
   input_axes: InputAxes
   choices: "StatisticsChoices"
   default_axes: Callable[[str, Any], tuple[int, ...]] = None  # None: default_input_axes (the output side: its own)
+  share: float = 1.0  # the fraction of the memory rule's budget this transformation's statistics may take
 
 
 class StatisticsChoices:
@@ -190,18 +191,19 @@ def options(n: int, rank: int, oversample: int, full: bool) -> list[Option]:
 
 
 def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], floats: int,
-          budget: str) -> dict[str, int]:
+          budget: str, share: float = 1.0) -> dict[str, int]:
   """Each kernel's option (an index into its list; ``len`` = none fits) under the memory rule.
 
-  Every kernel takes its best option that fits in its own ``n * p`` floats; with ``budget='model'``
-  the ``floats`` the model has left over then go to the kernels of smallest ``n`` first (cheapest
-  to upgrade), each taking its best option that the leftover pays for.
+  Every kernel takes its best option that fits in its own ``n * p`` floats (``share * n * p`` when two
+  transformations split the budget); with ``budget='model'`` the ``floats`` the model has left over then
+  go to the kernels of smallest ``n`` first (cheapest to upgrade), each taking its best option that the
+  leftover pays for.
   """
   chosen = {}
   for path, kernel_opts in opts.items():
     n, p = shapes[path]
     # 'model': 3 = this kernel's clipped-row counter and, were it alone, the count and key beyond Adam's.
-    bound = n * p - (3 if budget == "model" else 0)
+    bound = math.floor(share * n * p) - (3 if budget == "model" else 0)
     chosen[path] = next((i for i, o in enumerate(kernel_opts) if o.floats <= bound), len(kernel_opts))
   if budget == "kernel":
     return chosen
@@ -274,9 +276,10 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Sequence[int]]]
   if opts:
     # budget='model': Adam's state beyond SGD's momentum, one float per parameter, less this state's scalars
     # (count and key beyond Adam's count, a clipped-row counter per kernel) and the embeddings' statistics.
-    floats = sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree)) - 2 - len(axes)
+    # With share < 1 (two transformations splitting the budget) this one gets that fraction of the floats.
+    floats = math.floor(spec.share * sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree))) - 2 - len(axes)
     floats -= sum(state_floats("embedding", dims[p], 0, 0) for p, (kind, _) in decided.items() if kind == "embedding")
-    for path, i in allot(shapes, opts, floats, spec.budget).items():
+    for path, i in allot(shapes, opts, floats, spec.budget, spec.share).items():
       if i < len(opts[path]):  # else nothing fits: plain SGD
         decided[path] = (opts[path][i].kind, opts[path][i].rank)
   ordered = [p for p in axes if p in decided]  # the tree's order
@@ -314,7 +317,7 @@ def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[s
     kind = "dense" if plan.kind == "custom" else plan.kind
     cost = lambda n, k: state_floats(kind, n, k, min((k or 0) + spec.oversample, n))
     if k == 0 and plan.kind == "streaming" or (
-        spec.statistics == "auto" and cost(n, k) > max(cost(plan.n, plan.rank), leaf.size)):
+        spec.statistics == "auto" and cost(n, k) > max(cost(plan.n, plan.rank), math.floor(spec.share * leaf.size))):
       raise ValueError(
           f"kernel '{path}' {tuple(leaf.shape)}: its layer meets its input along axes {axes} (n={n}), but "
           f"init, which sees only the parameters, planned it along the default axes {plan.input_axes} "

@@ -267,15 +267,17 @@ def _conditioning(rank=None, *, update_every=None, ema_rate=defaults.EMA_RATE, c
                   outlier_threshold=defaults.OUTLIER_THRESHOLD, full_max_dim=None, oversample=None,
                   power_iterations=None, eigenvalue_floor=defaults.EIGENVALUE_FLOOR, statistics_every=None,
                   kernel_filter=None, input_axes=None, axis_name=None, seed=0,
-                  default_axes=plan_lib.default_input_axes):
+                  default_axes=plan_lib.default_input_axes, budget_share=1.0):
   """:func:`scale_by_sketched_conditioning` reading a kernel along ``default_axes`` unless told otherwise
-  (the output side passes the kernel's output axes)."""
+  (the output side passes the kernel's output axes), its statistics within ``budget_share`` of the memory
+  rule's budget under ``statistics='auto'`` (the two sides of :func:`scsgd_jax.scsgd_two_sided` splitting it)."""
   static = resolve_static_args(rank=rank, update_every=update_every, full_max_dim=full_max_dim,
                                oversample=oversample, power_iterations=power_iterations,
                                statistics_every=statistics_every)
   _check_choices(conditioner, statistics, budget, warm_start, stagger)
   checks.check_float("outlier_threshold", outlier_threshold, low=1.0, allow_inf=True)
   checks.check_float("ema_rate", ema_rate, low=0.0, high=1.0, low_open=True)
+  checks.check_float("budget_share", budget_share, low=0.0, high=1.0, low_open=True)
   # ema_rate is per step: a fold every s steps weighs its batch 1 - (1 - nu)^s, so the EMA spans as many steps
   fold_rate = 1.0 - (1.0 - ema_rate) ** static["statistics_every"]
   choices = plan_lib.StatisticsChoices(fold_rate, warm_start=warm_start, oversample=static["oversample"],
@@ -283,7 +285,7 @@ def _conditioning(rank=None, *, update_every=None, ema_rate=defaults.EMA_RATE, c
                                        eigenvalue_floor=eigenvalue_floor)
   spec = plan_lib.Spec(static["rank"], static["update_every"], static["full_max_dim"], static["oversample"],
                        conditioner, statistics, budget, stagger, kernel_filter or plan_lib.default_kernel_filter,
-                       input_axes, choices, default_axes)
+                       input_axes, choices, default_axes, budget_share)
   plans = _PlanCache(spec)
 
   def init_fn(params):

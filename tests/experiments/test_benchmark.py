@@ -205,7 +205,7 @@ def test_every_optimizer_takes_steps_on_every_task(task, tmp_path):
   source = dict(as_data_source_fn=_shakespeare_source) if config.dataset == "tiny_shakespeare" else {}
   names = benchmark.names(config)
   assert set(names) == {"sgd", "scsgd", "adamw", "nadamw", "muon", "shampoo", "shampoo_input", "sketchy", "kfac",
-                        "scsgd_adamw", "scsgd_graft", "scsgd_two_sided", "scsgd_muon",
+                        "scsgd_adamw", "scsgd_graft", "scsgd_two_sided", "scsgd_two_sided_lean", "scsgd_muon",
                         "scsgd_muon_fresh"}
   # the peers broadcast implicitly; the library's own tests keep rank promotion an error (conftest)
   with tfds.testing.mock_data(num_examples=64, **source), jax.numpy_rank_promotion("allow"):

@@ -131,16 +131,19 @@ def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
   assert resolved["update_every"] == 1 and resolved["rank"] == scsgd_jax.resolve_static_args()["rank"]
 
 
-def test_scsgd_two_sided_is_the_library_alias_with_its_settings():
-  """The factory's scsgd_two_sided equals scsgd_jax.scsgd_two_sided built by hand (the sub-config's graft and
-  conditioning settings reach it) and asks the step for both the input rows and the output gradients."""
+@pytest.mark.parametrize("name,fixed", [("scsgd_two_sided", {}),
+                                        ("scsgd_two_sided_lean", {"magnitude": "sign", "split_budget": True})])
+def test_scsgd_two_sided_is_the_library_alias_with_its_settings(name, fixed):
+  """The factory's scsgd_two_sided (and its Adam-memory row, whose builder fixes two arguments) equals
+  scsgd_jax.scsgd_two_sided built by hand (the sub-config's graft and conditioning settings reach it), asks the
+  step for both the input rows and the output gradients, and its record writes the fixed arguments out."""
   config = helpers.smoke_config()
-  config.optimizer.name = "scsgd_two_sided"
-  config.optimizer.scsgd_two_sided = optimizers.sub_config("scsgd_two_sided", graft_decay=0.9, update_every=1)
+  config.optimizer.name = name
+  config.optimizer[name] = optimizers.sub_config(name, graft_decay=0.9, update_every=1)
   opt = optimizers.create(config)
   assert opt.needs_layer_inputs and opt.needs_output_grads and optimizers.capture_mode(opt) == "two_sided"
   by_hand = scsgd_jax.scsgd_two_sided(optimizers.learning_rate(config), graft_decay=0.9, update_every=1,
-                                      seed=config.seed)
+                                      seed=config.seed, **fixed)
   rng = np.random.default_rng(0)
   params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
   s1, s2 = opt.tx.init(params), by_hand.init(params)
@@ -154,6 +157,7 @@ def test_scsgd_two_sided_is_the_library_alias_with_its_settings():
       np.testing.assert_allclose(a, b, rtol=1e-6)
   resolved = optimizers.resolved_settings(config)
   assert resolved["graft_decay"] == 0.9 and resolved["update_every"] == 1
+  assert {k: resolved[k] for k in fixed} == fixed
 
 
 def test_scsgd_muon_is_the_conditioning_in_front_of_the_benchmarks_muon():

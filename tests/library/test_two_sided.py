@@ -118,41 +118,6 @@ class MLP(nnx.Module):
     return self.fc2(nnx.relu(self.fc1(x)))
 
 
-def test_scsgd_two_sided_first_step_by_hand():
-  """A 2-layer MLP: fc1's delta back-propagated by hand, its first step is the grafted, momentum-scaled
-  C^{-1/2} G Delta^{-1/2} at the norm of normalized RMSprop's first step (sign(g): sqrt(size))."""
-  model = MLP(nnx.Rngs(0))
-  x = jnp.asarray(RNG.standard_normal((32, 5)), jnp.float32)
-  target = jnp.asarray(RNG.standard_normal((32, 3)), jnp.float32)
-  tx = sk.scsgd_two_sided(LR, conditioner="full", statistics="dense", ema_rate=1.0, update_every=1,
-                          statistics_every=1)
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  w1, w2 = np.asarray(model.fc1.kernel[...], np.float64), np.asarray(model.fc2.kernel[...], np.float64)
-
-  @nnx.jit
-  def step(model, optimizer):
-    perturbations = sk.output_perturbations_nnx(model, x)
-
-    def loss_fn(model, perturbations):
-      out, li = sk.capture_nnx(model, x, output_perturbations=perturbations)
-      return 0.5 * jnp.mean(jnp.sum((out - target) ** 2, axis=-1)), li
-
-    (loss, li), (grads, output_grads) = nnx.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-        model, perturbations)
-    optimizer.update(model, grads, layer_inputs=li, output_grads=output_grads)
-    return loss
-
-  step(model, optimizer)
-  xs, ts = np.asarray(x, np.float64), np.asarray(target, np.float64)
-  h = xs @ w1
-  delta2 = (np.maximum(h, 0) @ w2 - ts) / 32
-  delta1 = (delta2 @ w2.T) * (h > 0)
-  g1 = xs.T @ delta1
-  direction = floored_power(xs.T @ xs / 32, -0.5) @ g1 @ floored_power(delta1.T @ delta1 / 32, -0.5)
-  expected = -LR * (1 + defaults.MOMENTUM) * direction * np.sqrt(g1.size) / np.linalg.norm(direction)
-  np.testing.assert_allclose(np.asarray(model.fc1.kernel[...]) - w1, expected, rtol=2e-3, atol=1e-5)
-
-
 def test_two_sided_step_does_not_depend_on_the_loss_scale():
   """Grafted, the step is invariant to multiplying the loss by 1e4 (both sides' floors are relative)."""
   layer = nnx.Linear(8, 6, use_bias=False, rngs=nnx.Rngs(0))
@@ -188,3 +153,107 @@ def test_output_side_errors_name_the_culprit():
 
   with pytest.raises(NotImplementedError, match="'fc/kernel' is called more than once"):
     sk.output_perturbations_nnx(Twice(), X3)
+
+
+def _mlp_two_sided_direction(xs, w1, w2, ts):
+  """Both layers' ``C^{-1/2} G Delta^{-1/2}`` (floored, this batch's statistics) and the loss's gradients."""
+  m = xs.shape[0]
+  h = xs @ w1
+  r = np.maximum(h, 0)
+  delta2 = (r @ w2 - ts) / m
+  delta1 = (delta2 @ w2.T) * (h > 0)
+  out = []
+  for x, d in ((xs, delta1), (r, delta2)):
+    g = x.T @ d
+    out.append((floored_power(x.T @ x / m, -0.5) @ g @ floored_power(d.T @ d / m, -0.5), g))
+  return out
+
+
+@pytest.mark.parametrize("magnitude", ["rms", "sign"])
+def test_scsgd_two_sided_two_steps_by_hand(magnitude):
+  """Two steps of the 2-layer MLP: each layer's direction at the norm of the base step (``sign``:
+  ``sqrt(size)`` every step; ``rms``: normalized RMSprop's second step from its bias-corrected second
+  moment), then Nesterov momentum; the sides' statistics are each step's batch (ema_rate=1)."""
+  model = MLP(nnx.Rngs(0))
+  rng = np.random.default_rng(3)
+  batches = [(rng.standard_normal((32, 5)), rng.standard_normal((32, 3))) for _ in range(2)]
+  tx = sk.scsgd_two_sided(LR, magnitude=magnitude, conditioner="full", statistics="dense", ema_rate=1.0,
+                          update_every=1, statistics_every=1)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x, target):
+    perturbations = sk.output_perturbations_nnx(model, x)
+
+    def loss_fn(model, perturbations):
+      out, li = sk.capture_nnx(model, x, output_perturbations=perturbations)
+      return 0.5 * jnp.mean(jnp.sum((out - target) ** 2, axis=-1)), li
+
+    (_, li), (grads, output_grads) = nnx.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(model, perturbations)
+    optimizer.update(model, grads, layer_inputs=li, output_grads=output_grads)
+
+  w = [np.asarray(model.fc1.kernel[...], np.float64), np.asarray(model.fc2.kernel[...], np.float64)]
+  trace, nu = [0.0, 0.0], [0.0, 0.0]
+  decay = defaults.GRAFT_DECAY
+  for t, (x, target) in enumerate(batches, start=1):
+    step(model, optimizer, jnp.asarray(x, jnp.float32), jnp.asarray(target, jnp.float32))
+    for i, (d, g) in enumerate(_mlp_two_sided_direction(x, *w, target)):
+      if magnitude == "sign":
+        norm = np.sqrt(g.size)
+      else:
+        unit = g / np.linalg.norm(g)
+        nu[i] = decay * nu[i] + (1 - decay) * unit ** 2
+        norm = np.linalg.norm(unit / (np.sqrt(nu[i] / (1 - decay ** t)) + defaults.GRAFT_EPS))
+      grafted = d * norm / np.linalg.norm(d)
+      trace[i] = grafted + defaults.MOMENTUM * trace[i]
+      w[i] = w[i] - LR * (grafted + defaults.MOMENTUM * trace[i])
+    np.testing.assert_allclose(np.asarray(model.fc1.kernel[...]), w[0], rtol=2e-3, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(model.fc2.kernel[...]), w[1], rtol=2e-3, atol=2e-5)
+
+
+class TinyLM(nnx.Module):
+  """An embedding, an attention-shaped and an MLP-shaped block and a head (two-sided's memory test)."""
+
+  def __init__(self, rngs, v=65, d=32):
+    self.embed = nnx.Embed(v, d, rngs=rngs)
+    self.qkv, self.out = nnx.Linear(d, 3 * d, rngs=rngs), nnx.Linear(d, d, rngs=rngs)
+    self.up, self.down = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+    self.norm, self.head = nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, v, rngs=rngs)
+
+
+@pytest.mark.parametrize("magnitude,split_budget,within_adam", [("sign", True, True), ("rms", True, False),
+                                                                  ("sign", False, False)])
+def test_two_sided_state_is_within_adams_with_sign_magnitude_and_split_budget(magnitude, split_budget, within_adam):
+  """``magnitude='sign', split_budget=True``: momentum plus both sides' statistics fit in Adam's two floats per
+  parameter (the sides take half the memory rule's budget each); the base step's state or a side each do not."""
+  params = nnx.as_pure(nnx.state(TinyLM(nnx.Rngs(0)), nnx.Param))
+  floats = lambda state: sum(np.size(x) for x in jax.tree.leaves(state))
+  adam = floats(optax.adam(0.1).init(params))
+  state = sk.scsgd_two_sided(LR, magnitude=magnitude, split_budget=split_budget).init(params)
+  assert (floats(state) <= adam) == within_adam, (floats(state), adam)
+  if within_adam:  # and the sides spend the budget: every kernel (but the embedding's output) on both sides
+    sides = state[0].direction
+    assert set(sides[1].factors) == {"qkv/kernel", "out/kernel", "up/kernel", "down/kernel", "head/kernel"}
+    assert set(sides[0].factors) == set(sides[1].factors) | {"embed/embedding"}
+    assert floats(state) >= 0.95 * adam
+
+
+def test_sign_magnitude_gives_an_unconditioned_leaf_its_normalized_gradient():
+  """A bias (neither side conditions it) gets ``g sqrt(size) / |g|`` at the first step, times the rate and momentum."""
+  layer = nnx.Linear(8, 6, rngs=nnx.Rngs(0))
+  target = jnp.asarray(RNG.standard_normal((2, 5, 6)), jnp.float32)
+  params = nnx.as_pure(nnx.state(layer, nnx.Param))
+  li, grads, deltas = _nnx_grads(layer, X3, target)
+  tx = sk.scsgd_two_sided(LR, magnitude="sign", split_budget=True)
+  bias = tx.update(grads, tx.init(params), params, layer_inputs=li, output_grads=deltas)[0]["bias"]
+  g = np.asarray(grads["bias"], np.float64)
+  np.testing.assert_allclose(bias, -LR * (1 + defaults.MOMENTUM) * g * np.sqrt(g.size) / np.linalg.norm(g),
+                             rtol=1e-5)
+
+
+def test_scsgd_two_sided_refuses_an_argument_one_side_would_take_alone():
+  for bad in ({"input_axes": {"kernel": (0,)}}, {"max_rows": 8}, {"budget_share": 0.3}):
+    with pytest.raises(TypeError, match=f"neither side takes alike: {next(iter(bad))}="):
+      sk.scsgd_two_sided(LR, **bad)
+  with pytest.raises(ValueError, match="magnitude must be 'rms' or 'sign', got 'adam'"):
+    sk.scsgd_two_sided(LR, magnitude="adam")
