@@ -134,8 +134,22 @@ def _scsgd_graft(lr, kwargs, config, forward):
 
 def _scsgd_two_sided(lr, kwargs, config, forward):
   """Two-sided conditioning (inputs and back-propagated outputs) grafted onto normalized RMSprop, then Nesterov
-  momentum (issue 20, direction 1): ``scsgd_jax.scsgd_two_sided``."""
-  return Optimizer(scsgd_jax.scsgd_two_sided(lr, seed=config.seed, **kwargs), True, needs_output_grads=True)
+  momentum (issue 20, direction 1): ``scsgd_jax.scsgd_two_sided``.
+
+  Two probes of issue 20's direction 4 (development task only, off unless given): ``momentum_first=True`` takes
+  the Nesterov momentum of the raw gradient before conditioning and grafting (``optax.trace`` in front, the
+  alias without momentum); ``condition_embeddings=False`` leaves embeddings unconditioned (their grafted
+  gradient), the filter the output side uses by default."""
+  kwargs = dict(kwargs)
+  momentum_first = kwargs.pop("momentum_first", False)
+  if not kwargs.pop("condition_embeddings", True):
+    kwargs["kernel_filter"] = scsgd_jax.output_kernel_filter
+  if not momentum_first:
+    return Optimizer(scsgd_jax.scsgd_two_sided(lr, seed=config.seed, **kwargs), True, needs_output_grads=True)
+  momentum = kwargs.pop("momentum", inspect.signature(scsgd_jax.scsgd_two_sided).parameters["momentum"].default)
+  tx = optax.chain(optax.trace(momentum, nesterov=True),
+                   scsgd_jax.scsgd_two_sided(lr, momentum=0.0, seed=config.seed, **kwargs))
+  return Optimizer(tx, True, needs_output_grads=True)
 
 
 # name -> the arguments its builder fixes (written out in the resolved settings)

@@ -189,3 +189,37 @@ def test_scsgd_muon_is_the_conditioning_in_front_of_the_benchmarks_muon():
   first, _ = opt.tx.update(grads, opt.tx.init(params), params, **extra)
   u3, _ = plain.update(grads, plain.init(params), params)
   assert not np.allclose(u3["dense"]["kernel"], first["dense"]["kernel"], rtol=1e-3)
+
+
+def test_two_sided_probes_momentum_first_and_unconditioned_embeddings():
+  """The development probes of issue 20's direction 4: ``momentum_first`` is Nesterov momentum of the raw
+  gradient in front of the alias without momentum (its first step is the default's over ``1 + momentum``: the
+  grafted direction does not see the trace's scale); ``condition_embeddings=False`` plans no embedding."""
+  rng = np.random.default_rng(0)
+  params = {"embed": {"embedding": jnp.ones((5, 6))}, "dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
+  grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+  extra = {"layer_inputs": {"embed": {"embedding": jnp.asarray([0, 1, 1, 3], jnp.int32)},
+                            "dense": {"kernel": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32)}},
+           "output_grads": {"dense": {"kernel": jnp.asarray(rng.standard_normal((8, 3)), jnp.float32)}}}
+  steps = {}
+  for probe in ("", "momentum_first", "condition_embeddings"):
+    config = helpers.smoke_config()
+    config.optimizer.name = "scsgd_two_sided"
+    values = {"momentum_first": True} if probe == "momentum_first" else (
+        {"condition_embeddings": False} if probe else {})
+    config.optimizer.scsgd_two_sided = optimizers.sub_config("scsgd_two_sided", **values)
+    opt = optimizers.create(config)
+    state = opt.tx.init(params)
+    steps[probe], state = opt.tx.update(grads, state, params, **extra)
+    sides = [x for x in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "summary")) if hasattr(x, "summary")]
+    conditioned = set(sides[0].summary())  # the input side's kernels
+    if probe == "condition_embeddings":
+      assert conditioned == {"dense/kernel"}
+    elif probe == "":
+      assert conditioned == {"dense/kernel", "embed/embedding"}
+  momentum = inspect.signature(scsgd_jax.scsgd_two_sided).parameters["momentum"].default
+  for a, b in zip(jax.tree.leaves(steps["momentum_first"]), jax.tree.leaves(steps[""])):
+    np.testing.assert_allclose(a, b / (1 + momentum), rtol=1e-5, atol=1e-8)
+  for path in (("dense", "kernel"), ("dense", "bias")):  # only the embedding's step changes
+    np.testing.assert_allclose(steps["condition_embeddings"][path[0]][path[1]], steps[""][path[0]][path[1]], rtol=1e-6)
+  assert not np.allclose(steps["condition_embeddings"]["embed"]["embedding"], steps[""]["embed"]["embedding"])
