@@ -137,9 +137,10 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
     median = float(np.median(timed))
     out[vname] = {"median_ms": median, "window_mean_ms": float(by_position.mean()),
                   "slowest_position_over_median": float(by_position.max() / median)}
-    opt_state = state[2]
-    if vname.startswith("scsgd") and hasattr(opt_state[0], "summary"):
-      out[vname]["kernels"] = opt_state[0].summary()
+    # what each conditioning transformation planned (two-sided: the input side, then the output side)
+    sides = [s for s in jax.tree.leaves(state[2], is_leaf=lambda x: hasattr(x, "summary")) if hasattr(s, "summary")]
+    for label, side in zip(("kernels", "output_kernels"), sides):
+      out[vname][label] = side.summary()
   base = out[BASELINE]
   for entry in out.values():
     entry["median_vs_sgd"] = entry["median_ms"] / base["median_ms"]
