@@ -22,6 +22,7 @@ def get_config():
       "scsgd_two_sided_lean": {"name": "scsgd_two_sided_lean"},  # at Adam's memory (same rule)
       "sgd_capture": {"name": "sgd", "capture": "rows"},  # phases: the capture's cost
       "scsgd_no_fold": {"name": "scsgd", "statistics_every": 10**9},  # phases: all but the fold
+      "scsgd_no_stagger": {"name": "scsgd", "stagger": False},  # every kernel refreshing at the same step
   })
   # name -> one example's shape, classes (text: vocabulary), batch
   config.models = ml_collections.ConfigDict({

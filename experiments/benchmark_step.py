@@ -5,7 +5,8 @@ extra time goes.
 
 Per model, every variant's jitted training step (forward, backward, update; SCSGD's with the capture) is
 built through the experiments' optimizer factory and run **interleaved step by step** in one process, so
-the machine's drift hits all alike. Each step is synced and timed. Reported per variant, as ratios to
+the machine's drift hits all alike. Each step is synced and timed, with Python's garbage collector off (as
+``timeit``). Reported per variant, as ratios to
 Nesterov SGD's figure of the same run:
 
 - ``median``: the median step;
@@ -21,6 +22,7 @@ variant), ``fold`` (SCSGD less that) and ``refresh`` (window mean less median).
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any, Callable
@@ -115,14 +117,19 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
   key = jax.random.PRNGKey(0)
   total = period * (config.windows + 1)  # the first window is warm-up (compilation, warm-start refreshes)
   names = list(variants)
-  for i in range(total):
-    # each round starts at another variant: no variant always runs first (or after the same one)
-    for v in (variants[names[(j + i) % len(names)]] for j in range(len(names))):
-      t = time.perf_counter()
-      params, rest, opt_state, loss = v[0](*v[1], xs[i % 4], ys[i % 4], jax.random.fold_in(key, i))
-      jax.block_until_ready(loss)
-      v[2].append(time.perf_counter() - t)
-      v[1] = [params, rest, opt_state]
+  gc.collect()
+  gc.disable()  # as timeit does: a collection would land on whichever step is running
+  try:
+    for i in range(total):
+      # each round starts at another variant: no variant always runs first (or after the same one)
+      for v in (variants[names[(j + i) % len(names)]] for j in range(len(names))):
+        t = time.perf_counter()
+        params, rest, opt_state, loss = v[0](*v[1], xs[i % 4], ys[i % 4], jax.random.fold_in(key, i))
+        jax.block_until_ready(loss)
+        v[2].append(time.perf_counter() - t)
+        v[1] = [params, rest, opt_state]
+  finally:
+    gc.enable()
   out = {}
   for vname, (_, state, times, _) in variants.items():
     timed = 1e3 * np.asarray(times[period:])
@@ -130,9 +137,10 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
     median = float(np.median(timed))
     out[vname] = {"median_ms": median, "window_mean_ms": float(by_position.mean()),
                   "slowest_position_over_median": float(by_position.max() / median)}
-    opt_state = state[2]
-    if vname.startswith("scsgd") and hasattr(opt_state[0], "summary"):
-      out[vname]["kernels"] = opt_state[0].summary()
+    # what each conditioning transformation planned (two-sided: the input side, then the output side)
+    sides = [s for s in jax.tree.leaves(state[2], is_leaf=lambda x: hasattr(x, "summary")) if hasattr(s, "summary")]
+    for label, side in zip(("kernels", "output_kernels"), sides):
+      out[vname][label] = side.summary()
   base = out[BASELINE]
   for entry in out.values():
     entry["median_vs_sgd"] = entry["median_ms"] / base["median_ms"]
