@@ -13,7 +13,15 @@ Nesterov SGD's figure of the same run:
 - ``window_mean``: for each position of the refresh window (``update_every`` steps) the median over the
   windows timed, then their mean: the cost per step with the refreshes in their true proportion, robust
   to the machine's random stalls (a refresh repeats at its position, a stall does not);
-- ``slowest_position_over_median``: the slowest of those positions over the variant's median.
+- ``slowest_position_over_median``: the slowest of those positions over the variant's median;
+- ``per_window_vs_sgd``: each window's mean step over SGD's in the same window, the spread a reader reads
+  the ratios' noise from. ``sgd_again``, a second copy of SGD's step, is the run's A/A control: any
+  distance of its ratios from 1.0 is noise (or an order effect), not cost.
+
+Every round of steps runs the variants in a fresh random order (``order_seed``), so no variant is tied to a
+place in the round (after another's step, first after a refresh) at any position of the window. A model's
+``apart`` variants (Muon on the single Dense layers, whose 6-30x steps would evict the caches of the others)
+run in a second interleaved pass with SGD and are compared with SGD's step of that pass (``timed_apart``).
 
 SCSGD's extra time is split by phase from variants timed in the same loop: ``capture`` (SGD's step that
 also computes the captured rows), ``apply`` (SCSGD with the statistics never folded, less the capture
@@ -102,49 +110,77 @@ def _data(model_name: str, shape: tuple, classes: int, batch: int, n: int, seed:
   return x, rng.integers(0, classes, (n, batch)).astype(np.int32)
 
 
+def _interleaved(config, variants: dict[str, list], period: int, xs, ys) -> dict[str, np.ndarray]:
+  """Every variant's step times (ms, warm-up window dropped), the variants run interleaved step by step."""
+  key = jax.random.PRNGKey(0)
+  total = period * (config.windows + 1)  # the first window is warm-up (compilation, warm-start refreshes)
+  names = list(variants)
+  times = {name: [] for name in names}
+  order = np.random.default_rng(config.order_seed)
+  gc.collect()
+  gc.disable()  # as timeit does: a collection would land on whichever step is running
+  try:
+    for i in range(total):
+      # each round in a fresh random order: no variant is tied to a place in the round at any window position
+      for name in (names[j] for j in order.permutation(len(names))):
+        v = variants[name]
+        t = time.perf_counter()
+        params, rest, opt_state, loss = v[0](*v[1], xs[i % 4], ys[i % 4], jax.random.fold_in(key, i))
+        jax.block_until_ready(loss)
+        times[name].append(time.perf_counter() - t)
+        v[1] = [params, rest, opt_state]
+  finally:
+    gc.enable()
+  return {name: 1e3 * np.asarray(t[period:]) for name, t in times.items()}
+
+
+def _figures(timed: np.ndarray, base: np.ndarray, period: int, windows: int) -> dict[str, Any]:
+  """A variant's figures from its step times and SGD's of the same pass."""
+
+  def window_mean(t):  # each position's median over the windows, then their mean
+    return float(np.mean([np.median(t[p::period]) for p in range(period)]))
+
+  by_position = np.asarray([np.median(timed[p::period]) for p in range(period)])
+  median = float(np.median(timed))
+  # the run's own noise: the ratio window by window (each window's mean step over SGD's in that window)
+  per_window = timed.reshape(windows, period).mean(axis=1) / base.reshape(windows, period).mean(axis=1)
+  return {"median_ms": median, "window_mean_ms": float(by_position.mean()),
+          "slowest_position_over_median": float(by_position.max() / median),
+          "median_vs_sgd": median / float(np.median(base)), "window_mean_vs_sgd": float(by_position.mean()) / window_mean(base),
+          "per_window_vs_sgd": [float(r) for r in per_window]}
+
+
 def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[str, Any]:
   shape, classes, batch = tuple(spec["shape"]), spec["classes"], spec["batch"]
   period = scsgd_jax.resolve_static_args()["update_every"]  # the library's refresh period
   xs, ys = _data(name, shape, classes, batch, 4)
-  variants: dict[str, tuple[Callable, list]] = {}
+  variants: dict[str, list] = {}
   for vname, variant in config.variants.items():
     variant = dict(variant)
     capture = variant.pop("capture", None)
     opt = optimizers.create(optimizers.variant(config.run, variant))
     tx, capture = opt.tx, capture or optimizers.capture_mode(opt)
     fn, params, rest, opt_state = jitted_step(_model(name, shape, classes), tx, capture, config.run.max_rows or None)
-    variants[vname] = [fn, [params, rest, opt_state], [], tx]
-  key = jax.random.PRNGKey(0)
-  total = period * (config.windows + 1)  # the first window is warm-up (compilation, warm-start refreshes)
-  names = list(variants)
-  gc.collect()
-  gc.disable()  # as timeit does: a collection would land on whichever step is running
-  try:
-    for i in range(total):
-      # each round starts at another variant: no variant always runs first (or after the same one)
-      for v in (variants[names[(j + i) % len(names)]] for j in range(len(names))):
-        t = time.perf_counter()
-        params, rest, opt_state, loss = v[0](*v[1], xs[i % 4], ys[i % 4], jax.random.fold_in(key, i))
-        jax.block_until_ready(loss)
-        v[2].append(time.perf_counter() - t)
-        v[1] = [params, rest, opt_state]
-  finally:
-    gc.enable()
+    variants[vname] = [fn, [params, rest, opt_state]]
+  # a model may time some variants apart, each pass with SGD's own step as its baseline: on one large Dense
+  # layer Muon's step is ~30x SGD's, and interleaved with the others it evicts the caches their steps would
+  # find warm, inflating their times by up to 0.2x SGD's (measured: issue 18's notes in results/README.md)
+  apart = [v for v in spec.get("apart", ()) if v in variants]
+  passes = [[v for v in variants if v not in apart]] + ([[BASELINE] + apart] if apart else [])
   out = {}
-  for vname, (_, state, times, _) in variants.items():
-    timed = 1e3 * np.asarray(times[period:])
-    by_position = np.asarray([np.median(timed[p::period]) for p in range(period)])
-    median = float(np.median(timed))
-    out[vname] = {"median_ms": median, "window_mean_ms": float(by_position.mean()),
-                  "slowest_position_over_median": float(by_position.max() / median)}
+  for names in passes:
+    times = _interleaved(config, {v: variants[v] for v in names}, period, xs, ys)
+    for vname in names:
+      if vname not in out:
+        out[vname] = _figures(times[vname], times[BASELINE], period, config.windows)
+        if vname in apart:
+          out[vname]["timed_apart"] = True  # against SGD's step of its own pass
+  for vname in out:
     # what each conditioning transformation planned (two-sided: the input side, then the output side)
+    state = variants[vname][1]
     sides = [s for s in jax.tree.leaves(state[2], is_leaf=lambda x: hasattr(x, "summary")) if hasattr(s, "summary")]
     for label, side in zip(("kernels", "output_kernels"), sides):
       out[vname][label] = side.summary()
-  base = out[BASELINE]
-  for entry in out.values():
-    entry["median_vs_sgd"] = entry["median_ms"] / base["median_ms"]
-    entry["window_mean_vs_sgd"] = entry["window_mean_ms"] / base["window_mean_ms"]
   if {"sgd_capture", "scsgd_no_fold", "scsgd"} <= set(out):
     sgd, cap, nofold, full = (out[k]["median_ms"] for k in ("sgd", "sgd_capture", "scsgd_no_fold", "scsgd"))
     out["phases_ms_per_step"] = {"capture": cap - sgd, "apply": nofold - cap, "fold": full - nofold,

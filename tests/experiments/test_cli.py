@@ -130,6 +130,8 @@ def test_benchmark_takes_config_overrides_and_writes_its_results_file(tmp_path):
   assert result["sgd"]["median_vs_sgd"] == 1.0
   assert set(result) >= {"sgd", "adamw", "muon", "scsgd", "sgd_capture", "scsgd_no_fold", "phases_ms_per_step"}
   assert list(result["scsgd"]["kernels"]) == ["kernel"]  # the one Dense kernel is conditioned
+  assert len(result["sgd_again"]["per_window_vs_sgd"]) == 1 and result["sgd"]["per_window_vs_sgd"] == [1.0]
+  assert result["muon"]["timed_apart"] and "timed_apart" not in result["scsgd"]  # Muon in a pass of its own
 
 
 def test_recorded_command_names_the_package_of_a_package_main(monkeypatch):
