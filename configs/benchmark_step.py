@@ -30,8 +30,8 @@ def get_config():
       "scsgd_no_stagger": {"name": "scsgd", "stagger": False},  # every kernel refreshing at the same step
   })
   # name -> one example's shape, classes (text: vocabulary), batch, and the variants timed apart (in a second
-  # pass with SGD): Muon's step on one large Dense layer is 6-30x SGD's, and in the rotation its steps evict
-  # the caches the others' steps would find warm
+  # pass with SGD): Muon's step on one large Dense layer is 6-30x SGD's, and interleaved its steps evict the
+  # caches the others' steps would find warm
   config.models = ml_collections.ConfigDict({
       "lenet": {"shape": (28, 28, 1), "classes": 10, "batch": 64},
       "char_transformer": {"shape": (64,), "classes": 65, "batch": 16},

@@ -33,7 +33,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -136,17 +136,15 @@ def _interleaved(config, variants: dict[str, list], period: int, xs, ys) -> dict
 
 def _figures(timed: np.ndarray, base: np.ndarray, period: int, windows: int) -> dict[str, Any]:
   """A variant's figures from its step times and SGD's of the same pass."""
-
-  def window_mean(t):  # each position's median over the windows, then their mean
-    return float(np.mean([np.median(t[p::period]) for p in range(period)]))
-
-  by_position = np.asarray([np.median(timed[p::period]) for p in range(period)])
-  median = float(np.median(timed))
+  by_position = lambda t: np.median(t.reshape(windows, period), axis=0)  # each position's median over the windows
+  positions = by_position(timed)
+  median, window_mean = float(np.median(timed)), float(positions.mean())
   # the run's own noise: the ratio window by window (each window's mean step over SGD's in that window)
   per_window = timed.reshape(windows, period).mean(axis=1) / base.reshape(windows, period).mean(axis=1)
-  return {"median_ms": median, "window_mean_ms": float(by_position.mean()),
-          "slowest_position_over_median": float(by_position.max() / median),
-          "median_vs_sgd": median / float(np.median(base)), "window_mean_vs_sgd": float(by_position.mean()) / window_mean(base),
+  return {"median_ms": median, "window_mean_ms": window_mean,
+          "slowest_position_over_median": float(positions.max() / median),
+          "median_vs_sgd": median / float(np.median(base)),
+          "window_mean_vs_sgd": window_mean / float(by_position(base).mean()),
           "per_window_vs_sgd": [float(r) for r in per_window]}
 
 
@@ -162,9 +160,7 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
     tx, capture = opt.tx, capture or optimizers.capture_mode(opt)
     fn, params, rest, opt_state = jitted_step(_model(name, shape, classes), tx, capture, config.run.max_rows or None)
     variants[vname] = [fn, [params, rest, opt_state]]
-  # a model may time some variants apart, each pass with SGD's own step as its baseline: on one large Dense
-  # layer Muon's step is ~30x SGD's, and interleaved with the others it evicts the caches their steps would
-  # find warm, inflating their times by up to 0.2x SGD's (measured: issue 18's notes in results/README.md)
+  # the model's `apart` variants run in a second pass with SGD (the module's docstring says why)
   apart = [v for v in spec.get("apart", ()) if v in variants]
   passes = [[v for v in variants if v not in apart]] + ([[BASELINE] + apart] if apart else [])
   out = {}
