@@ -5,16 +5,13 @@ import ml_collections
 from configs import mnist
 
 
-HEAVY = ("muon", "scsgd_muon")
-
-
 def get_config():
   config = ml_collections.ConfigDict()
   # The experiments' settings every variant is built from (learning rates, the capture's max_rows, the
   # optimizers' sub-configs); the learning rate does not change a step's cost.
   config.run = mnist.get_config()
-  config.windows = 4  # refresh windows timed, after one of warm-up
-  config.order_seed = 0  # each round of steps runs the variants in a random order drawn from this seed
+  config.windows = 8  # refresh windows timed per pass, after one of warm-up
+  config.order_seed = 0  # each round of steps runs SGD and the variant in a random order drawn from this seed
   # name -> the optimizer and its sub-config values; 'capture': 'rows' computes the captured rows unused
   config.variants = ml_collections.ConfigDict({
       "sgd": {"name": "sgd"},
@@ -29,17 +26,15 @@ def get_config():
       "scsgd_no_fold": {"name": "scsgd", "statistics_every": 10**9},  # phases: all but the fold
       "scsgd_no_stagger": {"name": "scsgd", "stagger": False},  # every kernel refreshing at the same step
   })
-  # name -> one example's shape, classes (text: vocabulary), batch, and the variants timed apart (in a second
-  # pass with SGD): Muon's step on one large Dense layer is 6-30x SGD's, and interleaved its steps evict the
-  # caches the others' steps would find warm
+  # name -> one example's shape, classes (text: vocabulary) and batch
   config.models = ml_collections.ConfigDict({
       "lenet": {"shape": (28, 28, 1), "classes": 10, "batch": 64},
       "char_transformer": {"shape": (64,), "classes": 65, "batch": 16},
       "transformer_lm": {"shape": (64,), "classes": 65, "batch": 16},
       "small_resnet": {"shape": (16, 16, 3), "classes": 10, "batch": 32},
-      "dense_256": {"shape": (256,), "classes": 1024, "batch": 256, "apart": HEAVY},
-      "dense_1024": {"shape": (1024,), "classes": 1024, "batch": 256, "apart": HEAVY},
-      "dense_2048": {"shape": (2048,), "classes": 1024, "batch": 256, "apart": HEAVY},
+      "dense_256": {"shape": (256,), "classes": 1024, "batch": 256},
+      "dense_1024": {"shape": (1024,), "classes": 1024, "batch": 256},
+      "dense_2048": {"shape": (2048,), "classes": 1024, "batch": 256},
   })
   config.only = ""  # comma-separated models to run ("": all)
   return config

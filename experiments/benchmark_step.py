@@ -4,10 +4,13 @@ extra time goes.
   python -m experiments.benchmark_step --config configs/benchmark_step.py [--results_dir experiments/results]
 
 Per model, every variant's jitted training step (forward, backward, update; SCSGD's with the capture) is
-built through the experiments' optimizer factory and run **interleaved step by step** in one process, so
-the machine's drift hits all alike. Each step is synced and timed, with Python's garbage collector off (as
-``timeit``). Reported per variant, as ratios to
-Nesterov SGD's figure of the same run:
+built through the experiments' optimizer factory and timed **in a pass of its own with Nesterov SGD's step,
+the two interleaved step by step** in one process, so the machine's drift hits both alike and no third
+program evicts the caches a user's one training program finds warm (with eleven variants interleaved in one
+pass, every step started cold, which cost the variants with more state most: issue 18). Each step is synced
+and timed, with Python's garbage collector off (as ``timeit``). Every round runs the pair in a fresh random
+order (``order_seed``), so neither is tied to a place in the round at any position of the window. Reported
+per variant, as ratios to SGD's figure of the same pass:
 
 - ``median``: the median step;
 - ``window_mean``: for each position of the refresh window (``update_every`` steps) the median over the
@@ -15,17 +18,13 @@ Nesterov SGD's figure of the same run:
   to the machine's random stalls (a refresh repeats at its position, a stall does not);
 - ``slowest_position_over_median``: the slowest of those positions over the variant's median;
 - ``per_window_vs_sgd``: each window's mean step over SGD's in the same window, the spread a reader reads
-  the ratios' noise from. ``sgd_again``, a second copy of SGD's step, is the run's A/A control: any
-  distance of its ratios from 1.0 is noise (or an order effect), not cost.
+  the ratios' noise from. ``sgd_again``, a second copy of SGD's step, is the A/A control: any distance of
+  its ratios from 1.0 is noise (or an order effect), not cost.
 
-Every round of steps runs the variants in a fresh random order (``order_seed``), so no variant is tied to a
-place in the round (after another's step, first after a refresh) at any position of the window. A model's
-``apart`` variants (Muon on the single Dense layers, whose 6-30x steps would evict the caches of the others)
-run in a second interleaved pass with SGD and are compared with SGD's step of that pass (``timed_apart``).
-
-SCSGD's extra time is split by phase from variants timed in the same loop: ``capture`` (SGD's step that
-also computes the captured rows), ``apply`` (SCSGD with the statistics never folded, less the capture
-variant), ``fold`` (SCSGD less that) and ``refresh`` (window mean less median).
+SCSGD's extra time is split by phase from the ratios of variants, in ms of SGD's median step of SCSGD's
+pass: ``capture`` (SGD's step that also computes the captured rows), ``apply`` (SCSGD with the statistics
+never folded, less the capture variant), ``fold`` (SCSGD less that) and ``refresh`` (SCSGD's window mean
+less its median, each over SGD's: the refreshes' share of the window beyond SGD's own spread).
 """
 
 from __future__ import annotations
@@ -52,6 +51,7 @@ from experiments import report
 
 FLAGS = flags.FLAGS
 BASELINE = "sgd"
+CONTROL = "sgd_again"  # the A/A control: SGD's step timed against itself
 
 
 def _model(name: str, shape: tuple, classes: int) -> nnx.Module:
@@ -160,17 +160,17 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
     tx, capture = opt.tx, capture or optimizers.capture_mode(opt)
     fn, params, rest, opt_state = jitted_step(_model(name, shape, classes), tx, capture, config.run.max_rows or None)
     variants[vname] = [fn, [params, rest, opt_state]]
-  # the model's `apart` variants run in a second pass with SGD (the module's docstring says why)
-  apart = [v for v in spec.get("apart", ()) if v in variants]
-  passes = [[v for v in variants if v not in apart]] + ([[BASELINE] + apart] if apart else [])
-  out = {}
-  for names in passes:
-    times = _interleaved(config, {v: variants[v] for v in names}, period, xs, ys)
-    for vname in names:
-      if vname not in out:
-        out[vname] = _figures(times[vname], times[BASELINE], period, config.windows)
-        if vname in apart:
-          out[vname]["timed_apart"] = True  # against SGD's step of its own pass
+  out, sgd_times = {}, None
+  for vname in variants:
+    if vname == BASELINE:
+      continue
+    times = _interleaved(config, {BASELINE: variants[BASELINE], vname: variants[vname]}, period, xs, ys)
+    out[vname] = _figures(times[vname], times[BASELINE], period, config.windows)
+    out[vname]["sgd_median_ms"] = float(np.median(times[BASELINE]))  # SGD's step in this variant's pass
+    if sgd_times is None or vname == CONTROL:
+      sgd_times = times[BASELINE]
+  # SGD's own figures (its slowest position, its spread): from the A/A control's pass
+  out = {BASELINE: _figures(sgd_times, sgd_times, period, config.windows), **out}
   for vname in out:
     # what each conditioning transformation planned (two-sided: the input side, then the output side)
     state = variants[vname][1]
@@ -178,9 +178,11 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
     for label, side in zip(("kernels", "output_kernels"), sides):
       out[vname][label] = side.summary()
   if {"sgd_capture", "scsgd_no_fold", "scsgd"} <= set(out):
-    sgd, cap, nofold, full = (out[k]["median_ms"] for k in ("sgd", "sgd_capture", "scsgd_no_fold", "scsgd"))
-    out["phases_ms_per_step"] = {"capture": cap - sgd, "apply": nofold - cap, "fold": full - nofold,
-                                 "refresh": out["scsgd"]["window_mean_ms"] - full}
+    cap, nofold, full = (out[k]["median_vs_sgd"] for k in ("sgd_capture", "scsgd_no_fold", "scsgd"))
+    sgd = out["scsgd"]["sgd_median_ms"]
+    out["phases_ms_per_step"] = {"capture": (cap - 1.0) * sgd, "apply": (nofold - cap) * sgd,
+                                 "fold": (full - nofold) * sgd,
+                                 "refresh": (out["scsgd"]["window_mean_vs_sgd"] - full) * sgd}
   return out
 
 
