@@ -21,10 +21,10 @@ per variant, as ratios to SGD's figure of the same pass:
   the ratios' noise from. ``sgd_again``, a second copy of SGD's step, is the A/A control: any distance of
   its ratios from 1.0 is noise (or an order effect), not cost.
 
-SCSGD's extra time is split by phase from the ratios of variants, in ms of SGD's median step of SCSGD's
-pass: ``capture`` (SGD's step that also computes the captured rows), ``apply`` (SCSGD with the statistics
-never folded, less the capture variant), ``fold`` (SCSGD less that) and ``refresh`` (SCSGD's window mean
-less its median, each over SGD's: the refreshes' share of the window beyond SGD's own spread).
+SCSGD's extra time is split by phase (:func:`phases`) from the ratios of variants, in ms of SGD's median
+step of SCSGD's pass: ``capture`` (SGD's step that also computes the captured rows), ``apply`` (SCSGD with
+the statistics never folded, its median, less the capture variant's), ``refresh`` (that variant's window
+mean less its median) and ``fold`` (SCSGD's window mean less that variant's).
 """
 
 from __future__ import annotations
@@ -148,6 +148,19 @@ def _figures(timed: np.ndarray, base: np.ndarray, period: int, windows: int) -> 
           "per_window_vs_sgd": [float(r) for r in per_window]}
 
 
+def phases(out: dict[str, Any]) -> dict[str, float]:
+  """SCSGD's extra ms per step by phase, from the ratios to SGD's step (in ms of SGD's median step of SCSGD's
+  pass). Medians only of steps alike (SGD's with the capture; SCSGD never folding, whose refreshes are a few
+  positions of the window): SCSGD's own median falls between its folding and its other steps, so the fold
+  is read from window means. The four add up to SCSGD's window-mean ratio less 1."""
+  cap, nofold, full = (out[k] for k in ("sgd_capture", "scsgd_no_fold", "scsgd"))
+  sgd = full["sgd_median_ms"]
+  return {"capture": (cap["median_vs_sgd"] - 1.0) * sgd,
+          "apply": (nofold["median_vs_sgd"] - cap["median_vs_sgd"]) * sgd,
+          "refresh": (nofold["window_mean_vs_sgd"] - nofold["median_vs_sgd"]) * sgd,
+          "fold": (full["window_mean_vs_sgd"] - nofold["window_mean_vs_sgd"]) * sgd}
+
+
 def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[str, Any]:
   shape, classes, batch = tuple(spec["shape"]), spec["classes"], spec["batch"]
   period = scsgd_jax.resolve_static_args()["update_every"]  # the library's refresh period
@@ -178,11 +191,7 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
     for label, side in zip(("kernels", "output_kernels"), sides):
       out[vname][label] = side.summary()
   if {"sgd_capture", "scsgd_no_fold", "scsgd"} <= set(out):
-    cap, nofold, full = (out[k]["median_vs_sgd"] for k in ("sgd_capture", "scsgd_no_fold", "scsgd"))
-    sgd = out["scsgd"]["sgd_median_ms"]
-    out["phases_ms_per_step"] = {"capture": (cap - 1.0) * sgd, "apply": (nofold - cap) * sgd,
-                                 "fold": (full - nofold) * sgd,
-                                 "refresh": (out["scsgd"]["window_mean_vs_sgd"] - full) * sgd}
+    out["phases_ms_per_step"] = phases(out)
   return out
 
 

@@ -25,6 +25,7 @@ def describe() -> dict:
       "jax": jax.__version__,
       "backend": jax.default_backend(),
       "devices": [str(d) for d in jax.devices()],
+      "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS", "unset"),  # experiments/__init__.py
   }
 
 
