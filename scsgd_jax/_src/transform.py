@@ -140,8 +140,8 @@ def _guard_rows(rows: jax.Array, reference: jax.Array, threshold) -> tuple[jax.A
 
   ``reference`` is the running ``tr C`` (the expected squared row norm); before any
   data it is the batch's median squared norm (its mean if the median is 0). The squared
-  norms are one pass over the rows; only when one of them overflows or underflows (rows of
-  ~1e19, or of ~1e-19 and below) are they taken again with a per-row rescale, under a
+  norms are one pass over the rows; only when one of them overflows (rows of ~1e19) or falls
+  below 1e-30 (rows of ~1e-16) are the norms taken again with a per-row rescale, under a
   ``lax.cond`` that ordinary batches never enter.
   """
   sq = jnp.sum(jnp.square(rows), axis=1)
