@@ -139,33 +139,21 @@ def _guard_rows(rows: jax.Array, reference: jax.Array, threshold) -> tuple[jax.A
   """Clips rows whose squared norm exceeds ``threshold * reference`` back to that bound; returns the count.
 
   ``reference`` is the running ``tr C`` (the expected squared row norm); before any
-  data it is the batch's median squared norm (its mean if the median is 0). The squared
-  norms are one pass over the rows; only when one of them overflows (rows of ~1e19) or falls
-  below 1e-30 (rows of ~1e-16) are the norms taken again with a per-row rescale, under a
-  ``lax.cond`` that ordinary batches never enter.
+  data it is the batch's median squared norm (its mean if the median is 0). Norms
+  are taken with a per-row rescale, so rows of 1e18 do not overflow.
   """
-  sq = jnp.sum(jnp.square(rows), axis=1)
   scale = jnp.max(jnp.abs(rows), axis=1)
-  plain = jnp.all(jnp.isfinite(sq) & ((sq >= _SMALLEST_SQUARE) | (scale == 0)))
-  norms = jax.lax.cond(plain, lambda: jnp.sqrt(sq), lambda: _rescaled_norms(rows, scale))
+  safe = jnp.where(scale > 0, scale, 1.0)
+  norms = safe * jnp.sqrt(jnp.sum(jnp.square(rows / safe[:, None]), axis=1))
+  norms = jnp.where(scale > 0, norms, 0.0)
   sq = jnp.square(norms)
   batch_ref = jnp.median(sq)
   batch_ref = jnp.where(batch_ref > 0, batch_ref, jnp.mean(sq))
-  bound = jnp.sqrt(threshold) * jnp.sqrt(jnp.where(reference > 0, reference, batch_ref))  # no overflow at 1e38
+  ref = jnp.where(reference > 0, reference, batch_ref)
+  bound = jnp.sqrt(threshold * ref)
   over = norms > bound
   factor = jnp.where(over, bound / jnp.where(over, norms, 1.0), 1.0)
   return rows * factor[:, None], jnp.sum(over).astype(jnp.int32)
-
-
-# below this a squared row norm has lost float32 precision (the smallest normal float32 is ~1.2e-38)
-_SMALLEST_SQUARE = 1e-30
-
-
-def _rescaled_norms(rows: jax.Array, scale: jax.Array) -> jax.Array:
-  """Row norms computed as ``scale * |rows / scale|``: no overflow or underflow at any finite scale."""
-  safe = jnp.where(scale > 0, scale, 1.0)
-  norms = safe * jnp.sqrt(jnp.sum(jnp.square(rows / safe[:, None]), axis=1))
-  return jnp.where(scale > 0, norms, 0.0)
 
 
 def _identity_factor(plan: plan_lib.KernelPlan) -> sketch.Factor:
@@ -327,9 +315,9 @@ def _conditioning(rank=None, *, update_every=None, ema_rate=defaults.EMA_RATE, c
       new_stats, clipped = fold(operand)
     else:
       new_stats, clipped = jax.lax.cond(state.count % static["statistics_every"] == 0, fold, lambda o: o, operand)
-    warm = _warm_due(state.count, static["update_every"], warm_start, static["statistics_every"])
-    factors, key = _refresh(kernel_plans, new_stats, state.factors, state.key, state.count,
-                            static["update_every"], warm)
+    due = lambda count, phase: _refresh_due(count, phase, static["update_every"], warm_start,
+                                            static["statistics_every"])
+    factors, key = _refresh(kernel_plans, new_stats, state.factors, state.key, state.count, due)
     return _condition(updates, kernel_plans, factors), state._replace(
         count=optax.safe_increment(state.count), key=key, statistics=new_stats, factors=factors,
         clipped_rows=clipped)
@@ -505,13 +493,14 @@ def _fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None)
   return new_stats, new_clipped
 
 
-def _warm_due(count, update_every: int, warm_start: bool, statistics_every: int):
-  """Whether every kernel refreshes at step ``count`` for the warm start: after 1, 2, 4, ... folds, until
-  ``update_every`` (its periodic refreshes then take over)."""
-  if not warm_start:
-    return jnp.zeros([], bool)
-  t = count // statistics_every + 1  # folds so far
-  return (count % statistics_every == 0) & (count + 1 < update_every) & ((t & (t - 1)) == 0)
+def _refresh_due(count, phase: int, update_every: int, warm_start: bool, statistics_every: int):
+  """Whether a kernel of ``phase`` refreshes at step ``count`` (and, warm, after 1, 2, 4, ... folds)."""
+  due = (count >= phase) & ((count - phase) % update_every == 0)
+  if warm_start:
+    t = count // statistics_every + 1  # folds so far
+    folded = count % statistics_every == 0
+    due |= folded & (count + 1 < update_every) & ((t & (t - 1)) == 0)
+  return due
 
 
 def _condition(updates, kernel_plans, factors):
@@ -564,46 +553,35 @@ def _checked_rows(kernel_plans: dict[str, plan_lib.KernelPlan], layer_inputs) ->
   return rows
 
 
-def _refresh(kernel_plans, stats, old_factors, key, count, update_every: int, warm):
-  """New factors of the kernels whose refresh is due: kernel ``i`` at the steps ``phase_i + j * update_every``
-  (all kernels where ``warm``); kernels of equal shape within a phase are ``vmap``-ed.
-
-  The step runs one ``lax.switch`` over the phases (its first branch: none due) inside one ``lax.cond`` on
-  ``warm``, so a step that refreshes nothing pays for two conditionals, not one per phase.
-  """
+def _refresh(kernel_plans, stats, old_factors, key, count, refresh_due: Callable):
+  """New factors of the kernels whose refresh is due: one ``lax.cond`` per phase, equal shapes ``vmap``-ed."""
   keys = jax.random.split(key, len(kernel_plans) + 1)
   key_of = dict(zip(kernel_plans, keys[1:]))
   by_phase = collections.defaultdict(list)
   for path, plan in kernel_plans.items():
     by_phase[plan.phase].append(path)
-  phases = sorted(by_phase)
+  factors = dict(old_factors)
+  for phase, paths in by_phase.items():
 
-  def refresh(paths, factors):
-    groups = collections.defaultdict(list)
-    for p in paths:
-      plan = kernel_plans[p]
-      groups[(plan.kind, plan.n, plan.rank, id(plan.statistics))].append(p)
-    factors = dict(factors)
-    for group in groups.values():
-      plan = kernel_plans[group[0]]
-      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[stats[p] for p in group])
-      group_keys = jnp.stack([key_of[p] for p in group])
-      out = jax.vmap(lambda s, kk, plan=plan: _kept_factor(plan, plan.statistics.factor(s, kk, plan.rank)))(
-          stacked, group_keys)
-      for i, p in enumerate(group):
-        # never replace a good factor by a non-finite one
-        factors[p] = _keep_if_not_finite(jax.tree.map(lambda a, i=i: a[i], out), factors[p])
-    return factors
+    def do_refresh(operand, paths=paths):
+      group_stats, group_factors = operand
+      groups = collections.defaultdict(list)
+      for p in paths:
+        plan = kernel_plans[p]
+        groups[(plan.kind, plan.n, plan.rank, id(plan.statistics))].append(p)
+      new = {}
+      for group in groups.values():
+        plan = kernel_plans[group[0]]
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[group_stats[p] for p in group])
+        group_keys = jnp.stack([key_of[p] for p in group])
+        out = jax.vmap(lambda s, kk, plan=plan: _kept_factor(plan, plan.statistics.factor(s, kk, plan.rank)))(
+            stacked, group_keys)
+        for i, p in enumerate(group):
+          # never replace a good factor by a non-finite one
+          new[p] = _keep_if_not_finite(jax.tree.map(lambda a, i=i: a[i], out), group_factors[p])
+      return new
 
-  def refresh_all(factors):
-    for phase in phases:
-      factors = refresh(by_phase[phase], factors)
-    return factors
-
-  def scheduled(factors):
-    position = count % update_every  # a phase is below update_every, so position == phase implies count >= phase
-    branch = sum(jnp.where(position == phase, i + 1, 0) for i, phase in enumerate(phases))
-    branches = [dict] + [lambda f, paths=by_phase[phase]: refresh(paths, f) for phase in phases]
-    return jax.lax.switch(branch, branches, factors)
-
-  return jax.lax.cond(warm, refresh_all, scheduled, dict(old_factors)), keys[0]
+    operand = ({p: stats[p] for p in paths}, {p: old_factors[p] for p in paths})
+    factors.update(jax.lax.cond(
+        refresh_due(count, phase), do_refresh, lambda o: dict(o[1]), operand))
+  return factors, keys[0]
