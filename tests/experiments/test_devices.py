@@ -8,6 +8,7 @@ import sys
 import jax
 import numpy as np
 
+import scsgd_jax
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,5 +29,12 @@ def test_smoke_run_on_four_devices_equals_one_device(tmp_path):
   assert four.splitlines()[0] == "devices: 4 device(s) (cpu, cpu), data parallel"
   (a, sa), (b, sb) = helpers.final_state(str(tmp_path / "one")), helpers.final_state(str(tmp_path / "four"))
   assert sa == sb == 40
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-5)
+  # A factor is compared by the operator A^{-1} it applies: the basis Q is defined up to the sign of each
+  # column (and a rotation within a near-degenerate eigenspace), which LAPACK picks from rounding-level
+  # differences such as the order of the 4 devices' sums.
+  is_factor = lambda x: isinstance(x, scsgd_jax.Factor)
+  for x, y in zip(jax.tree.leaves(a, is_leaf=is_factor), jax.tree.leaves(b, is_leaf=is_factor), strict=True):
+    if is_factor(x):
+      x, y = scsgd_jax.inverse_matrix(x), scsgd_jax.inverse_matrix(y)
+    x, y = np.asarray(x), np.asarray(y)
+    np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5 * max(1.0, float(np.abs(y).max())))
