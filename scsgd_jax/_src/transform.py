@@ -150,7 +150,7 @@ def _guard_rows(rows: jax.Array, reference: jax.Array, threshold) -> tuple[jax.A
   batch_ref = jnp.median(sq)
   batch_ref = jnp.where(batch_ref > 0, batch_ref, jnp.mean(sq))
   ref = jnp.where(reference > 0, reference, batch_ref)
-  bound = jnp.sqrt(threshold * ref)
+  bound = jnp.sqrt(threshold) * jnp.sqrt(ref)  # not sqrt(threshold * ref): that overflows at ref ~ 3e36
   over = norms > bound
   factor = jnp.where(over, bound / jnp.where(over, norms, 1.0), 1.0)
   return rows * factor[:, None], jnp.sum(over).astype(jnp.int32)

@@ -240,22 +240,35 @@ def test_warm_start_conditions_the_first_step_with_the_first_batch():
   np.testing.assert_allclose(u["d"]["kernel"], (v / np.sqrt(w)) @ v.T @ g, rtol=1e-3, atol=1e-5)
 
 
-def test_staggered_refreshes_spread_kernels_over_the_window():
-  tx = sk.scale_by_sketched_conditioning(statistics="dense", conditioner="full", update_every=8, warm_start=False)
-  params = {f"l{i}": {"kernel": jnp.zeros((3, 4))} for i in range(4)}
+@pytest.mark.parametrize("warm_start,kernels,update_every,statistics_every,expected", [
+    (False, 4, 8, 2, {"l0/kernel": [0, 8], "l1/kernel": [2, 10], "l2/kernel": [4, 12], "l3/kernel": [6, 14]}),
+    # warm: every kernel also after 1, 2, 4 folds (steps 0, 2, 6), then at its phase
+    (True, 4, 8, 2, {"l0/kernel": [0, 2, 6, 8], "l1/kernel": [0, 2, 6, 10], "l2/kernel": [0, 2, 4, 6, 12],
+                     "l3/kernel": [0, 2, 6, 14]}),
+    # more kernels than steps in the window: two kernels share each phase
+    (False, 4, 2, 1, {"l0/kernel": list(range(0, 16, 2)), "l1/kernel": list(range(0, 16, 2)),
+                      "l2/kernel": list(range(1, 16, 2)), "l3/kernel": list(range(1, 16, 2))}),
+])
+def test_staggered_refreshes_spread_kernels_over_the_window(warm_start, kernels, update_every, statistics_every,
+                                                            expected):
+  """Kernel ``i`` of ``K`` refreshes at steps ``phase_i + j N`` (``phase_i = i N // K``), and, warm, also at the
+  warm start's steps; read off the factors that change (each refresh sees newly folded rows)."""
+  tx = sk.scale_by_sketched_conditioning(statistics="dense", conditioner="full", update_every=update_every,
+                                         warm_start=warm_start, statistics_every=statistics_every)
+  params = {f"l{i}": {"kernel": jnp.zeros((3, 4))} for i in range(kernels)}
   state = tx.init(params)
   step = jax.jit(tx.update)
   grads = jax.tree.map(jnp.ones_like, params)
   rng = np.random.default_rng(5)
   refreshed = {p: [] for p in state.factors}
   for t in range(16):
-    li = {f"l{i}": {"kernel": jnp.asarray(rng.standard_normal((6, 3)), jnp.float32)} for i in range(4)}
+    li = {f"l{i}": {"kernel": jnp.asarray(rng.standard_normal((6, 3)), jnp.float32)} for i in range(kernels)}
     _, new = step(grads, state, params, layer_inputs=li)
     for p in refreshed:
       if not np.allclose(new.factors[p].b_inv, state.factors[p].b_inv):
         refreshed[p].append(t)
     state = new
-  assert refreshed == {"l0/kernel": [0, 8], "l1/kernel": [2, 10], "l2/kernel": [4, 12], "l3/kernel": [6, 14]}
+  assert refreshed == expected
 
 
 # ---------------------------------------------------------------- outliers
@@ -310,6 +323,22 @@ def test_guard_clips_rows_above_threshold_times_reference():
   # no reference yet (warm start, first batch): the batch median is the reference
   clipped, count = transform._guard_rows(rows, jnp.asarray(0.0), 100.0)
   assert int(count) == 2
+
+
+@pytest.mark.parametrize("scale,reference", [(1.0, 30.0), (1e19, 3e37), (1e-18, 3e-35)])
+def test_guard_clips_to_the_bound_at_any_scale(scale, reference):
+  """Against float64: rows over ``sqrt(threshold * reference)`` come back with exactly that norm, the others
+  unchanged, also where float32's squared norms overflow (1e19) or lose precision (1e-18) and the norms
+  are taken again with a per-row rescale."""
+  rows64 = np.r_[np.ones((6, 4)), np.full((2, 4), 100.0)] * scale
+  rows = jnp.asarray(rows64, jnp.float32)
+  clipped, count = transform._guard_rows(rows, jnp.asarray(reference, jnp.float32), 100.0)
+  bound = np.sqrt(100.0 * np.float64(np.float32(reference)))
+  norms = np.linalg.norm(np.asarray(rows, np.float64), axis=1)
+  expected = np.asarray(rows, np.float64) * np.where(norms > bound, bound / norms, 1.0)[:, None]
+  assert int(count) == 2
+  np.testing.assert_allclose(np.asarray(clipped, np.float64), expected, rtol=1e-5, atol=0)
+  assert np.all(np.isfinite(np.asarray(clipped)))
 
 
 @pytest.mark.parametrize("warm_start", [False, True])
