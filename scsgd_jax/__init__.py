@@ -2,16 +2,16 @@
 
 from scsgd_jax._src.alias import scsgd as scsgd
 from scsgd_jax._src.alias import scsgd_two_sided as scsgd_two_sided
-from scsgd_jax._src.capture import CapturedInputs as CapturedInputs
-from scsgd_jax._src.capture import LayerInput as LayerInput
-from scsgd_jax._src.capture import apply_gradients as apply_gradients
-from scsgd_jax._src.capture import capture_linen as capture_linen
-from scsgd_jax._src.capture import capture_nnx as capture_nnx
-from scsgd_jax._src.capture import input_axes_linen as input_axes_linen
-from scsgd_jax._src.capture import input_axes_nnx as input_axes_nnx
-from scsgd_jax._src.capture import layer_rows as layer_rows
-from scsgd_jax._src.capture import output_perturbations_linen as output_perturbations_linen
-from scsgd_jax._src.capture import output_perturbations_nnx as output_perturbations_nnx
+from scsgd_jax._src.captured import CapturedInputs as CapturedInputs
+from scsgd_jax._src.capture_nnx import LayerInput as LayerInput
+from scsgd_jax._src.capture_linen import apply_gradients as apply_gradients
+from scsgd_jax._src.capture_linen import capture_linen as capture_linen
+from scsgd_jax._src.capture_nnx import capture_nnx as capture_nnx
+from scsgd_jax._src.capture_linen import input_axes_linen as input_axes_linen
+from scsgd_jax._src.capture_nnx import input_axes_nnx as input_axes_nnx
+from scsgd_jax._src.layers import layer_rows as layer_rows
+from scsgd_jax._src.capture_linen import output_perturbations_linen as output_perturbations_linen
+from scsgd_jax._src.capture_nnx import output_perturbations_nnx as output_perturbations_nnx
 from scsgd_jax._src.graft import GraftState as GraftState
 from scsgd_jax._src.graft import scale_by_grafting as scale_by_grafting
 from scsgd_jax._src.graft import scale_by_normalized_rms as scale_by_normalized_rms
@@ -42,10 +42,10 @@ from scsgd_jax._src.plan import default_input_axes as default_input_axes
 from scsgd_jax._src.plan import default_kernel_filter as default_kernel_filter
 from scsgd_jax._src.transform import STATIC_ARGS as STATIC_ARGS
 from scsgd_jax._src.transform import ScaleBySketchedConditioningState as ScaleBySketchedConditioningState
-from scsgd_jax._src.transform import default_output_axes as default_output_axes
-from scsgd_jax._src.transform import output_kernel_filter as output_kernel_filter
+from scsgd_jax._src.output import default_output_axes as default_output_axes
+from scsgd_jax._src.output import output_kernel_filter as output_kernel_filter
 from scsgd_jax._src.transform import resolve_static_args as resolve_static_args
-from scsgd_jax._src.transform import scale_by_output_conditioning as scale_by_output_conditioning
+from scsgd_jax._src.output import scale_by_output_conditioning as scale_by_output_conditioning
 from scsgd_jax._src.transform import scale_by_sketched_conditioning as scale_by_sketched_conditioning
 
 __version__ = "0.2.0.dev0"

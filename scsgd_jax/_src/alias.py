@@ -10,6 +10,7 @@ import optax
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
 from scsgd_jax._src import graft
+from scsgd_jax._src import output
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import transform
 
@@ -147,8 +148,9 @@ def scsgd_two_sided(
       raise TypeError(f"scsgd_two_sided got an argument neither side takes alike: {name}= (both sides take "
                       f"{sorted(both)}); for one side only, build the chain above from "
                       "scale_by_sketched_conditioning and scale_by_output_conditioning.")
-  inputs = transform._conditioning(rank, seed=seed, budget_share=share, **conditioning)  # pylint: disable=protected-access
-  outputs = transform.scale_by_output_conditioning(rank, seed=seed + 1, budget_share=share, **conditioning)
+  args = transform.arguments("scsgd_two_sided", rank, seed=seed, **conditioning)
+  inputs = transform.conditioning(args, budget_share=share)
+  outputs = output.output_conditioning({**args, "seed": seed + 1}, budget_share=share)
   base = (graft.scale_by_normalized_rms(graft_decay, graft_eps) if magnitude == "rms" else optax.scale_by_sign())
   return optax.chain(
       graft.scale_by_grafting(base, optax.chain(inputs, outputs)),

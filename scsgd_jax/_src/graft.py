@@ -1,4 +1,4 @@
-"""Layer-wise grafting: one optimizer's direction at another's step size (issue 20, direction 2).
+"""Layer-wise grafting: one optimizer's direction at another's step size.
 
 Agarwal, Anil, Hazan, Koren & Zhang, "Disentangling Adaptive Gradient Methods from Learning Rates"
 (arXiv:2002.11803, 2020): per parameter, the update of ``direction`` rescaled to the norm of the

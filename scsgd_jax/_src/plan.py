@@ -224,7 +224,7 @@ def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], flo
 # ------------------------------------------------------------------------------------------- plans
 
 
-def _check_rank(path: str, n: int, k: int) -> None:
+def _check_kernel_rank(path: str, n: int, k: int) -> None:
   if k >= n:
     raise ValueError(
         f"rank={k} must be < n={n}, the input dimension of kernel '{path}'; "
@@ -240,17 +240,17 @@ def _fixed(spec: Spec, path: str, n: int) -> Optional[tuple[str, Optional[int]]]
   """``(kind, rank)`` of a kernel when ``statistics`` is not ``'auto'``; ``None`` under ``'auto'``."""
   full = _full(spec, n)
   if spec.conditioner == "sketched":
-    _check_rank(path, n, spec.rank)
+    _check_kernel_rank(path, n, spec.rank)
   if isinstance(spec.statistics, stats_lib.CorrelationStatistics) or spec.statistics == "dense" or (
       spec.conditioner == "full" and spec.statistics != "diagonal"):
     if not full:
-      _check_rank(path, n, spec.rank)
+      _check_kernel_rank(path, n, spec.rank)
     kind = "dense" if isinstance(spec.statistics, str) else "custom"
     return kind, None if full else spec.rank
   if spec.statistics == "diagonal":
     return "diagonal", 0
   if spec.statistics == "streaming":
-    _check_rank(path, n, spec.rank)
+    _check_kernel_rank(path, n, spec.rank)
     return "streaming", spec.rank
   return None
 
@@ -311,7 +311,7 @@ def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[s
     if plan.kind in ("dense", "custom"):
       k = None if spec.conditioner != "sketched" and (_full(spec, n) or plan.rank is None or plan.rank >= n) else k
       if k is not None and k >= n:
-        _check_rank(path, n, k)
+        _check_kernel_rank(path, n, k)
     elif plan.kind == "streaming":
       k = min(plan.rank, n - 1)
     kind = "dense" if plan.kind == "custom" else plan.kind

@@ -45,7 +45,6 @@ __all__ = [
     "sketched_factor_from_data",
 ]
 
-DEFAULT_EIGENVALUE_FLOOR = defaults.SKETCH_EIGENVALUE_FLOOR
 _TINY = 1e-30
 
 
@@ -163,7 +162,7 @@ def sketched_factor(
     *,
     oversample: int = defaults.SKETCH_OVERSAMPLE,
     power_iterations: int = 1,
-    eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
+    eigenvalue_floor: float = defaults.SKETCH_EIGENVALUE_FLOOR,
 ) -> Factor:
   r"""Sketched conditioner of Algorithm 1 computed from a correlation matrix ``C``.
 
@@ -193,7 +192,7 @@ def sketched_factor(
   """
   c = jnp.asarray(correlation)
   n = c.shape[-1]
-  _check_rank(rank, n)
+  _check_sketch_rank(rank, n)
   r = min(rank + oversample, n)
   c = 0.5 * (c + c.T)
   trace = jnp.trace(c)
@@ -215,7 +214,7 @@ def sketched_factor_from_data(
     *,
     oversample: int = defaults.SKETCH_OVERSAMPLE,
     power_iterations: int = 0,
-    eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
+    eigenvalue_floor: float = defaults.SKETCH_EIGENVALUE_FLOOR,
 ) -> Factor:
   r"""Algorithm 1 on the data matrix ``X`` (``n x m``, columns are examples), in ``O(m n k)``.
 
@@ -229,7 +228,7 @@ def sketched_factor_from_data(
   """
   x = jnp.asarray(x)
   n, m = x.shape
-  _check_rank(rank, n)
+  _check_sketch_rank(rank, n)
   r = min(rank + oversample, n)
   omega = jax.random.normal(key, (m, r), x.dtype) / jnp.sqrt(jnp.asarray(r, x.dtype))
   p, _ = jnp.linalg.qr(x @ omega)
@@ -249,7 +248,7 @@ def nystrom_factor(
     trace: jax.Array,
     rank: int,
     *,
-    eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
+    eigenvalue_floor: float = defaults.SKETCH_EIGENVALUE_FLOOR,
 ) -> Factor:
   r"""Sketched conditioner from a streamed sketch ``Y = C Omega``: single-pass Nystrom, then Algorithm 1's ``B``, ``a``.
 
@@ -280,7 +279,7 @@ def nystrom_factor(
   """
   y = jnp.asarray(sketch_y)
   n, r = y.shape
-  _check_rank(rank, r)
+  _check_sketch_rank(rank, r)
   trace = jnp.asarray(trace, y.dtype)
   # Scale-free: work with C / tr C so that extreme scales stay in range.
   unit = jnp.where(trace > _TINY, trace, 1.0)
@@ -301,7 +300,7 @@ def nystrom_factor(
 
 
 def diagonal_factor(
-    diagonal: jax.Array, *, eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR
+    diagonal: jax.Array, *, eigenvalue_floor: float = defaults.SKETCH_EIGENVALUE_FLOOR
 ) -> Factor:
   r"""``A = diag(C)^{1/2}``: exact Theorem 1 when ``C`` is diagonal (one-hot inputs of an embedding).
 
@@ -321,7 +320,7 @@ def low_rank_factor(
     correlation: jax.Array,
     rank: int,
     *,
-    eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
+    eigenvalue_floor: float = defaults.SKETCH_EIGENVALUE_FLOOR,
 ) -> Factor:
   """Exact rank-k conditioner of Section 2.2: ``Q = U_k`` (top-k eigenvectors of ``C``), ``B = C~^{1/2}``, ``a`` of Theorem 2.
 
@@ -329,13 +328,13 @@ def low_rank_factor(
   """
   c = jnp.asarray(correlation)
   n = c.shape[-1]
-  _check_rank(rank, n)
+  _check_sketch_rank(rank, n)
   c = 0.5 * (c + c.T)
   return _factor_from_basis(_top_eigenvectors(c, rank), c, jnp.trace(c), eigenvalue_floor)
 
 
 def full_factor(
-    correlation: jax.Array, *, eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR
+    correlation: jax.Array, *, eigenvalue_floor: float = defaults.SKETCH_EIGENVALUE_FLOOR
 ) -> Factor:
   """Full conditioner ``A = C^{1/2}`` of Theorem 1, as a rank-``n`` :class:`Factor`.
 
@@ -464,7 +463,7 @@ def bound_terms(factor: Factor, correlation: jax.Array) -> BoundTerms:
   return BoundTerms(trace_a, trace_a_inv_c)
 
 
-def _check_rank(rank: int, n: int) -> None:
+def _check_sketch_rank(rank: int, n: int) -> None:
   if not isinstance(rank, int) or isinstance(rank, bool):
     raise TypeError(f"rank must be a Python int, got {rank!r} of type {type(rank).__name__}.")
   if not 0 < rank <= n:

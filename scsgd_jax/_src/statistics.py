@@ -38,9 +38,6 @@ __all__ = [
     "nystrom_correlation",
 ]
 
-DEFAULT_EIGENVALUE_FLOOR = defaults.EIGENVALUE_FLOOR
-
-
 class CorrelationStatistics(NamedTuple):
   """How one kernel's input statistics are kept and turned into a :class:`~scsgd_jax.Factor`.
 
@@ -116,7 +113,7 @@ def ema_correlation(
     identity_prior: bool = True,
     oversample: int = defaults.OVERSAMPLE,
     power_iterations: int = defaults.POWER_ITERATIONS,
-    eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
+    eigenvalue_floor: float = defaults.EIGENVALUE_FLOOR,
 ) -> CorrelationStatistics:
   r"""Dense exponential moving average of the input correlation (Section 3).
 
@@ -173,7 +170,7 @@ def nystrom_correlation(
     *,
     identity_prior: bool = True,
     oversample: int = defaults.OVERSAMPLE,
-    eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
+    eigenvalue_floor: float = defaults.EIGENVALUE_FLOOR,
 ) -> CorrelationStatistics:
   r"""Streaming ``O(n r)`` statistic: the EMA of the sketch ``Y = C Omega`` and of ``tr C``, never ``C``.
 
@@ -232,7 +229,7 @@ def diagonal_correlation(
     rate: float = defaults.EMA_RATE,
     *,
     identity_prior: bool = True,
-    eigenvalue_floor: float = DEFAULT_EIGENVALUE_FLOOR,
+    eigenvalue_floor: float = defaults.EIGENVALUE_FLOOR,
     takes_ids: bool = False,
 ) -> CorrelationStatistics:
   r"""EMA of ``diag C``, ``O(n)`` memory; the factor is ``A = diag(C)^{1/2}`` (:func:`~scsgd_jax.diagonal_factor`).

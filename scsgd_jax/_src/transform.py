@@ -6,7 +6,8 @@ captured rows into the statistics, refreshes the factors when due and conditions
 
 from __future__ import annotations
 
-import collections
+import inspect
+import types
 from typing import Any, Callable, Hashable, Literal, NamedTuple, Optional, Union
 
 import jax
@@ -16,18 +17,16 @@ import optax
 
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
-from scsgd_jax._src import patches
+from scsgd_jax._src import fold as fold_lib
 from scsgd_jax._src import plan as plan_lib
+from scsgd_jax._src import schedule
 from scsgd_jax._src import sketch
 from scsgd_jax._src import statistics as stats_lib
 
 __all__ = [
     "STATIC_ARGS",
     "ScaleBySketchedConditioningState",
-    "default_output_axes",
-    "output_kernel_filter",
     "resolve_static_args",
-    "scale_by_output_conditioning",
     "scale_by_sketched_conditioning",
 ]
 
@@ -101,8 +100,6 @@ def _static_int(name: str, value, default: int, minimum: int) -> int:
   return int(value)
 
 
-
-
 def resolve_static_args(**args) -> dict[str, int]:
   """The shape-deciding arguments of :func:`scale_by_sketched_conditioning` (:data:`STATIC_ARGS`) with
   ``None`` (or absent) resolved to the library's defaults, each checked: what a run records.
@@ -129,44 +126,12 @@ def _flat_inputs(layer_inputs) -> dict[str, Any]:
   return {plan_lib.path_to_str(p): leaf for p, leaf in flat}
 
 
-def _keep_if_not_finite(new, old):
-  """``new`` if every leaf is finite, else ``old`` (a non-finite batch must not poison the state)."""
-  ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(new)]))
-  return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-
-def _guard_rows(rows: jax.Array, reference: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
-  """Clips rows whose squared norm exceeds ``threshold * reference`` back to that bound; returns the count.
-
-  ``reference`` is the running ``tr C`` (the expected squared row norm); before any
-  data it is the batch's median squared norm (its mean if the median is 0). Norms
-  are taken with a per-row rescale, so rows of 1e18 do not overflow.
-  """
-  scale = jnp.max(jnp.abs(rows), axis=1)
-  safe = jnp.where(scale > 0, scale, 1.0)
-  norms = safe * jnp.sqrt(jnp.sum(jnp.square(rows / safe[:, None]), axis=1))
-  norms = jnp.where(scale > 0, norms, 0.0)
-  sq = jnp.square(norms)
-  batch_ref = jnp.median(sq)
-  batch_ref = jnp.where(batch_ref > 0, batch_ref, jnp.mean(sq))
-  ref = jnp.where(reference > 0, reference, batch_ref)
-  bound = jnp.sqrt(threshold) * jnp.sqrt(ref)  # not sqrt(threshold * ref): that overflows at ref ~ 3e36
-  over = norms > bound
-  factor = jnp.where(over, bound / jnp.where(over, norms, 1.0), 1.0)
-  return rows * factor[:, None], jnp.sum(over).astype(jnp.int32)
-
-
 def _identity_factor(plan: plan_lib.KernelPlan) -> sketch.Factor:
   if plan.kind in ("diagonal", "embedding"):
     return sketch.Factor(None, None, jnp.ones((plan.n,)))
   if plan.rank is None:  # the full conditioner is kept dense: one product per step
     return sketch.Factor(None, jnp.eye(plan.n, dtype=jnp.float32), jnp.zeros((), jnp.float32))
   return sketch.identity_factor(plan.n, plan.rank)
-
-
-def _kept_factor(plan: plan_lib.KernelPlan, factor: sketch.Factor) -> sketch.Factor:
-  """The form the state keeps: a full conditioner (``rank=None``) as the dense ``A^{-1}``."""
-  return sketch.dense_factor(factor) if plan.rank is None and factor.q is not None else factor
 
 
 def scale_by_sketched_conditioning(
@@ -254,43 +219,48 @@ def scale_by_sketched_conditioning(
     Tropp, Yurtsever, Udell & Cevher, Fixed-rank approximation of a positive-semidefinite
     matrix from streaming data, NeurIPS 2017.
   """
-  return _conditioning(
-      rank, update_every=update_every, ema_rate=ema_rate, conditioner=conditioner, statistics=statistics,
-      warm_start=warm_start, stagger=stagger, budget=budget, outlier_threshold=outlier_threshold,
-      full_max_dim=full_max_dim, oversample=oversample, power_iterations=power_iterations,
-      eigenvalue_floor=eigenvalue_floor, statistics_every=statistics_every, kernel_filter=kernel_filter,
-      input_axes=input_axes, axis_name=axis_name, seed=seed, default_axes=plan_lib.default_input_axes)
+  return conditioning(dict(locals()))
 
 
-def _conditioning(rank=None, *, update_every=None, ema_rate=defaults.EMA_RATE, conditioner="auto",
-                  statistics="auto", warm_start=True, stagger=True, budget=defaults.BUDGET,
-                  outlier_threshold=defaults.OUTLIER_THRESHOLD, full_max_dim=None, oversample=None,
-                  power_iterations=None, eigenvalue_floor=defaults.EIGENVALUE_FLOOR, statistics_every=None,
-                  kernel_filter=None, input_axes=None, axis_name=None, seed=0,
-                  default_axes=plan_lib.default_input_axes, budget_share=1.0):
-  """:func:`scale_by_sketched_conditioning` reading a kernel along ``default_axes`` unless told otherwise
-  (the output side passes the kernel's output axes), its statistics within ``budget_share`` of the memory
-  rule's budget under ``statistics='auto'`` (the two sides of :func:`scsgd_jax.scsgd_two_sided` splitting it)."""
-  static = resolve_static_args(rank=rank, update_every=update_every, full_max_dim=full_max_dim,
-                               oversample=oversample, power_iterations=power_iterations,
-                               statistics_every=statistics_every)
-  _check_choices(conditioner, statistics, budget, warm_start, stagger)
-  checks.check_float("outlier_threshold", outlier_threshold, low=1.0, allow_inf=True)
-  checks.check_float("ema_rate", ema_rate, low=0.0, high=1.0, low_open=True)
+def arguments(caller: str, rank=None, **kwargs) -> dict[str, Any]:
+  """Every argument of :func:`scale_by_sketched_conditioning`, ``kwargs`` over its defaults: the one
+  signature the output side and :func:`scsgd_jax.scsgd_two_sided` build from (``caller`` names the
+  function in the error for an argument it does not take)."""
+  try:
+    bound = inspect.signature(scale_by_sketched_conditioning).bind(rank, **kwargs)
+  except TypeError as e:
+    raise TypeError(f"{caller}: {e}") from None
+  bound.apply_defaults()
+  return dict(bound.arguments)
+
+
+def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_axes,
+                 budget_share: float = 1.0) -> optax.GradientTransformationExtraArgs:
+  """:func:`scale_by_sketched_conditioning` from its arguments ``args`` (:func:`arguments`), reading a kernel
+  along ``default_axes`` unless told otherwise (the output side passes the kernel's output axes), its
+  statistics within ``budget_share`` of the memory rule's budget under ``statistics='auto'`` (the two sides
+  of :func:`scsgd_jax.scsgd_two_sided` splitting it)."""
+  a = types.SimpleNamespace(**args)
+  static = resolve_static_args(rank=a.rank, update_every=a.update_every, full_max_dim=a.full_max_dim,
+                               oversample=a.oversample, power_iterations=a.power_iterations,
+                               statistics_every=a.statistics_every)
+  _check_choices(a.conditioner, a.statistics, a.budget, a.warm_start, a.stagger)
+  checks.check_float("outlier_threshold", a.outlier_threshold, low=1.0, allow_inf=True)
+  checks.check_float("ema_rate", a.ema_rate, low=0.0, high=1.0, low_open=True)
   checks.check_float("budget_share", budget_share, low=0.0, high=1.0, low_open=True)
   # ema_rate is per step: a fold every s steps weighs its batch 1 - (1 - nu)^s, so the EMA spans as many steps
-  fold_rate = 1.0 - (1.0 - ema_rate) ** static["statistics_every"]
-  choices = plan_lib.StatisticsChoices(fold_rate, warm_start=warm_start, oversample=static["oversample"],
+  fold_rate = 1.0 - (1.0 - a.ema_rate) ** static["statistics_every"]
+  choices = plan_lib.StatisticsChoices(fold_rate, warm_start=a.warm_start, oversample=static["oversample"],
                                        power_iterations=static["power_iterations"],
-                                       eigenvalue_floor=eigenvalue_floor)
+                                       eigenvalue_floor=a.eigenvalue_floor)
   spec = plan_lib.Spec(static["rank"], static["update_every"], static["full_max_dim"], static["oversample"],
-                       conditioner, statistics, budget, stagger, kernel_filter or plan_lib.default_kernel_filter,
-                       input_axes, choices, default_axes, budget_share)
+                       a.conditioner, a.statistics, a.budget, a.stagger, a.kernel_filter or plan_lib.default_kernel_filter,
+                       a.input_axes, choices, default_axes, budget_share)
   plans = _PlanCache(spec)
 
   def init_fn(params):
     kernel_plans = plans(params)
-    key, fresh = _fresh_kernel_states(kernel_plans, seed)
+    key, fresh = _fresh_kernel_states(kernel_plans, a.seed)
     return ScaleBySketchedConditioningState(
         count=jnp.zeros([], jnp.int32),
         key=key,
@@ -307,96 +277,22 @@ def _conditioning(rank=None, *, update_every=None, ema_rate=defaults.EMA_RATE, c
       raise ValueError(
           f"the conditioned kernels of `updates` {sorted(kernel_plans)} do not match those the state "
           f"was initialised with {sorted(state.factors)}.")
-    state = _replanned(state, kernel_plans, seed)
+    state = _replanned(state, kernel_plans, a.seed)
     rows = _checked_rows(kernel_plans, layer_inputs)
-    fold = lambda operand: _fold(kernel_plans, rows, *operand, outlier_threshold, axis_name)
+    fold = lambda operand: fold_lib.fold(kernel_plans, rows, *operand, a.outlier_threshold, a.axis_name)
     operand = (state.statistics, state.clipped_rows)
     if static["statistics_every"] == 1:
       new_stats, clipped = fold(operand)
     else:
       new_stats, clipped = jax.lax.cond(state.count % static["statistics_every"] == 0, fold, lambda o: o, operand)
-    due = lambda count, phase: _refresh_due(count, phase, static["update_every"], warm_start,
+    due = lambda count, phase: schedule.refresh_due(count, phase, static["update_every"], a.warm_start,
                                             static["statistics_every"])
-    factors, key = _refresh(kernel_plans, new_stats, state.factors, state.key, state.count, due)
+    factors, key = schedule.refresh(kernel_plans, new_stats, state.factors, state.key, state.count, due)
     return _condition(updates, kernel_plans, factors), state._replace(
         count=optax.safe_increment(state.count), key=key, statistics=new_stats, factors=factors,
         clipped_rows=clipped)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def output_kernel_filter(path: str, leaf) -> bool:
-  """The kernels :func:`scale_by_output_conditioning` conditions by default: :func:`default_kernel_filter`'s
-  but embeddings (whose output side is the model's width, conditioned by the layers that read it)."""
-  return plan_lib.default_kernel_filter(path, leaf) and path.rsplit("/", 1)[-1] != "embedding"
-
-
-def default_output_axes(path: str, leaf) -> tuple[int, ...]:
-  """A kernel's output axes: those :func:`default_input_axes` leaves (Dense ``(n, p)``: ``(1,)``)."""
-  inputs = plan_lib.default_input_axes(path, leaf)
-  return tuple(a for a in range(leaf.ndim) if a not in inputs)
-
-
-def scale_by_output_conditioning(
-    rank: Optional[int] = None,
-    *,
-    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    output_axes: plan_lib.InputAxes = None,
-    max_rows: Optional[int] = defaults.MAX_ROWS,
-    seed: int = 0,
-    **kwargs,
-) -> optax.GradientTransformationExtraArgs:
-  r"""Conditions each kernel gradient on its output side: ``G A_out^{-1}``, ``A_out`` built from the correlation
-  :math:`\Delta = E[\delta \delta^\top]` of the back-propagated output rows exactly as
-  :func:`scale_by_sketched_conditioning` builds ``A`` from the inputs' ``C`` (same arguments, statistics,
-  memory rule and refreshes; it is that transformation reading the kernel along its output axes).
-
-  Chained with the input side, ``optax.chain(scale_by_sketched_conditioning(), scale_by_output_conditioning())``
-  gives the two-sided :math:`C^{-1/2} G \Delta^{-1/2}` (full conditioners), i.e. full-matrix AdaGrad's
-  :math:`E[g g^\top]^{-1/2}` under the Kronecker approximation :math:`E[g g^\top] \approx C \otimes \Delta`
-  of K-FAC, at ``O(n k + p k)`` per step with the sketches. :math:`\Delta^{-1/2}` scales as the inverse of
-  the loss's scale, so the result belongs behind grafting (:func:`scale_by_grafting`), as in
-  :func:`scsgd_jax.scsgd_two_sided`.
-
-  ``update(updates, state, params=None, *, output_grads)``: the gradient of the loss with respect to the
-  perturbations of :func:`output_perturbations_nnx` / :func:`output_perturbations_linen` (passed to the
-  capture); rows ``(..., p)`` per kernel over its output axes. Embeddings are left out by default
-  (:func:`output_kernel_filter`).
-
-  Args:
-    rank, **kwargs: as for :func:`scale_by_sketched_conditioning`.
-    kernel_filter: ``(path, leaf) -> bool``, default :func:`output_kernel_filter`.
-    output_axes: each kernel's output axes (callable or mapping), overriding what the perturbations say
-      (default: the complement of :func:`default_input_axes`, then what the captured gradients carry).
-    max_rows: output rows per kernel and step folded into its statistics, sampled uniformly (``None``: all);
-      the capture's default for the input side.
-    seed: seed of the state's PRNG key (the sketches and the row sampling).
-  """
-  if "input_axes" in kwargs or "layer_inputs" in kwargs:
-    raise TypeError("scale_by_output_conditioning takes output_axes= (and output_grads= at update), not input_axes.")
-  if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
-    raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}.")
-  inner = _conditioning(rank, kernel_filter=kernel_filter or output_kernel_filter, input_axes=output_axes,
-                        default_axes=default_output_axes, seed=seed, **kwargs)
-  row_key = jax.random.PRNGKey(seed + 1)
-
-  def update_fn(updates, state, params=None, *, output_grads=None, **extra_args):
-    del extra_args
-    if output_grads is None:
-      raise ValueError(
-          "scale_by_output_conditioning.update needs the keyword argument `output_grads`: the loss's gradient "
-          "with respect to the output perturbations (scsgd_jax.output_perturbations_nnx / _linen passed to the "
-          "capture), e.g. tx.update(grads, state, params, layer_inputs=layer_inputs, output_grads=output_grads).")
-    key = jax.random.fold_in(row_key, state.count)
-
-    leaves, treedef = jax.tree_util.tree_flatten(output_grads)
-    sampled = [patches.sample_rows(r.reshape(-1, r.shape[-1]), max_rows, jax.random.fold_in(key, i))
-               if getattr(r, "ndim", 0) >= 2 else r  # anything else: the inner transformation names the culprit
-               for i, r in enumerate(leaves)]
-    output_grads = jax.tree_util.tree_unflatten(treedef, sampled)
-    return inner.update(updates, state, params, layer_inputs=output_grads)
-
-  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def _check_choices(conditioner, statistics, budget, warm_start, stagger) -> None:
@@ -470,39 +366,6 @@ def _replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int)
                         clipped_rows=pick(state.clipped_rows, 2), plan=_summary(kernel_plans))
 
 
-def _fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
-  """Each kernel's rows folded into its statistics (guarded; a non-finite result keeps the old ones).
-
-  With ``axis_name`` (``pmap``/``shard_map``) the folded statistics are averaged over that axis: the
-  statistics are an EMA, affine in the batch's moments, so the mean of the replicas' folds is the fold of
-  the mean moments, i.e. of the gathered rows (equal shards); every replica then holds the same state.
-  """
-  new_stats, new_clipped = {}, {}
-  for path, plan in kernel_plans.items():
-    x, n_clipped = rows[path], jnp.zeros([], jnp.int32)
-    if x.shape[0] == 0:  # no rows this step (an empty micro-batch, a fully masked layer): nothing to fold
-      new_stats[path], new_clipped[path] = stats[path], clipped[path]
-      continue
-    if not plan.statistics.takes_ids:
-      x, n_clipped = _guard_rows(x, plan.statistics.trace(stats[path]), outlier_threshold)
-    folded = plan.statistics.update(stats[path], x)
-    if axis_name is not None:
-      folded, n_clipped = jax.lax.pmean(folded, axis_name), jax.lax.psum(n_clipped, axis_name)
-    new_stats[path] = _keep_if_not_finite(folded, stats[path])
-    new_clipped[path] = clipped[path] + n_clipped
-  return new_stats, new_clipped
-
-
-def _refresh_due(count, phase: int, update_every: int, warm_start: bool, statistics_every: int):
-  """Whether a kernel of ``phase`` refreshes at step ``count`` (and, warm, after 1, 2, 4, ... folds)."""
-  due = (count >= phase) & ((count - phase) % update_every == 0)
-  if warm_start:
-    t = count // statistics_every + 1  # folds so far
-    folded = count % statistics_every == 0
-    due |= folded & (count + 1 < update_every) & ((t & (t - 1)) == 0)
-  return due
-
-
 def _condition(updates, kernel_plans, factors):
   """``A^{-1} G`` for every conditioned kernel; other leaves pass through."""
 
@@ -551,37 +414,3 @@ def _checked_rows(kernel_plans: dict[str, plan_lib.KernelPlan], layer_inputs) ->
       raise TypeError(f"layer_inputs['{path}'] must be floating point, got dtype {x.dtype}.")
     rows[path] = jax.lax.stop_gradient(x).reshape(-1, n).astype(jnp.float32)
   return rows
-
-
-def _refresh(kernel_plans, stats, old_factors, key, count, refresh_due: Callable):
-  """New factors of the kernels whose refresh is due: one ``lax.cond`` per phase, equal shapes ``vmap``-ed."""
-  keys = jax.random.split(key, len(kernel_plans) + 1)
-  key_of = dict(zip(kernel_plans, keys[1:]))
-  by_phase = collections.defaultdict(list)
-  for path, plan in kernel_plans.items():
-    by_phase[plan.phase].append(path)
-  factors = dict(old_factors)
-  for phase, paths in by_phase.items():
-
-    def do_refresh(operand, paths=paths):
-      group_stats, group_factors = operand
-      groups = collections.defaultdict(list)
-      for p in paths:
-        plan = kernel_plans[p]
-        groups[(plan.kind, plan.n, plan.rank, id(plan.statistics))].append(p)
-      new = {}
-      for group in groups.values():
-        plan = kernel_plans[group[0]]
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[group_stats[p] for p in group])
-        group_keys = jnp.stack([key_of[p] for p in group])
-        out = jax.vmap(lambda s, kk, plan=plan: _kept_factor(plan, plan.statistics.factor(s, kk, plan.rank)))(
-            stacked, group_keys)
-        for i, p in enumerate(group):
-          # never replace a good factor by a non-finite one
-          new[p] = _keep_if_not_finite(jax.tree.map(lambda a, i=i: a[i], out), group_factors[p])
-      return new
-
-    operand = ({p: stats[p] for p in paths}, {p: old_factors[p] for p in paths})
-    factors.update(jax.lax.cond(
-        refresh_due(count, phase), do_refresh, lambda o: dict(o[1]), operand))
-  return factors, keys[0]

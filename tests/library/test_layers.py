@@ -9,6 +9,7 @@ from flax import linen as nn
 from flax import nnx
 
 import scsgd_jax as sk
+from scsgd_jax._src import defaults
 from scsgd_jax._src import statistics as stats_lib
 from tests import helpers
 
@@ -96,7 +97,7 @@ def test_one_conditioned_step_equals_dense_oracle(name, make, _, x, axes, told):
   g_mat, moved_shape = _kernel_matrix(grads[param], axes)
   if name == "embed":
     counts = np.bincount(np.asarray(IDS).reshape(-1), minlength=11) / IDS.size
-    floor = stats_lib.DEFAULT_EIGENVALUE_FLOOR * counts.sum() / 11
+    floor = defaults.EIGENVALUE_FLOOR * counts.sum() / 11
     expected = g_mat / np.sqrt(np.maximum(counts, floor))[:, None]
   else:
     rows = np.asarray(li[param], np.float64)

@@ -7,9 +7,10 @@ import optax
 import pytest
 
 import scsgd_jax as sk
+from scsgd_jax._src import defaults
 from scsgd_jax._src import statistics as stats_lib
 from scsgd_jax._src import plan
-from scsgd_jax._src import transform
+from scsgd_jax._src import fold
 
 
 def _decaying(n, rng, decay=5.0):
@@ -77,7 +78,7 @@ def test_diagonal_factor_and_embedding_statistic_oracle():
   freq = np.array([2, 1, 0, 3, 0]) / 6
   np.testing.assert_allclose(np.diag(stats.correlation(s)), freq, rtol=1e-6)
   f = stats.factor(s, None, 0)
-  floor = stats_lib.DEFAULT_EIGENVALUE_FLOOR * 1.0 / 5  # the optimizer statistics' floor, relative to tr C / n
+  floor = defaults.EIGENVALUE_FLOOR * 1.0 / 5  # the optimizer statistics' floor, relative to tr C / n
   np.testing.assert_allclose(f.a_inv, 1 / np.sqrt(np.maximum(freq, floor)), rtol=1e-5)
   g = np.arange(10.0).reshape(5, 2)
   np.testing.assert_allclose(sk.precondition_kernel(f, jnp.asarray(g, jnp.float32)),
@@ -316,12 +317,12 @@ def test_outlier_rows_are_clipped_counted_and_training_recovers(scale):
 
 def test_guard_clips_rows_above_threshold_times_reference():
   rows = jnp.asarray(np.r_[np.ones((6, 4)), np.full((2, 4), 100.0)], jnp.float32)
-  clipped, count = transform._guard_rows(rows, jnp.asarray(4.0), 100.0)
+  clipped, count = fold.guard_rows(rows, jnp.asarray(4.0), 100.0)
   assert int(count) == 2
   np.testing.assert_allclose(np.sum(np.asarray(clipped[6:]) ** 2, axis=1), 400.0, rtol=1e-5)
   np.testing.assert_array_equal(clipped[:6], rows[:6])
   # no reference yet (warm start, first batch): the batch median is the reference
-  clipped, count = transform._guard_rows(rows, jnp.asarray(0.0), 100.0)
+  clipped, count = fold.guard_rows(rows, jnp.asarray(0.0), 100.0)
   assert int(count) == 2
 
 
@@ -332,7 +333,7 @@ def test_guard_clips_to_the_bound_at_any_scale(scale, reference):
   are taken again with a per-row rescale."""
   rows64 = np.r_[np.ones((6, 4)), np.full((2, 4), 100.0)] * scale
   rows = jnp.asarray(rows64, jnp.float32)
-  clipped, count = transform._guard_rows(rows, jnp.asarray(reference, jnp.float32), 100.0)
+  clipped, count = fold.guard_rows(rows, jnp.asarray(reference, jnp.float32), 100.0)
   bound = np.sqrt(100.0 * np.float64(np.float32(reference)))
   norms = np.linalg.norm(np.asarray(rows, np.float64), axis=1)
   expected = np.asarray(rows, np.float64) * np.where(norms > bound, bound / norms, 1.0)[:, None]

@@ -1,0 +1,125 @@
+"""Capturing a Linen model's conditioned-layer inputs in the forward pass that computes the loss
+(``nn.intercept_methods`` and ``Module.sow``; the model needs no change), and the ``TrainState`` helper."""
+
+from __future__ import annotations
+
+import jax
+import optax
+from flax import linen as nn
+
+from scsgd_jax._src import captured as captured_lib
+from scsgd_jax._src import defaults
+from scsgd_jax._src.captured import CapturedInputs
+from scsgd_jax._src.layers import LINEN_LAYERS
+from scsgd_jax._src.layers import einsum_arg
+from scsgd_jax._src.layers import layer_spec
+
+__all__ = ["apply_gradients", "capture_linen", "input_axes_linen", "output_perturbations_linen"]
+
+LINEN_COLLECTION = "layer_inputs"
+
+
+def _linen_interceptor(max_rows, counter, record, sow=True, outputs=None):
+  def interceptor(next_fun, a, k, context):
+    mod = context.module
+    if context.method_name == "__call__" and isinstance(mod, LINEN_LAYERS) and a:
+      name = "/".join(map(str, mod.path)) or type(mod).__name__
+      spec = layer_spec(mod, name, einsum_arg(mod, a[1:], k))
+      param_path = "/".join((*map(str, mod.path), spec.param))
+      record[param_path] = spec.input_axes
+      if sow:
+        mod.sow(LINEN_COLLECTION, spec.param, spec.rows(jax.lax.stop_gradient(a[0]), max_rows, counter.key()))
+      if outputs is not None:
+        return outputs(param_path, spec, next_fun(*a, **k))
+    return next_fun(*a, **k)
+
+  return interceptor
+
+
+def capture_linen(
+    module: nn.Module,
+    variables,
+    *args,
+    rng: Optional[jax.Array] = None,
+    max_rows: Optional[int] = defaults.MAX_ROWS,
+    mutable=(),
+    output_perturbations=None,
+    **kwargs,
+):
+  """``module.apply(variables, *args, **kwargs)`` capturing the inputs of its conditioned layers.
+
+  Layers captured: ``nn.Dense``, ``nn.Conv``, ``nn.DenseGeneral`` (so every projection
+  of ``nn.MultiHeadDotProductAttention``), ``nn.Einsum`` and ``nn.Embed``. Uses
+  ``nn.intercept_methods`` and ``Module.sow`` into the collection
+  ``'layer_inputs'``; the model needs no change.
+
+  Args:
+    module, variables, *args, **kwargs: as for ``module.apply``.
+    rng, max_rows: as for :func:`capture_nnx`.
+    mutable: further mutable collections (e.g. ``['batch_stats']``); their new
+      values are returned as a third output when given.
+    output_perturbations: as for :func:`capture_nnx`, from :func:`output_perturbations_linen`.
+
+  Returns:
+    ``(output, layer_inputs)`` (``(output, layer_inputs, updated_collections)`` if
+    ``mutable``), ``layer_inputs`` a :class:`CapturedInputs` mirroring ``variables['params']``.
+  """
+  outputs = None if output_perturbations is None else captured_lib.Outputs(output_perturbations)
+  return _capture_linen(module, variables, args, kwargs, rng, max_rows, mutable, outputs)
+
+
+def _capture_linen(module, variables, args, kwargs, rng, max_rows, mutable, outputs):
+  captured_lib.check_max_rows(max_rows)
+  axes = {}
+  with nn.intercept_methods(_linen_interceptor(max_rows, captured_lib.Counter(rng), axes, outputs=outputs)):
+    out, state = module.apply(variables, *args, mutable=[LINEN_COLLECTION, *mutable], **kwargs)
+  state = dict(state)
+  captured = state.pop(LINEN_COLLECTION, {})
+  captured = CapturedInputs(jax.tree.map(captured_lib.merge, dict(captured), is_leaf=lambda v: isinstance(v, tuple)), axes)
+  if mutable:
+    return out, captured, state
+  return out, captured
+
+
+def output_perturbations_linen(module: nn.Module, variables, *args, **kwargs) -> CapturedInputs:
+  """:func:`output_perturbations_nnx` for a Linen model (``module.apply(variables, *args, **kwargs)``);
+  pass them to :func:`capture_linen`."""
+  outputs = captured_lib.Outputs()
+  jax.eval_shape(lambda v: _capture_linen(module, v, args, kwargs, None, None, (), outputs)[0], variables)
+  return outputs.zeros()
+
+
+def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str, tuple[int, ...]]:
+  """``{param path: input axes}`` of every captured layer of a Linen model, traced once (no compute) on ``args``."""
+  record = {}
+
+  def run(variables, *a):
+    with nn.intercept_methods(_linen_interceptor(None, captured_lib.Counter(None), record, sow=False)):
+      return module.apply(variables, *a, **kwargs)
+
+  jax.eval_shape(run, variables, *args)
+  return record
+
+
+def apply_gradients(state, *, grads, layer_inputs, **kwargs):
+  """``flax.training.train_state.TrainState.apply_gradients`` that forwards ``layer_inputs`` to ``tx.update``.
+
+  ``TrainState.apply_gradients(grads=...)`` calls ``tx.update(grads, opt_state, params)``
+  and has no way to pass extra arguments; use this instead::
+
+    (loss, layer_inputs), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    state = scsgd_jax.apply_gradients(state, grads=grads, layer_inputs=layer_inputs)
+
+  Args:
+    state: a ``TrainState`` (or any struct with ``step``, ``params``, ``tx``,
+      ``opt_state`` and ``replace``) whose ``tx`` contains the conditioning.
+    grads: gradients with the structure of ``state.params``.
+    layer_inputs: from :func:`capture_linen` (or :func:`capture_nnx`).
+    **kwargs: further fields to replace, as ``TrainState.apply_gradients`` allows.
+
+  Returns:
+    The new state, ``step`` incremented.
+  """
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params, layer_inputs=layer_inputs)
+  return state.replace(
+      step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state, **kwargs)

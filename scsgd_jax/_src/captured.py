@@ -1,0 +1,126 @@
+"""What a capture returns and the bookkeeping the NNX and Linen captures share: the rows of each
+conditioned kernel (:class:`CapturedInputs`), the row-sampling keys, and the output perturbations
+of output-side conditioning."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scsgd_jax._src import plan as plan_lib
+from scsgd_jax._src.layers import LayerSpec
+
+__all__ = ["CapturedInputs"]
+
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class CapturedInputs(dict):
+  """What :func:`capture_nnx` and :func:`capture_linen` return: a ``dict`` of the captured rows (mirroring the
+  parameter tree) that also says how each kernel is read.
+
+  ``input_axes`` (``{param path: input axes}``, e.g. ``{'attn/q_einsum/kernel': (1,)}``) is read from the
+  layers themselves at capture, Einsum equations included; it is static pytree metadata (no leaves), so it
+  travels through ``jit``, ``pmap``, ``shard_map`` and ``jax.tree.map`` unchanged and costs nothing. The
+  transformation reads it, so a DenseGeneral/Einsum model of any layout needs no ``input_axes=`` argument.
+  Converted to a plain ``dict``, the rows stay valid and the kernels fall back to the name-based default axes.
+  """
+
+  def __init__(self, rows=(), input_axes=None):
+    super().__init__(rows)
+    self.input_axes = dict(input_axes or {})
+
+  def tree_flatten_with_keys(self):
+    keys = tuple(sorted(self))
+    return ([(jax.tree_util.DictKey(k), self[k]) for k in keys],
+            (keys, tuple(sorted(self.input_axes.items()))))
+
+  def tree_flatten(self):
+    children, aux = self.tree_flatten_with_keys()
+    return [c for _, c in children], aux
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    keys, axes = aux
+    return cls(zip(keys, children), dict(axes))
+
+  def __repr__(self):
+    return f"CapturedInputs({dict.__repr__(self)}, input_axes={self.input_axes})"
+
+
+def check_max_rows(max_rows) -> None:
+  if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+    raise ValueError(
+        f"max_rows must be a positive int (rows kept per layer call) or None (all rows), got {max_rows!r}; "
+        "with no rows the statistics never change and training is plain SGD.")
+
+
+class Counter:
+  def __init__(self, rng):
+    self.rng = rng
+    self.i = itertools.count()
+
+  def key(self):
+    return None if self.rng is None else jax.random.fold_in(self.rng, next(self.i))
+
+
+def merge(rows_tuple):
+  rows = tuple(rows_tuple)
+  return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
+
+
+def param_path(name: str, spec: LayerSpec) -> str:
+  return f"{name}/{spec.param}" if name else spec.param
+
+
+class Outputs:
+  """What a capture does to each conditioned layer's output ``y``: with ``perturbations`` (``{kernel path:
+  (rows, p)}``), adds them, the kernel's output axes of ``y`` moved last and flattened in the kernel's order
+  (so their gradient is the rows of the back-propagated ``delta``); without, records their shapes and the
+  kernel's output axes (:func:`output_perturbations_nnx`)."""
+
+  def __init__(self, perturbations=None):
+    self.perturbations = None if perturbations is None else flat(perturbations)
+    self.shapes, self.axes = {}, {}
+
+  def __call__(self, path: str, spec: LayerSpec, y):
+    if spec.output_axes is None or spec.input_axes is None:
+      return y
+    out_axes = spec.output_axes(y.ndim)
+    rest = tuple(a for a in range(y.ndim) if a not in out_axes)
+    perm = rest + out_axes
+    moved_shape = tuple(y.shape[a] for a in perm)
+    p = math.prod(y.shape[a] for a in out_axes)
+    shape = (math.prod(moved_shape) // max(p, 1), p)
+    if self.perturbations is None:
+      if path in self.shapes:
+        raise NotImplementedError(
+            f"layer of kernel '{path}' is called more than once in one forward pass; output-side conditioning "
+            "needs one call per layer. Exclude the kernel with kernel_filter or optax.masked.")
+      self.shapes[path] = jax.ShapeDtypeStruct(shape, y.dtype)
+      ndim = len(spec.input_axes) + len(out_axes)
+      self.axes[path] = tuple(a for a in range(ndim) if a not in spec.input_axes)
+      return y
+    if path not in self.perturbations:
+      return y
+    delta = self.perturbations[path]
+    if tuple(delta.shape) != shape:
+      raise ValueError(
+          f"output_perturbations['{path}'] has shape {tuple(delta.shape)}, expected {shape} (the layer's output "
+          f"{tuple(y.shape)} as rows of its kernel's output axes): make them with output_perturbations_nnx / "
+          "output_perturbations_linen on a batch of this shape.")
+    moved = jnp.transpose(y, perm) + delta.reshape(moved_shape).astype(y.dtype)
+    return jnp.transpose(moved, tuple(int(i) for i in np.argsort(perm)))
+
+  def zeros(self) -> "CapturedInputs":
+    return CapturedInputs({p: jnp.zeros(s.shape, s.dtype) for p, s in self.shapes.items()}, self.axes)
+
+
+def flat(tree) -> dict:
+  """``{'layer/kernel': leaf}``, named as the transformation names kernels (:func:`plan.path_to_str`)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {plan_lib.path_to_str(p): v for p, v in flat}

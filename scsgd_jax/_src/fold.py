@@ -1,0 +1,57 @@
+"""Folding one step's captured rows into each kernel's statistics, guarded: outlier rows clipped,
+a non-finite result dropped, the replicas' folds averaged under ``pmap``/``shard_map``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def keep_if_finite(new, old):
+  """``new`` if every leaf is finite, else ``old`` (a non-finite batch must not poison the state)."""
+  ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(new)]))
+  return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def guard_rows(rows: jax.Array, reference: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
+  """Clips rows whose squared norm exceeds ``threshold * reference`` back to that bound; returns the count.
+
+  ``reference`` is the running ``tr C`` (the expected squared row norm); before any
+  data it is the batch's median squared norm (its mean if the median is 0). Norms
+  are taken with a per-row rescale, so rows of 1e18 do not overflow.
+  """
+  scale = jnp.max(jnp.abs(rows), axis=1)
+  safe = jnp.where(scale > 0, scale, 1.0)
+  norms = safe * jnp.sqrt(jnp.sum(jnp.square(rows / safe[:, None]), axis=1))
+  norms = jnp.where(scale > 0, norms, 0.0)
+  sq = jnp.square(norms)
+  batch_ref = jnp.median(sq)
+  batch_ref = jnp.where(batch_ref > 0, batch_ref, jnp.mean(sq))
+  ref = jnp.where(reference > 0, reference, batch_ref)
+  bound = jnp.sqrt(threshold) * jnp.sqrt(ref)  # not sqrt(threshold * ref): that overflows at ref ~ 3e36
+  over = norms > bound
+  factor = jnp.where(over, bound / jnp.where(over, norms, 1.0), 1.0)
+  return rows * factor[:, None], jnp.sum(over).astype(jnp.int32)
+
+
+def fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
+  """Each kernel's rows folded into its statistics (guarded; a non-finite result keeps the old ones).
+
+  With ``axis_name`` (``pmap``/``shard_map``) the folded statistics are averaged over that axis: the
+  statistics are an EMA, affine in the batch's moments, so the mean of the replicas' folds is the fold of
+  the mean moments, i.e. of the gathered rows (equal shards); every replica then holds the same state.
+  """
+  new_stats, new_clipped = {}, {}
+  for path, plan in kernel_plans.items():
+    x, n_clipped = rows[path], jnp.zeros([], jnp.int32)
+    if x.shape[0] == 0:  # no rows this step (an empty micro-batch, a fully masked layer): nothing to fold
+      new_stats[path], new_clipped[path] = stats[path], clipped[path]
+      continue
+    if not plan.statistics.takes_ids:
+      x, n_clipped = guard_rows(x, plan.statistics.trace(stats[path]), outlier_threshold)
+    folded = plan.statistics.update(stats[path], x)
+    if axis_name is not None:
+      folded, n_clipped = jax.lax.pmean(folded, axis_name), jax.lax.psum(n_clipped, axis_name)
+    new_stats[path] = keep_if_finite(folded, stats[path])
+    new_clipped[path] = clipped[path] + n_clipped
+  return new_stats, new_clipped

@@ -1,0 +1,99 @@
+"""The output side: each kernel conditioned by the correlation of its back-propagated output rows, the
+input side's transformation reading the kernel along its output axes."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import optax
+
+from scsgd_jax._src import defaults
+from scsgd_jax._src import patches
+from scsgd_jax._src import plan as plan_lib
+from scsgd_jax._src import transform
+
+__all__ = ["default_output_axes", "output_kernel_filter", "scale_by_output_conditioning"]
+
+
+def output_kernel_filter(path: str, leaf) -> bool:
+  """The kernels :func:`scale_by_output_conditioning` conditions by default: :func:`default_kernel_filter`'s
+  but embeddings (whose output side is the model's width, conditioned by the layers that read it)."""
+  return plan_lib.default_kernel_filter(path, leaf) and path.rsplit("/", 1)[-1] != "embedding"
+
+
+def default_output_axes(path: str, leaf) -> tuple[int, ...]:
+  """A kernel's output axes: those :func:`default_input_axes` leaves (Dense ``(n, p)``: ``(1,)``)."""
+  inputs = plan_lib.default_input_axes(path, leaf)
+  return tuple(a for a in range(leaf.ndim) if a not in inputs)
+
+
+def scale_by_output_conditioning(
+    rank: Optional[int] = None,
+    *,
+    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
+    output_axes: plan_lib.InputAxes = None,
+    max_rows: Optional[int] = defaults.MAX_ROWS,
+    seed: int = 0,
+    **kwargs,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Conditions each kernel gradient on its output side: ``G A_out^{-1}``, ``A_out`` built from the correlation
+  :math:`\Delta = E[\delta \delta^\top]` of the back-propagated output rows exactly as
+  :func:`scale_by_sketched_conditioning` builds ``A`` from the inputs' ``C`` (same arguments, statistics,
+  memory rule and refreshes; it is that transformation reading the kernel along its output axes).
+
+  Chained with the input side, ``optax.chain(scale_by_sketched_conditioning(), scale_by_output_conditioning())``
+  gives the two-sided :math:`C^{-1/2} G \Delta^{-1/2}` (full conditioners), i.e. full-matrix AdaGrad's
+  :math:`E[g g^\top]^{-1/2}` under the Kronecker approximation :math:`E[g g^\top] \approx C \otimes \Delta`
+  of K-FAC, at ``O(n k + p k)`` per step with the sketches. :math:`\Delta^{-1/2}` scales as the inverse of
+  the loss's scale, so the result belongs behind grafting (:func:`scale_by_grafting`), as in
+  :func:`scsgd_jax.scsgd_two_sided`.
+
+  ``update(updates, state, params=None, *, output_grads)``: the gradient of the loss with respect to the
+  perturbations of :func:`output_perturbations_nnx` / :func:`output_perturbations_linen` (passed to the
+  capture); rows ``(..., p)`` per kernel over its output axes. Embeddings are left out by default
+  (:func:`output_kernel_filter`).
+
+  Args:
+    rank, **kwargs: as for :func:`scale_by_sketched_conditioning`.
+    kernel_filter: ``(path, leaf) -> bool``, default :func:`output_kernel_filter`.
+    output_axes: each kernel's output axes (callable or mapping), overriding what the perturbations say
+      (default: the complement of :func:`default_input_axes`, then what the captured gradients carry).
+    max_rows: output rows per kernel and step folded into its statistics, sampled uniformly (``None``: all);
+      the capture's default for the input side.
+    seed: seed of the state's PRNG key (the sketches and the row sampling).
+  """
+  if "input_axes" in kwargs or "layer_inputs" in kwargs:
+    raise TypeError("scale_by_output_conditioning takes output_axes= (and output_grads= at update), not input_axes.")
+  args = transform.arguments("scale_by_output_conditioning", rank, kernel_filter=kernel_filter, seed=seed, **kwargs)
+  return output_conditioning(args, output_axes=output_axes, max_rows=max_rows)
+
+
+def output_conditioning(args: dict[str, Any], *, output_axes: plan_lib.InputAxes = None,
+                        max_rows: Optional[int] = defaults.MAX_ROWS,
+                        budget_share: float = 1.0) -> optax.GradientTransformationExtraArgs:
+  """:func:`scale_by_output_conditioning` from the input side's arguments ``args`` (:func:`transform.arguments`)
+  and the budget share (:func:`transform.conditioning`)."""
+  if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+    raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}.")
+  args = {**args, "kernel_filter": args["kernel_filter"] or output_kernel_filter, "input_axes": output_axes}
+  inner = transform.conditioning(args, default_axes=default_output_axes, budget_share=budget_share)
+  row_key = jax.random.PRNGKey(args["seed"] + 1)
+
+  def update_fn(updates, state, params=None, *, output_grads=None, **extra_args):
+    del extra_args
+    if output_grads is None:
+      raise ValueError(
+          "scale_by_output_conditioning.update needs the keyword argument `output_grads`: the loss's gradient "
+          "with respect to the output perturbations (scsgd_jax.output_perturbations_nnx / _linen passed to the "
+          "capture), e.g. tx.update(grads, state, params, layer_inputs=layer_inputs, output_grads=output_grads).")
+    key = jax.random.fold_in(row_key, state.count)
+
+    leaves, treedef = jax.tree_util.tree_flatten(output_grads)
+    sampled = [patches.sample_rows(r.reshape(-1, r.shape[-1]), max_rows, jax.random.fold_in(key, i))
+               if getattr(r, "ndim", 0) >= 2 else r  # anything else: the inner transformation names the culprit
+               for i, r in enumerate(leaves)]
+    output_grads = jax.tree_util.tree_unflatten(treedef, sampled)
+    return inner.update(updates, state, params, layer_inputs=output_grads)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
