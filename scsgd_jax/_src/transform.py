@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Any, Callable, Hashable, Literal, NamedTuple, Optional, Union
+from typing import Any, Callable, Hashable, Literal, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,9 @@ from scsgd_jax._src import fold as fold_lib
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import schedule
 from scsgd_jax._src import sketch
+from scsgd_jax._src import state as state_lib
 from scsgd_jax._src import statistics as stats_lib
+from scsgd_jax._src.state import ScaleBySketchedConditioningState
 
 __all__ = [
     "STATIC_ARGS",
@@ -36,53 +38,6 @@ StatisticsKind = Union[Literal["auto", "dense", "streaming", "diagonal"], stats_
 #: Arguments that decide shapes or the compiled schedule; under ``optax.inject_hyperparams`` list
 #: those you pass in ``static_args`` (those left at their defaults need nothing).
 STATIC_ARGS = ("rank", "update_every", "full_max_dim", "oversample", "power_iterations", "statistics_every")
-
-
-@jax.tree_util.register_static
-class PlanSummary:
-  """``((kernel path, how it is conditioned), ...)``: static (no leaves), so it costs nothing in the
-  state, in checkpoints or under ``jit``."""
-
-  def __init__(self, items):
-    self.items = tuple(items)
-
-  def __eq__(self, other):
-    return isinstance(other, PlanSummary) and self.items == other.items
-
-  def __hash__(self):
-    return hash(self.items)
-
-  def __repr__(self):
-    return f"PlanSummary({dict(self.items)})"
-
-
-class ScaleBySketchedConditioningState(NamedTuple):
-  """State of :func:`scale_by_sketched_conditioning`.
-
-  Attributes:
-    count: number of updates applied so far (``int32``).
-    key: PRNG key, split at every refresh for the sketches' Gaussian matrices.
-    statistics: ``{kernel path: statistics}`` (e.g. an :class:`~scsgd_jax.EmaState` of the
-      dense ``C``, or the streaming sketch), one per conditioned kernel.
-    factors: ``{kernel path: Factor}``, the conditioner currently applied.
-    clipped_rows: ``{kernel path: int32}``, input rows clipped by the outlier guard so far.
-    plan: how each kernel is conditioned (static; see :meth:`summary`).
-  """
-
-  count: jax.Array
-  key: jax.Array
-  statistics: dict[str, Any]
-  factors: dict[str, sketch.Factor]
-  clipped_rows: dict[str, jax.Array]
-  plan: PlanSummary = PlanSummary(())
-
-  def summary(self) -> dict[str, str]:
-    """How each conditioned kernel is conditioned (works on ``jax.eval_shape`` of ``init``).
-
-    E.g. ``{'conv1/kernel': 'dense C, full C^(1/2), n=25', 'dense1/kernel': 'streaming C Omega, rank 32,
-    n=800'}``; kernels absent from it get plain updates.
-    """
-    return dict(self.plan.items)
 
 
 def _static_int(name: str, value, default: int, minimum: int) -> int:
@@ -124,14 +79,6 @@ def resolve_static_args(**args) -> dict[str, int]:
 def _flat_inputs(layer_inputs) -> dict[str, Any]:
   flat, _ = jax.tree_util.tree_flatten_with_path(layer_inputs)
   return {plan_lib.path_to_str(p): leaf for p, leaf in flat}
-
-
-def _identity_factor(plan: plan_lib.KernelPlan) -> sketch.Factor:
-  if plan.kind in ("diagonal", "embedding"):
-    return sketch.Factor(None, None, jnp.ones((plan.n,)))
-  if plan.rank is None:  # the full conditioner is kept dense: one product per step
-    return sketch.Factor(None, jnp.eye(plan.n, dtype=jnp.float32), jnp.zeros((), jnp.float32))
-  return sketch.identity_factor(plan.n, plan.rank)
 
 
 def scale_by_sketched_conditioning(
@@ -256,18 +203,18 @@ def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_ax
   spec = plan_lib.Spec(static["rank"], static["update_every"], static["full_max_dim"], static["oversample"],
                        a.conditioner, a.statistics, a.budget, a.stagger, a.kernel_filter or plan_lib.default_kernel_filter,
                        a.input_axes, choices, default_axes, budget_share)
-  plans = _PlanCache(spec)
+  plans = state_lib.PlanCache(spec)
 
   def init_fn(params):
     kernel_plans = plans(params)
-    key, fresh = _fresh_kernel_states(kernel_plans, a.seed)
+    key, fresh = state_lib.fresh_kernel_states(kernel_plans, a.seed)
     return ScaleBySketchedConditioningState(
         count=jnp.zeros([], jnp.int32),
         key=key,
         statistics={p: f[0] for p, f in fresh.items()},
         factors={p: f[1] for p, f in fresh.items()},
         clipped_rows={p: f[2] for p, f in fresh.items()},
-        plan=_summary(kernel_plans),
+        plan=state_lib.summary_of(kernel_plans),
     )
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
@@ -277,7 +224,7 @@ def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_ax
       raise ValueError(
           f"the conditioned kernels of `updates` {sorted(kernel_plans)} do not match those the state "
           f"was initialised with {sorted(state.factors)}.")
-    state = _replanned(state, kernel_plans, a.seed)
+    state = state_lib.replanned(state, kernel_plans, a.seed)
     rows = _checked_rows(kernel_plans, layer_inputs)
     fold = lambda operand: fold_lib.fold(kernel_plans, rows, *operand, a.outlier_threshold, a.axis_name)
     operand = (state.statistics, state.clipped_rows)
@@ -309,61 +256,6 @@ def _check_choices(conditioner, statistics, budget, warm_start, stagger) -> None
     raise ValueError(f"budget must be 'kernel' or 'model', got {budget!r}.")
   if not isinstance(warm_start, bool) or not isinstance(stagger, bool):
     raise ValueError(f"warm_start and stagger must be bools, got {warm_start!r} and {stagger!r}.")
-
-
-class _PlanCache:
-  """The plans of a parameter tree, computed once per tree of shapes and captured input axes (at ``init``
-  and at the first update) and reused by later updates."""
-
-  def __init__(self, spec: plan_lib.Spec):
-    self._spec, self._plans = spec, {}
-
-  def __call__(self, tree, captured=None) -> dict[str, plan_lib.KernelPlan]:
-    flat, treedef = jax.tree_util.tree_flatten(tree)
-    key = (treedef, tuple(tuple(np.shape(leaf)) for leaf in flat))
-    if key not in self._plans:
-      self._plans[key] = plan_lib.make_plans(tree, self._spec)
-    if not captured:
-      return self._plans[key]
-    key_captured = key + (tuple(sorted(captured.items())),)
-    if key_captured not in self._plans:
-      self._plans[key_captured] = plan_lib.replan(self._plans[key], tree, self._spec, captured)
-    return self._plans[key_captured]
-
-
-def _summary(kernel_plans) -> PlanSummary:
-  return PlanSummary((p, plan.describe()) for p, plan in kernel_plans.items())
-
-
-def _fresh_kernel_states(kernel_plans, seed: int):
-  """The state key and each kernel's ``(statistics, factor, clipped rows)`` before any data."""
-  keys = jax.random.split(jax.random.PRNGKey(seed), len(kernel_plans) + 1)
-  return keys[0], {p: (plan.statistics.init(plan.n, kk), _identity_factor(plan), jnp.zeros([], jnp.int32))
-                   for (p, plan), kk in zip(kernel_plans.items(), keys[1:])}
-
-
-def _same_shapes(a, b) -> bool:
-  return jax.tree.structure(a) == jax.tree.structure(b) and all(
-      np.shape(x) == np.shape(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
-def _replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int):
-  """``state`` with every kernel whose statistics or factor do not have its plan's shapes started afresh.
-
-  ``init`` sees only the parameters, so it reads a DenseGeneral/Einsum kernel by the name-based default
-  axes; the captured inputs say the layer's true axes, and the first update re-plans such a kernel
-  (:func:`plan.replan`: same kind of statistics, so the same structure) and starts its state afresh (a
-  kernel whose shapes already fit, e.g. from an earlier update, keeps its state).
-  """
-  _, shapes = jax.eval_shape(lambda: _fresh_kernel_states(kernel_plans, seed))
-  stale = [p for p in kernel_plans
-           if not _same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2])]
-  if not stale:
-    return state._replace(plan=_summary(kernel_plans))
-  _, fresh = _fresh_kernel_states(kernel_plans, seed)
-  pick = lambda field, i: {p: fresh[p][i] if p in stale else field[p] for p in kernel_plans}
-  return state._replace(statistics=pick(state.statistics, 0), factors=pick(state.factors, 1),
-                        clipped_rows=pick(state.clipped_rows, 2), plan=_summary(kernel_plans))
 
 
 def _condition(updates, kernel_plans, factors):

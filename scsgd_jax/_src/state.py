@@ -1,0 +1,125 @@
+"""The state of :func:`~scsgd_jax.scale_by_sketched_conditioning`: its form, what it holds before any data,
+and the plans it is kept for (computed once per tree of shapes, re-planned once by the captured axes)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scsgd_jax._src import plan as plan_lib
+from scsgd_jax._src import sketch
+
+__all__ = ["ScaleBySketchedConditioningState"]
+
+
+@jax.tree_util.register_static
+class PlanSummary:
+  """``((kernel path, how it is conditioned), ...)``: static (no leaves), so it costs nothing in the
+  state, in checkpoints or under ``jit``."""
+
+  def __init__(self, items):
+    self.items = tuple(items)
+
+  def __eq__(self, other):
+    return isinstance(other, PlanSummary) and self.items == other.items
+
+  def __hash__(self):
+    return hash(self.items)
+
+  def __repr__(self):
+    return f"PlanSummary({dict(self.items)})"
+
+
+class ScaleBySketchedConditioningState(NamedTuple):
+  """State of :func:`scale_by_sketched_conditioning`.
+
+  Attributes:
+    count: number of updates applied so far (``int32``).
+    key: PRNG key, split at every refresh for the sketches' Gaussian matrices.
+    statistics: ``{kernel path: statistics}`` (e.g. an :class:`~scsgd_jax.EmaState` of the
+      dense ``C``, or the streaming sketch), one per conditioned kernel.
+    factors: ``{kernel path: Factor}``, the conditioner currently applied.
+    clipped_rows: ``{kernel path: int32}``, input rows clipped by the outlier guard so far.
+    plan: how each kernel is conditioned (static; see :meth:`summary`).
+  """
+
+  count: jax.Array
+  key: jax.Array
+  statistics: dict[str, Any]
+  factors: dict[str, sketch.Factor]
+  clipped_rows: dict[str, jax.Array]
+  plan: PlanSummary = PlanSummary(())
+
+  def summary(self) -> dict[str, str]:
+    """How each conditioned kernel is conditioned (works on ``jax.eval_shape`` of ``init``).
+
+    E.g. ``{'conv1/kernel': 'dense C, full C^(1/2), n=25', 'dense1/kernel': 'streaming C Omega, rank 32,
+    n=800'}``; kernels absent from it get plain updates.
+    """
+    return dict(self.plan.items)
+
+
+def initial_factor(plan: plan_lib.KernelPlan) -> sketch.Factor:
+  if plan.kind in ("diagonal", "embedding"):
+    return sketch.Factor(None, None, jnp.ones((plan.n,)))
+  if plan.rank is None:  # the full conditioner is kept dense: one product per step
+    return sketch.Factor(None, jnp.eye(plan.n, dtype=jnp.float32), jnp.zeros((), jnp.float32))
+  return sketch.identity_factor(plan.n, plan.rank)
+
+
+class PlanCache:
+  """The plans of a parameter tree, computed once per tree of shapes and captured input axes (at ``init``
+  and at the first update) and reused by later updates."""
+
+  def __init__(self, spec: plan_lib.Spec):
+    self._spec, self._plans = spec, {}
+
+  def __call__(self, tree, captured=None) -> dict[str, plan_lib.KernelPlan]:
+    flat, treedef = jax.tree_util.tree_flatten(tree)
+    key = (treedef, tuple(tuple(np.shape(leaf)) for leaf in flat))
+    if key not in self._plans:
+      self._plans[key] = plan_lib.make_plans(tree, self._spec)
+    if not captured:
+      return self._plans[key]
+    key_captured = key + (tuple(sorted(captured.items())),)
+    if key_captured not in self._plans:
+      self._plans[key_captured] = plan_lib.replan(self._plans[key], tree, self._spec, captured)
+    return self._plans[key_captured]
+
+
+def summary_of(kernel_plans) -> PlanSummary:
+  return PlanSummary((p, plan.describe()) for p, plan in kernel_plans.items())
+
+
+def fresh_kernel_states(kernel_plans, seed: int):
+  """The state key and each kernel's ``(statistics, factor, clipped rows)`` before any data."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(kernel_plans) + 1)
+  return keys[0], {p: (plan.statistics.init(plan.n, kk), initial_factor(plan), jnp.zeros([], jnp.int32))
+                   for (p, plan), kk in zip(kernel_plans.items(), keys[1:])}
+
+
+def _same_shapes(a, b) -> bool:
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(
+      np.shape(x) == np.shape(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int):
+  """``state`` with every kernel whose statistics or factor do not have its plan's shapes started afresh.
+
+  ``init`` sees only the parameters, so it reads a DenseGeneral/Einsum kernel by the name-based default
+  axes; the captured inputs say the layer's true axes, and the first update re-plans such a kernel
+  (:func:`plan.replan`: same kind of statistics, so the same structure) and starts its state afresh (a
+  kernel whose shapes already fit, e.g. from an earlier update, keeps its state).
+  """
+  _, shapes = jax.eval_shape(lambda: fresh_kernel_states(kernel_plans, seed))
+  stale = [p for p in kernel_plans
+           if not _same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2])]
+  if not stale:
+    return state._replace(plan=summary_of(kernel_plans))
+  _, fresh = fresh_kernel_states(kernel_plans, seed)
+  pick = lambda field, i: {p: fresh[p][i] if p in stale else field[p] for p in kernel_plans}
+  return state._replace(statistics=pick(state.statistics, 0), factors=pick(state.factors, 1),
+                        clipped_rows=pick(state.clipped_rows, 2), plan=summary_of(kernel_plans))
