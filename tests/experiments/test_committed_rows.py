@@ -1,0 +1,43 @@
+"""Every committed head-to-head record holds the settings today's code would run it with: the harness
+finds no row to re-run (a refactor of the optimizers, their recipes or the configs that changed a row's
+recorded settings fails here, naming the row and the setting)."""
+
+import glob
+import importlib
+import json
+import os
+
+import pytest
+
+from experiments import benchmark
+from experiments import optimizers
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "results", "benchmark")
+TASKS = sorted(os.path.basename(d) for d in glob.glob(os.path.join(RESULTS, "*")) if os.path.isdir(d))
+
+
+def test_every_task_has_committed_rows():
+  assert TASKS == ["convex", "mnist", "shakespeare"]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_the_harness_finds_no_committed_row_to_rerun(task, tmp_path, capsys):
+  config = importlib.import_module(f"configs.benchmark.{task}").get_config()
+  results_dir = os.path.join(RESULTS, task)
+  harness = benchmark.Harness(config, str(tmp_path), results_dir, "")
+
+  def never_train(*args, **kwargs):
+    raise AssertionError(f"{task}: the harness would train a run again: {args}")
+
+  harness.run = lambda name, point, seed: harness.committed(name, point, seed) or never_train(name, point, seed)
+  paths = sorted(glob.glob(os.path.join(results_dir, benchmark.RUNS, "*", "*.json")))
+  assert len(paths) > 20
+  stale = []
+  for path in paths:
+    with open(path) as f:
+      rec = json.load(f)
+    assert rec["optimizer"] in optimizers.OPTIMIZERS, path
+    point = benchmark.Point(rec["learning_rate"], tuple(sorted(rec["joint"].items())))
+    if harness.committed(rec["optimizer"], point, rec["seed"]) is None:
+      stale.append(rec["key"])
+  assert not stale, f"{task}: rows the harness would run again: {stale}\n{capsys.readouterr().out}"
