@@ -7,14 +7,14 @@
 Protocol (``config.benchmark``; issue 19):
 
 - **Tuning at the full budget, equal for all.** Each optimizer's rate from a log grid
-  (``grid``: multiples of its authors' rate, half a decade apart, ``experiments/peers.py`` cites
+  (``grid``: multiples of its authors' rate, half a decade apart, ``experiments/registry.py`` cites
   each), one full-budget run per rate on seed 0, chosen by the final loss on ``config.eval_split``
   (a validation split; a diverged run loses). A best rate at an end of the grid grows the grid
   past that end (``extend_edge`` steps at most). An optimizer with a second hyperparameter without
   an upstream default (``joint_grid``: K-FAC's damping) tunes it jointly with the rate.
   Then ``seeds[1:]`` at the chosen point; the seed-0 run is one of the seeds.
 - **The schedule users train with** (the task config's ``schedule``: warmup then cosine).
-- **Each optimizer as its authors run it**: ``peers.recipe(name, benchmark.kind)``.
+- **Each optimizer as its authors run it**: ``registry.recipe(name, benchmark.kind)``.
 - **Every run is its own unit**: trained in ``<workdir>/<key>``, then its record (command, commit,
   package versions, machine, load average, the fully resolved config, metrics rows, the final
   parameters' loss on ``report_split``) written to ``<results_dir>/runs/<key>.json``, to be
@@ -49,7 +49,7 @@ from experiments import errors
 from experiments import machine
 from experiments import metrics
 from experiments import optimizers
-from experiments import peers
+from experiments import registry
 from experiments import report
 from experiments import train
 from experiments import validate as validate_lib
@@ -87,7 +87,7 @@ def names(config) -> list[str]:
 
 def learning_rates(config, name: str) -> list[float]:
   """The rate grid of ``name``: its authors' rate times ``config.benchmark.grid``."""
-  centre = peers.recipe(name, config.benchmark.kind).learning_rate
+  centre = registry.recipe(name, config.benchmark.kind).learning_rate
   return [float(f"{centre * m:.3g}") for m in config.benchmark.grid]
 
 
@@ -105,7 +105,7 @@ def run_config(config, name: str, point: Point, seed: int, extra: Optional[dict]
   cfg = ml_collections.ConfigDict(config.to_dict())
   with cfg.unlocked():
     del cfg["benchmark"]  # the protocol is the harness's: a run's recorded config is what it trains
-  cfg = optimizers.variant(cfg, {"name": name, **peers.recipe(name, config.benchmark.kind).settings,
+  cfg = optimizers.variant(cfg, {"name": name, **registry.recipe(name, config.benchmark.kind).settings,
                                  **dict(point.joint), **(extra or {})})
   cfg.schedule.base = point.learning_rate
   cfg.seed = seed
@@ -157,9 +157,8 @@ class Harness:
 
   def extra(self, name: str) -> dict:
     """Settings that come from another optimizer's tuning: Muon's AdamW part at AdamW's own chosen rate."""
-    if name in peers.MUON_ADAM_RATE:
-      return {peers.MUON_ADAM_RATE[name]: self.choose("adamw")[0].learning_rate}
-    return {}
+    arg = registry.entry(name).adam_rate
+    return {arg: self.choose("adamw")[0].learning_rate} if arg else {}
 
   def committed(self, name: str, point: Point, seed: int) -> Optional[dict]:
     """The committed record of this run if it holds today's settings (else None, saying why)."""
@@ -240,8 +239,8 @@ def train_one(cfg, workdir: str, report_split: str) -> dict:
 
 def validate(config) -> None:
   """Every seed-0 grid run's config, before any run (a bad override is one line, nothing trained)."""
-  if config.benchmark.kind not in peers.KINDS:
-    raise errors.ConfigError(f"config.benchmark.kind: {config.benchmark.kind!r}; choose one of {peers.KINDS}.")
+  if config.benchmark.kind not in registry.KINDS:
+    raise errors.ConfigError(f"config.benchmark.kind: {config.benchmark.kind!r}; choose one of {registry.KINDS}.")
   for name in names(config):
     for joint in joint_points(config, name):
       for lr in learning_rates(config, name):
@@ -273,7 +272,7 @@ def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
     out["optimizers"][name] = {
         "learning_rate": o["point"].learning_rate, "joint": dict(o["point"].joint),
         "at_grid_edge": o["point"].learning_rate in (lrs[0], lrs[-1]),
-        "source": peers.recipe(name, config.benchmark.kind).source,
+        "source": registry.recipe(name, config.benchmark.kind).source,
         "settings": recs[0]["config"][workdir_lib.RESOLVED_KEY],
         "seeds": sorted(o["seeds"]), "commits": sorted({r["commit"] for r in recs}),
         "reached": f"{len(its)}/{len(hits)}",
@@ -373,7 +372,7 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
             "| optimizer | grid |", "| --- | --- |"]
   for name in rank(summary):
     lines.append(f"| {name} | " + ", ".join(f"{p}: {v:.4f}" for p, v in s_[name]["grid"].items()) + " |")
-  lines += ["", "Settings and their sources (`experiments/peers.py`):", ""]
+  lines += ["", "Settings and their sources (`experiments/registry.py`):", ""]
   for name in rank(summary):
     lines.append(f"- **{name}** ({', '.join(s_[name]['commits'])}): {s_[name]['source']}.")
   return report.write_markdown(results_dir, lines)
@@ -410,7 +409,7 @@ def write_summary(root: str, tasks: Sequence[str] = ()) -> str:
            "Per task, optimizers ranked by iterations to the target (the best final validation loss, median of 3 "
            "seeds, of Nesterov SGD and AdamW), then final validation and test loss; optimizer-state bytes and step "
            "time against SGD's. Protocol: experiments/benchmark.py (rates tuned at the full budget, warmup + cosine, "
-           "every peer as its authors run it, cited in experiments/peers.py). Each task's folder holds its report, "
+           "every peer as its authors run it, cited in experiments/registry.py). Each task's folder holds its report, "
            "curves, every grid point and every run's record.", "",
            "| task | rank | optimizer | lr | iterations to target | final validation loss | final test loss | "
            "state bytes | step vs SGD |", "| --- |" + " --- |" * 8]

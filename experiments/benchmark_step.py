@@ -35,10 +35,8 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import flags
 from flax import nnx
 
@@ -48,6 +46,7 @@ from experiments import machine
 from experiments import models
 from experiments import optimizers
 from experiments import report
+from experiments import step as step_lib
 
 FLAGS = flags.FLAGS
 BASELINE = "sgd"
@@ -68,37 +67,10 @@ def _model(name: str, shape: tuple, classes: int) -> nnx.Module:
 
 
 def jitted_step(model: nnx.Module, tx, capture: str, max_rows):
-  """A jitted step on pure state: ``capture`` is ``'none'``, ``'rows'`` (computed, summed, not used), ``'use'``
-  (``layer_inputs=``) or ``'two_sided'`` (``layer_inputs=`` and ``output_grads=``, the gradient of the loss
-  with respect to the layers' output perturbations)."""
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  params, rest = nnx.as_pure(params), nnx.as_pure(rest)  # BatchNorm's statistics: the rest of the state
-
-  def loss_fn(params, perturbations, rest, x, y, key):
-    m = nnx.merge(graphdef, params, rest)
-    if capture == "none":
-      logits, rows = m(x), None
-    else:
-      logits, rows = scsgd_jax.capture_nnx(m, x, rng=key, max_rows=max_rows, output_perturbations=perturbations)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return loss, (rows, nnx.as_pure(nnx.state(m, nnx.Not(nnx.Param))))
-
-  @jax.jit
-  def step(params, rest, opt_state, x, y, key):
-    perturbations = None
-    if capture == "two_sided":
-      perturbations = scsgd_jax.output_perturbations_nnx(nnx.merge(graphdef, params, rest), x)
-    (loss, (rows, rest)), (grads, output_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-        params, perturbations, rest, x, y, key)
-    extra = {"layer_inputs": rows} if capture in ("use", "two_sided") else {}
-    if capture == "two_sided":
-      extra["output_grads"] = output_grads
-    updates, opt_state = tx.update(grads, opt_state, params, **extra)
-    if capture == "rows":  # the rows' cost without their use (a sum keeps them from being dropped)
-      loss = loss + 0.0 * sum(jnp.sum(r) for r in jax.tree.leaves(rows))
-    return optax.apply_updates(params, updates), rest, opt_state, loss
-
-  return step, params, rest, tx.init(params)
+  """The experiments' training step (``step.py``, not donating its buffers: every variant keeps its own) on
+  ``model``'s pure state, and that state: ``(step, params, rest, opt_state)``."""
+  graphdef, params, rest = step_lib.split(model)
+  return step_lib.make_train_step(graphdef, tx, capture, max_rows, donate=False), params, rest, tx.init(params)
 
 
 def _data(model_name: str, shape: tuple, classes: int, batch: int, n: int, seed: int = 0):
@@ -170,7 +142,7 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
     variant = dict(variant)
     capture = variant.pop("capture", None)
     opt = optimizers.create(optimizers.variant(config.run, variant))
-    tx, capture = opt.tx, capture or optimizers.capture_mode(opt)
+    tx, capture = opt.tx, capture or opt.capture
     fn, params, rest, opt_state = jitted_step(_model(name, shape, classes), tx, capture, config.run.max_rows or None)
     variants[vname] = [fn, [params, rest, opt_state]]
   out, sgd_times = {}, None

@@ -5,7 +5,7 @@
 The head to head's char transformer learns a random order-2 Markov source over the vocabulary (each
 pair of previous symbols has its own next-symbol distribution, drawn from a Dirichlet); every window
 is an independent stretch of the chain. Each optimizer of ``config.develop.optimizers`` runs at its
-authors' settings (``peers.recipe``, the benchmark's) under the head to head's tuning
+authors' settings (``registry.recipe``, the benchmark's) under the head to head's tuning
 (``experiments.benchmark.tune``): its rate grid (``benchmark.grid`` x its authors' rate) on seed 0,
 grown past a winning end, then ``benchmark.seeds`` at the chosen rate. Reported: every run's final
 held-out loss and each optimizer's median over the seeds, against the source's own (the best any
@@ -30,12 +30,12 @@ from absl import flags
 from flax import nnx
 
 from experiments import benchmark
-from experiments import benchmark_step
 from experiments import cli
 from experiments import models
 from experiments import optimizers
-from experiments import peers
+from experiments import registry
 from experiments import report
+from experiments import step as step_lib
 
 FLAGS = flags.FLAGS
 
@@ -75,24 +75,24 @@ def run(config: ml_collections.ConfigDict, name: str, rate: float, seed: int, ta
   """One run: ``name`` at peak ``rate`` on ``seed`` (initialisation and batches); its final held-out loss
   (inf if it diverged)."""
   d = config.develop
-  recipe = peers.recipe(name, config.benchmark.kind)
-  settings = {**recipe.settings, **probe_settings(d.settings)}  # a probe's settings on top of the authors'
-  if name in peers.MUON_ADAM_RATE:  # its AdamW part at AdamW's authors' rate (the head to head: AdamW's tuned)
-    settings[peers.MUON_ADAM_RATE[name]] = peers.recipe("adamw", config.benchmark.kind).learning_rate
+  entry = registry.entry(name)
+  settings = {**entry.recipe(config.benchmark.kind).settings, **probe_settings(d.settings)}  # a probe's on top
+  if entry.adam_rate:  # its AdamW part at AdamW's authors' rate (the head to head: AdamW's tuned)
+    settings[entry.adam_rate] = registry.recipe("adamw", config.benchmark.kind).learning_rate
   run_config = ml_collections.ConfigDict(config.to_dict())
   run_config.schedule.base = rate
   run_config.seed = seed
   opt = optimizers.create(optimizers.variant(run_config, {"name": name, **settings}))
   model = models.MODELS[config.model](nnx.Rngs(seed), d.vocab, (d.context,))
-  graphdef = nnx.graphdef(model)
-  step, params, rest, opt_state = benchmark_step.jitted_step(model, opt.tx, optimizers.capture_mode(opt),
-                                                             config.max_rows or None)
+  graphdef, params, rest = step_lib.split(model)
+  step = step_lib.make_train_step(graphdef, opt.tx, opt.capture, config.max_rows or None)
+  opt_state = opt.tx.init(params)
   apply = jax.jit(lambda p, r, x: nnx.merge(graphdef, p, r)(x))
   rng = np.random.default_rng(seed + 1)
   key = jax.random.PRNGKey(seed)
   for i in range(config.num_steps):
     batch = sample_windows(table, config.batch_size, d.context + 1, rng)
-    params, rest, opt_state, loss = step(params, rest, opt_state, jnp.asarray(batch[:, :-1]),
+    params, rest, opt_state, _, _ = step(params, rest, opt_state, jnp.asarray(batch[:, :-1]),
                                          jnp.asarray(batch[:, 1:]), jax.random.fold_in(key, i))
   final = _heldout_loss(apply, params, rest, heldout)
   return {"optimizer": name, "learning_rate": rate, "seed": seed, "settings": settings,

@@ -18,20 +18,14 @@ import optax
 import scsgd_jax
 from experiments import machine
 from experiments import peers
+from experiments import registry
 
 
 class Optimizer(NamedTuple):
-  """A transformation and what its ``update`` needs from the training step."""
+  """A transformation and what its training step captures for ``tx.update`` (``registry.CAPTURES``)."""
 
   tx: optax.GradientTransformation
-  needs_layer_inputs: bool  # True: pass ``layer_inputs=`` (captured kernel inputs) to ``tx.update``
-  needs_batch: bool = False  # True: pass ``batch=(inputs, labels), key=`` to ``tx.update`` (K-FAC)
-  needs_output_grads: bool = False  # True: also pass ``output_grads=`` (the layers' back-propagated outputs)
-
-
-def capture_mode(opt: Optimizer) -> str:
-  """What a training step captures for ``opt``: ``'two_sided'``, ``'use'`` (input rows) or ``'none'``."""
-  return "two_sided" if opt.needs_output_grads else "use" if opt.needs_layer_inputs else "none"
+  capture: str
 
 
 class Forward(NamedTuple):
@@ -71,133 +65,7 @@ def learning_rate(config: ml_collections.ConfigDict, base: float | None = None) 
   return fn(**s)
 
 
-def _scsgd(lr, kwargs, config, forward):
-  return Optimizer(scsgd_jax.scsgd(lr, seed=config.seed, **kwargs), True)
-
-
-def _optax(fn):
-  return lambda lr, kwargs, config, forward: Optimizer(fn(**{"learning_rate": lr, **kwargs}), False)
-
-
-def _kfac(lr, kwargs, config, forward):
-  if forward is None:
-    raise ValueError("kfac runs the model itself: optimizers.create needs forward=Forward(apply_fn, example_batch)")
-  return Optimizer(peers.kfac(lr, apply_fn=forward.apply_fn, example_batch=forward.example_batch, **kwargs),
-                   False, True)
-
-
-def _muon_tx(lr, kwargs, config):
-  """Muon; its AdamW part (embeddings, head, vectors) follows ``config.schedule`` with peak
-  ``adam_learning_rate`` when that is set (the benchmark's: AdamW's own tuned rate), else Muon's rate."""
-  if kwargs.get("adam_learning_rate") is not None:
-    kwargs["adam_learning_rate"] = learning_rate(config, kwargs["adam_learning_rate"])
-  return peers.muon(lr, **kwargs)
-
-
-def _muon(lr, kwargs, config, forward):
-  return Optimizer(_muon_tx(lr, kwargs, config), False)
-
-
-def _scsgd_muon(lr, kwargs, config, forward):
-  """SCSGD's conditioning in front of Muon (``muon_*``: Muon's arguments): Muon orthogonalizes the
-  conditioned gradients of its kernels, and its AdamW part takes the conditioned ones of the rest (issue 20)."""
-  muon_args = _pop_prefixed(kwargs, "muon_")
-  tx = optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs),
-                   _muon_tx(lr, muon_args, config))
-  return Optimizer(tx, True)
-
-
-def _pop_prefixed(kwargs: dict, prefix: str) -> dict:
-  """The ``prefix``-ed entries of ``kwargs``, removed from it, without their prefix."""
-  return {k[len(prefix):]: kwargs.pop(k) for k in list(kwargs) if k.startswith(prefix)}
-
-
-def _scsgd_adamw(lr, kwargs, config, forward):
-  """SCSGD's conditioning in front of AdamW: Adam's moments see the conditioned gradients."""
-  adamw_args = _pop_prefixed(kwargs, "adamw_")
-  tx = optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs),
-                   peers.adamw(lr, **adamw_args))
-  return Optimizer(tx, True)
-
-
-def _scsgd_graft(lr, kwargs, config, forward):
-  """SCSGD's conditioned direction at normalized RMSprop's per-layer step size (``graft_*``: its
-  ``decay``, ``eps``), then Nesterov momentum at SCSGD's default: Shampoo's grafting layout (issue 20)."""
-  graft_args = _pop_prefixed(kwargs, "graft_")
-  momentum = inspect.signature(scsgd_jax.scsgd).parameters["momentum"].default
-  tx = optax.chain(
-      scsgd_jax.scale_by_grafting(scsgd_jax.scale_by_normalized_rms(**graft_args),
-                                  scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs)),
-      optax.sgd(lr, momentum=momentum, nesterov=True))
-  return Optimizer(tx, True)
-
-
-def _scsgd_two_sided(lr, kwargs, config, forward):
-  """Two-sided conditioning (inputs and back-propagated outputs) grafted onto normalized RMSprop, then Nesterov
-  momentum (issue 20, direction 1): ``scsgd_jax.scsgd_two_sided``.
-
-  Two probes of issue 20's direction 4 (development task only, off unless given): ``momentum_first=True`` takes
-  the Nesterov momentum of the raw gradient before conditioning and grafting (``optax.trace`` in front, the
-  alias without momentum); ``condition_embeddings=False`` leaves embeddings unconditioned (their grafted
-  gradient), the filter the output side uses by default."""
-  kwargs = dict(kwargs)
-  momentum_first = kwargs.pop("momentum_first", False)
-  if not kwargs.pop("condition_embeddings", True):
-    kwargs["kernel_filter"] = scsgd_jax.output_kernel_filter
-  if not momentum_first:
-    return Optimizer(scsgd_jax.scsgd_two_sided(lr, seed=config.seed, **kwargs), True, needs_output_grads=True)
-  momentum = kwargs.pop("momentum", inspect.signature(scsgd_jax.scsgd_two_sided).parameters["momentum"].default)
-  tx = optax.chain(optax.trace(momentum, nesterov=True),
-                   scsgd_jax.scsgd_two_sided(lr, momentum=0.0, seed=config.seed, **kwargs))
-  return Optimizer(tx, True, needs_output_grads=True)
-
-
-# name -> the arguments its builder fixes (written out in the resolved settings)
-FIXED = {"scsgd_two_sided_lean": {"magnitude": "sign", "split_budget": True}}
-
-
-def _scsgd_two_sided_lean(lr, kwargs, config, forward):
-  """Two-sided conditioning at Adam's memory (issue 20): ``scsgd_jax.scsgd_two_sided`` with the stateless sign
-  magnitude (distributed Shampoo's SQRT_N grafting) and the two sides splitting the memory rule's budget."""
-  return _scsgd_two_sided(lr, {**kwargs, **FIXED["scsgd_two_sided_lean"]}, config, forward)
-
-
-# name -> builder(learning rate schedule, the sub-config as a dict, the whole config, the model's Forward)
-BUILDERS = {
-    "scsgd": _scsgd,
-    "sgd": _optax(optax.sgd),
-    "adam": _optax(optax.adam),
-    "adamw": _optax(peers.adamw),
-    "nadamw": _optax(peers.nadamw),
-    "scsgd_adamw": _scsgd_adamw,
-    "scsgd_graft": _scsgd_graft,
-    "scsgd_muon": _scsgd_muon,
-    "scsgd_muon_fresh": _scsgd_muon,  # the same, its recipe refreshing the statistics more often (peers.py)
-    "scsgd_two_sided": _scsgd_two_sided,
-    "scsgd_two_sided_lean": _scsgd_two_sided_lean,
-    # peers from other packages (the optional `bench` extra), with their patches: experiments/peers.py
-    "muon": _muon,
-    "shampoo": _optax(peers.shampoo),
-    "shampoo_input": _optax(peers.shampoo_input),
-    "sketchy": _optax(peers.sketchy),
-    "kfac": _kfac,
-}
-OPTIMIZERS = tuple(BUILDERS)
-# name -> the function whose keyword arguments its sub-config holds
-FUNCTIONS = {"scsgd": scsgd_jax.scsgd, "sgd": optax.sgd, "adam": optax.adam, "adamw": peers.adamw,
-             "nadamw": peers.nadamw, "scsgd_adamw": scsgd_jax.scale_by_sketched_conditioning,
-             "scsgd_graft": scsgd_jax.scale_by_sketched_conditioning,
-             "scsgd_muon": scsgd_jax.scale_by_sketched_conditioning,
-             "scsgd_muon_fresh": scsgd_jax.scale_by_sketched_conditioning,
-             "scsgd_two_sided": scsgd_jax.scale_by_sketched_conditioning,  # both sides' arguments
-             "scsgd_two_sided_lean": scsgd_jax.scale_by_sketched_conditioning,
-             "muon": peers.muon, "shampoo": peers.shampoo, "shampoo_input": peers.shampoo_input,
-             "sketchy": peers.sketchy, "kfac": peers.kfac}
-# name -> (prefix, function): a composite's second part, whose arguments its sub-config holds prefixed
-# (their defaults are written out in the resolved settings). scsgd_adamw's AdamW part is not listed: its
-# committed rows' records predate this, and its recipe states every AdamW setting it changes.
-PREFIXED = {"scsgd_graft": ("graft_", scsgd_jax.scale_by_normalized_rms),
-            "scsgd_two_sided": ("graft_", scsgd_jax.scale_by_normalized_rms)}
+OPTIMIZERS = tuple(registry.REGISTRY)
 NOT_IN_SUB_CONFIG = ("learning_rate", "seed", "apply_fn", "example_batch")  # from config.schedule / .seed / the model
 
 
@@ -218,7 +86,7 @@ def sub_config(name: str, **values) -> ml_collections.ConfigDict:
   line for every argument. ``values`` are the settings that differ from the defaults.
   """
   fields = {}
-  for arg, param in peers.signature(FUNCTIONS[name]).parameters.items():
+  for arg, param in peers.signature(registry.entry(name).function).parameters.items():
     kind = _placeholder_type(param)
     if arg not in NOT_IN_SUB_CONFIG and kind is not None:
       fields[arg] = ml_collections.config_dict.placeholder(kind)
@@ -235,7 +103,7 @@ def complete(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if "optimizer" not in config:
     return config
   o = config.optimizer
-  for name in [k for k in o.keys() if k in FUNCTIONS] + ([o.name] if o.get("name") in FUNCTIONS else []):
+  for name in [k for k in o.keys() if k in registry.REGISTRY] + ([o.name] if o.get("name") in registry.REGISTRY else []):
     given = o[name].to_dict() if name in o else {}
     o[name] = sub_config(name, **given)
   return config
@@ -258,13 +126,14 @@ def resolved_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   left ``None`` replaced by the library's default (what a run records, so a changed default is seen)."""
   o = config.optimizer
   given = sub_config(o.name, **(o[o.name].to_dict() if o.name in o else {})).to_dict()
-  params = peers.signature(FUNCTIONS[o.name]).parameters
+  e = registry.entry(o.name)
+  params = peers.signature(e.function).parameters
   out = {k: (v if v is not None or k not in params else params[k].default) for k, v in given.items()}
-  if FUNCTIONS[o.name] in (scsgd_jax.scsgd, scsgd_jax.scale_by_sketched_conditioning):
+  if e.function in (scsgd_jax.scsgd, scsgd_jax.scale_by_sketched_conditioning):
     out.update(scsgd_jax.resolve_static_args(**{k: out.get(k) for k in scsgd_jax.STATIC_ARGS}))
-  out.update(FIXED.get(o.name, {}))
-  if o.name in PREFIXED:
-    prefix, fn = PREFIXED[o.name]
+  out.update(e.fixed)
+  if e.prefixed:
+    prefix, fn = e.prefixed
     for arg, param in inspect.signature(fn).parameters.items():
       if param.default is not inspect.Parameter.empty:
         out.setdefault(prefix + arg, param.default)
@@ -273,7 +142,7 @@ def resolved_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def versions(name: str) -> dict[str, str]:
   """The versions of the packages a run of optimizer ``name`` depends on."""
-  return machine.package_versions(["scsgd-jax", "jax", "jaxlib", "optax", "flax", *peers.PACKAGES.get(name, ())])
+  return machine.package_versions(["scsgd-jax", "jax", "jaxlib", "optax", "flax", *registry.entry(name).packages])
 
 
 def create(config: ml_collections.ConfigDict, forward: Forward | None = None) -> Optimizer:
@@ -282,7 +151,8 @@ def create(config: ml_collections.ConfigDict, forward: Forward | None = None) ->
   ``forward``: the model, for an optimizer that runs it (``train.forward(config)``)."""
   o = config.optimizer
   kwargs = {k: v for k, v in (o[o.name].to_dict() if o.name in o else {}).items() if v is not None}
-  opt = BUILDERS[o.name](learning_rate(config), kwargs, config, forward)
+  e = registry.entry(o.name)
+  tx = e.build(learning_rate(config), kwargs, config, forward)
   if o.weight_decay:
-    return opt._replace(tx=optax.chain(optax.add_decayed_weights(o.weight_decay), opt.tx))
-  return opt
+    tx = optax.chain(optax.add_decayed_weights(o.weight_decay), tx)
+  return Optimizer(tx, e.capture)

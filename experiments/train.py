@@ -1,6 +1,6 @@
 """Training and evaluation loop (Flax-examples shape): ``train_and_evaluate(config, workdir)``.
 
-The jitted step, evaluation and the loop, on every device (``devices.py``). The config is checked first
+The step (``step.py``), evaluation and the loop, on every device (``devices.py``). The config is checked first
 (``validate.py``), the workdir kept safe by ``workdir.py`` (lock, recorded config, stop signals,
 write failures), the model and optimizer built by ``build.py``, checkpoints read and written by
 ``checkpoints.py``: a run never loses or mixes work (the guarantees are in ``experiments/README.md``).
@@ -8,7 +8,6 @@ write failures), the model and optimizer built by ``build.py``, checkpoints read
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -23,7 +22,6 @@ from absl import logging
 from flax import nnx
 from tqdm.auto import tqdm
 
-import scsgd_jax
 from experiments import build as build_lib
 from experiments import checkpoints as ckpt_lib
 from experiments import data as data_lib
@@ -31,66 +29,11 @@ from experiments import devices as devices_lib
 from experiments import errors
 from experiments import metrics as metrics_lib
 from experiments import optimizers
+from experiments import step as step_lib
 from experiments import validate
 from experiments import workdir as workdir_lib
 
 METRICS_FILE = "metrics.jsonl"
-
-
-def _logits_and_inputs(graphdef, params, images, key, capture: bool, max_rows):
-  model = nnx.merge(graphdef, params)
-  if capture:
-    return scsgd_jax.capture_nnx(model, images, rng=key, max_rows=max_rows)
-  return model(images), None
-
-
-def make_train_step(graphdef, tx: optax.GradientTransformation, *, capture: bool, max_rows,
-                    pass_batch: bool = False):
-  """The jitted step: loss and captured layer inputs from one forward pass, then ``tx.update``
-  (given ``layer_inputs=`` if ``capture``, ``batch=`` and ``key=`` if ``pass_batch``)."""
-
-  def loss_fn(params, images, labels, key):
-    logits, layer_inputs = _logits_and_inputs(graphdef, params, images, key, capture, max_rows)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-    err = jnp.mean(jnp.argmax(logits, -1) != labels)
-    return loss, (err, layer_inputs)
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def train_step(params, opt_state, images, labels, key):
-    (loss, (err, layer_inputs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, images, labels, key)
-    extra = {"layer_inputs": layer_inputs} if capture else {}
-    if pass_batch:
-      extra.update(batch=(images, labels), key=jax.random.fold_in(key, 1))
-    updates, opt_state = tx.update(grads, opt_state, params, **extra)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, loss, err
-
-  return train_step
-
-
-def make_two_sided_train_step(graphdef, tx: optax.GradientTransformation, *, max_rows):
-  """:func:`make_train_step` with the capture for two-sided conditioning: ``tx.update`` also gets
-  ``output_grads=``, the loss's gradient with respect to zero perturbations of the layers' outputs.
-
-  A function of its own (not a flag of ``make_train_step``) so that the step of every other optimizer stays
-  the code the head to head's rows ran (issue 19: a row added later must leave the others' code unchanged).
-  """
-
-  def loss_fn(params, perturbations, images, labels, key):
-    logits, layer_inputs = scsgd_jax.capture_nnx(nnx.merge(graphdef, params), images, rng=key, max_rows=max_rows,
-                                                 output_perturbations=perturbations)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-    return loss, (jnp.mean(jnp.argmax(logits, -1) != labels), layer_inputs)
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def train_step(params, opt_state, images, labels, key):
-    perturbations = scsgd_jax.output_perturbations_nnx(nnx.merge(graphdef, params), images)
-    (loss, (err, layer_inputs)), (grads, output_grads) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(params, perturbations, images, labels, key)
-    updates, opt_state = tx.update(grads, opt_state, params, layer_inputs=layer_inputs, output_grads=output_grads)
-    return optax.apply_updates(params, updates), opt_state, loss, err
-
-  return train_step
 
 
 def make_eval_fn(graphdef, placement: devices_lib.DataParallel | None = None):
@@ -195,11 +138,8 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
   test = data_lib.decode(eval_src, config.dataset, config.eval_split, config.max_test_examples)
   graphdef, params, opt, _ = build_lib.build(config)
   opt_state = opt.tx.init(params)
-  if opt.needs_output_grads:
-    train_step = make_two_sided_train_step(graphdef, opt.tx, max_rows=config.max_rows or None)
-  else:
-    train_step = make_train_step(graphdef, opt.tx, capture=opt.needs_layer_inputs,
-                                 max_rows=config.max_rows or None, pass_batch=opt.needs_batch)
+  train_step = step_lib.make_train_step(graphdef, opt.tx, opt.capture, config.max_rows or None)
+  rest = nnx.as_pure(nnx.State({}))  # the experiments' models keep no state but their parameters
   placement = devices_lib.DataParallel()
   evaluate = make_eval_fn(graphdef, placement)
 
@@ -245,8 +185,8 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
           workdir_lib.StopRequest() as stop):
       while step < config.num_steps:
         idx = data_lib.batch_indices(len(train.labels), config.batch_size, step, config.seed)
-        params, opt_state, loss, err = train_step(
-            params, opt_state, placement.shard(train.inputs[idx]), placement.shard(train.labels[idx]),
+        params, rest, opt_state, loss, err = train_step(
+            params, rest, opt_state, placement.shard(train.inputs[idx]), placement.shard(train.labels[idx]),
             jax.random.fold_in(base_key, step))
         if t0 is None:  # the first step compiles: keep it out of the timing
           jax.block_until_ready(loss)

@@ -1,6 +1,6 @@
 """What every benchmark task shares: the protocol (experiments/benchmark.py) and the schedule.
 
-Each optimizer's settings and the centre of its rate grid are its authors' (``experiments/peers.py``,
+Each optimizer's settings and the centre of its rate grid are its authors' (``experiments/registry.py``,
 ``recipe(name, kind)``, with the sources); a task names its model ``kind``.
 """
 
@@ -22,7 +22,7 @@ def get_config():
   # linear warmup over 5% of the budget, then cosine decay to 0 (peak: the tuned rate)
   config.schedule = ml_collections.ConfigDict(dict(name="warmup_cosine", base=0.01, warmup_fraction=0.05))
   config.benchmark = ml_collections.ConfigDict()
-  config.benchmark.kind = "cnn"  # which of the authors' recipes (peers.KINDS): "cnn", "transformer", "linear"
+  config.benchmark.kind = "cnn"  # which of the authors' recipes (registry.KINDS): "cnn", "transformer", "linear"
   config.benchmark.all_optimizers = OPTIMIZERS
   config.benchmark.optimizers = OPTIMIZERS  # the ones this invocation runs ("sgd,adamw" on the command line)
   config.benchmark.grid = (0.316, 1.0, 3.16, 10.0)  # x the authors' rate: 4 rates half a decade apart

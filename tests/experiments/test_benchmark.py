@@ -15,7 +15,7 @@ from configs.benchmark import convex
 from experiments import benchmark
 from experiments import data
 from experiments import errors
-from experiments import peers
+from experiments import registry
 from experiments import train
 
 
@@ -211,7 +211,8 @@ def test_every_optimizer_takes_steps_on_every_task(task, tmp_path):
   with tfds.testing.mock_data(num_examples=64, **source), jax.numpy_rank_promotion("allow"):
     for name in names:
       lr = benchmark.learning_rates(config, name)[1]
-      extra = {peers.MUON_ADAM_RATE[name]: 1e-3} if name in peers.MUON_ADAM_RATE else {}
+      arg = registry.entry(name).adam_rate
+      extra = {arg: 1e-3} if arg else {}
       joint = benchmark.joint_points(config, name)[0]
       cfg = benchmark.run_config(config, name, benchmark.Point(lr, joint), 0, extra)
       last = train.train_and_evaluate(cfg, str(tmp_path / name))

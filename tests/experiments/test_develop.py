@@ -8,7 +8,7 @@ import pytest
 
 from configs import develop as develop_config
 from experiments import develop
-from experiments import peers
+from experiments import registry
 
 
 def test_windows_follow_the_chain_and_the_source_loss_is_its_nll():
@@ -34,7 +34,7 @@ def test_two_step_runs_write_every_rate_seed_and_anchor_and_resume(tmp_path, mon
   config.develop.heldout_windows = 4
   develop.develop(config, str(tmp_path), "python -m experiments.develop (test)")
   record = json.load(open(os.path.join(tmp_path, "develop.json")))
-  rate = {name: peers.recipe(name, "transformer").learning_rate for name in ("sgd", "scsgd_graft")}
+  rate = {name: registry.recipe(name, "transformer").learning_rate for name in ("sgd", "scsgd_graft")}
   assert [(r["optimizer"], r["learning_rate"], r["seed"]) for r in record["runs"]] == [
       ("sgd", rate["sgd"], 0), ("sgd", rate["sgd"], 1), ("scsgd_graft", rate["scsgd_graft"], 0),
       ("scsgd_graft", rate["scsgd_graft"], 1)]

@@ -46,9 +46,10 @@ def test_weight_decay_is_added_to_the_gradient_first():
 
 def test_factory_says_what_the_update_needs():
   config = helpers.smoke_config()
-  for name, needs in (("scsgd", True), ("sgd", False), ("adam", False)):
+  for name, capture in (("scsgd", "inputs"), ("sgd", "none"), ("adam", "none"), ("scsgd_two_sided", "two_sided"),
+                        ("scsgd_muon", "inputs")):
     config.optimizer.name = name
-    assert optimizers.create(config).needs_layer_inputs is needs, name
+    assert optimizers.create(config).capture == capture, name
 
 
 def test_sub_config_reaches_the_optimizer_and_defaults_stay_the_librarys():
@@ -94,10 +95,10 @@ def test_every_benchmark_optimizer_builds_from_its_sub_config_and_steps(name):
   if name == "sketchy":
     config.optimizer.sketchy.compression_rank = 2  # < the kernel's input side, 6
   opt = optimizers.create(config)
-  assert opt.needs_layer_inputs is name.startswith("scsgd_")
+  assert (opt.capture == "inputs") is name.startswith("scsgd_")
   params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
   grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.5), params)
-  extra = {"layer_inputs": {"dense": {"kernel": jnp.eye(6)}}} if opt.needs_layer_inputs else {}
+  extra = {"layer_inputs": {"dense": {"kernel": jnp.eye(6)}}} if opt.capture == "inputs" else {}
   with jax.numpy_rank_promotion("allow"):
     updates, _ = opt.tx.update(grads, opt.tx.init(params), params, **extra)
   assert all(np.all(np.isfinite(u)) and np.abs(u).max() > 0 for u in jax.tree.leaves(updates))
@@ -141,7 +142,7 @@ def test_scsgd_two_sided_is_the_library_alias_with_its_settings(name, fixed):
   config.optimizer.name = name
   config.optimizer[name] = optimizers.sub_config(name, graft_decay=0.9, update_every=1)
   opt = optimizers.create(config)
-  assert opt.needs_layer_inputs and opt.needs_output_grads and optimizers.capture_mode(opt) == "two_sided"
+  assert opt.capture == "two_sided"
   by_hand = scsgd_jax.scsgd_two_sided(optimizers.learning_rate(config), graft_decay=0.9, update_every=1,
                                       seed=config.seed, **fixed)
   rng = np.random.default_rng(0)

@@ -15,6 +15,7 @@ pytest.importorskip("precondition")
 pytest.importorskip("kfac_jax")
 
 from experiments import peers  # noqa: E402
+from experiments import registry  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def allow_rank_promotion():
@@ -62,14 +63,14 @@ def _python(code):
 def test_precondition_still_needs_the_jax_aliases():
   out = _python(SHAMPOO_STEP)  # a fresh process, unpatched
   assert out.returncode != 0 and "module 'jax' has no attribute 'tree_map'" in out.stderr, out.stderr[-500:]
-  patched = _python("from experiments import peers; peers.patch_precondition()\n" + SHAMPOO_STEP)
+  patched = _python("from experiments import upstream; upstream.patch_precondition()\n" + SHAMPOO_STEP)
   assert patched.returncode == 0, patched.stderr[-2000:]
 
 
 def test_kfac_still_needs_the_bind_params_patch_and_then_learns():
   out = _python(KFAC_STEP)
   assert out.returncode != 0 and "too many values to unpack" in out.stderr, out.stderr[-500:]
-  patched = _python("from experiments import peers; peers.patch_kfac()\n" + KFAC_STEP)
+  patched = _python("from experiments import upstream; upstream.patch_kfac()\n" + KFAC_STEP)
   assert patched.returncode == 0, patched.stderr[-2000:]
   first, last = map(float, patched.stdout.split("LOSS")[1].split())
   assert last < first
@@ -223,9 +224,9 @@ def test_kfac_conv_input_factor_is_the_second_moment_of_the_im2col_patches(expli
   np.testing.assert_allclose(a, p.T @ p / len(rows), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", peers.KINDS)
+@pytest.mark.parametrize("kind", registry.KINDS)
 def test_scsgd_muon_fresh_is_scsgd_muon_with_the_fresher_statistics(kind):
-  base, fresh = peers.recipe("scsgd_muon", kind), peers.recipe("scsgd_muon_fresh", kind)
+  base, fresh = registry.recipe("scsgd_muon", kind), registry.recipe("scsgd_muon_fresh", kind)
   assert fresh.learning_rate == base.learning_rate
   assert fresh.settings == {**base.settings, "update_every": 10, "ema_rate": 0.2}
-  assert peers.MUON_ADAM_RATE["scsgd_muon_fresh"] == peers.MUON_ADAM_RATE["scsgd_muon"]
+  assert registry.entry("scsgd_muon_fresh").adam_rate == registry.entry("scsgd_muon").adam_rate

@@ -1,0 +1,282 @@
+"""Every optimizer of the experiments, one record each: how it is built, what its training step captures,
+the arguments its builder fixes, and how its authors run it per model kind (with the source).
+
+Adding an optimizer is one :class:`Entry` in :data:`REGISTRY` (and a test). ``optimizers.py`` turns a config
+into one of them; the head to head (``benchmark.py``) reads each entry's recipe.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, NamedTuple, Optional
+
+import optax
+
+import scsgd_jax
+from experiments import peers
+
+KINDS = ("cnn", "transformer", "linear")  # the model kinds a recipe is given for
+CAPTURES = ("none", "inputs", "two_sided", "model")  # what a step passes to tx.update (train.make_train_step)
+
+
+class Recipe(NamedTuple):
+  """How an optimizer's authors run it on one model kind: the centre of the rate grid every optimizer
+  gets alike, its settings (keyword arguments of its function) and the source."""
+
+  learning_rate: float
+  settings: dict
+  source: str
+
+
+class Entry(NamedTuple):
+  """One optimizer.
+
+  Attributes:
+    build: ``build(schedule, kwargs, config, forward) -> tx``; ``kwargs`` its sub-config's set values.
+    function: the function whose keyword arguments its sub-config holds.
+    capture: what its training step captures and passes to ``tx.update`` (:data:`CAPTURES`): ``'inputs'``
+      (``layer_inputs=``), ``'two_sided'`` (also ``output_grads=``), ``'model'`` (``batch=, key=``: K-FAC
+      runs the model itself) or ``'none'``.
+    recipe: ``recipe(kind) -> Recipe``, its authors' settings per model kind (:data:`KINDS`).
+    fixed: arguments its builder fixes (written out in a run's resolved settings).
+    prefixed: ``(prefix, function)``: a composite's second part, whose arguments its sub-config holds
+      prefixed (their defaults written out in the resolved settings).
+    packages: the peer packages its runs depend on (recorded with each run).
+    adam_rate: the argument that takes AdamW's tuned rate in the head to head (Muon's AdamW part).
+  """
+
+  build: Callable
+  function: Callable
+  capture: str
+  recipe: Callable[[str], Recipe]
+  fixed: dict = {}
+  prefixed: Optional[tuple[str, Callable]] = None
+  packages: tuple[str, ...] = ()
+  adam_rate: Optional[str] = None
+
+
+# ------------------------------------------------------------------------------------------- sources
+
+PAPER = ("Gonen & Shalev-Shwartz, Section 3 (the paper's baseline; Caffe's LeNet solver): Nesterov SGD, "
+         "momentum 0.9 (configs/default.py), rate 0.01")
+SCSGD = "scsgd_jax's defaults (none changed for the benchmark); the paper's rate 0.01"
+ADAM = ("Kingma & Ba (2015): Adam's lr 1e-3 and betas (0.9, 0.999); Loshchilov & Hutter (2019) decoupled "
+        "weight decay at optax.adamw's default 1e-4 (image classifiers and linear models)")
+NANOGPT = ("nanoGPT (Karpathy), config/train_shakespeare_char.py, the same character-level task: AdamW lr 1e-3 "
+           "('with baby networks can afford to go a bit higher'), beta2 0.99 ('the number of tokens per iter "
+           "is small'), weight decay 0.1 (train.py) on matrices and embeddings only (model.configure_optimizers); "
+           "warmup then cosine decay")
+NADAM = "Dozat (2016) / optax.nadamw: Adam's rate and betas with Nesterov momentum; weight decay as AdamW's"
+MUON = ("Jordan et al. (2024), 'Muon: An optimizer for hidden layers in neural networks' "
+        "(kellerjordan.github.io/posts/muon): lr 0.02, momentum 0.95, Nesterov, 5 Newton-Schulz steps "
+        "(optax.contrib.muon's defaults) on hidden weight matrices, conv filters flattened as in the CIFAR-10 "
+        "speedruns; 'the input embedding, final output layer, and any internal gains or biases should be "
+        "optimized using a standard method such as AdamW': here AdamW with AdamW's own tuned rate and betas")
+SHAMPOO = ("Anil et al. (2020), distributed Shampoo; its authors' language-model settings (Lingvo/Praxis "
+           "DistributedShampoo.HParamsLanguageModeling): beta1 0.9, beta2 0.999, block 1536, matrix_epsilon "
+           "1e-8, RMSPROP_NORMALIZED grafting (Adam-like per-layer step sizes), nesterov off, "
+           "moving_average_for_momentum, exponent_override 0 (two-sided: inverse 4th roots of both factors), "
+           "start_preconditioning_step 51 (after its first refresh period), preconditioning_compute_steps 50; "
+           "the grafted step takes an Adam-scale rate (centre 1e-3)")
+SKETCHY = ("Feinberg et al. (2023), Sketchy: Shampoo's statistics sketched by frequent directions "
+           "(precondition-opt's implementation, input side at rank 32, which upstream requires to refresh every "
+           "step), with Shampoo's settings and grafting above")
+KFAC = ("kfac-jax (Botev & Martens): its optax interface (OptaxPreconditioner) chained with Nesterov SGD 0.9; "
+        "no default rate or damping upstream, so damping is tuned jointly with the rate "
+        "(benchmark.joint_grid); KL-clipping norm_constraint 1e-3 (FermiNet's kfac-jax setting); "
+        "curvature_ema 0.95 and inverse_update_period 5 (upstream's defaults); conv layers' input factors by "
+        "upstream's patches_moments_explicit, 'the exact same functionality' as its default 4-D convolution loop "
+        "(14x faster on LeNet's second conv here: 68 vs 963 ms)")
+DEVELOPED = ("rate centre 3.16e-4, chosen on the development task (experiments/results/develop/, synthetic data; "
+             "its grid centred on Adam's 1e-3), frozen before any benchmark task ran it")
+
+SHAMPOO_SETTINGS = dict(beta1=0.9, beta2=0.999, block_size=1536, matrix_epsilon=1e-8, graft="RMSPROP_NORMALIZED",
+                        nesterov=False, moving_average_for_momentum=True, exponent_override=0,
+                        start_preconditioning_step=51, preconditioning_compute_steps=50)
+INPUT_SIDE = (" (upstream's INPUT preconditioner type, which needs best_effort_shape_interpretation off; "
+              "vectors take the grafting step)")
+OUTPUT_LAYER = {"cnn": "dense2", "transformer": "head", "linear": ""}  # the benchmark models' heads
+# scsgd_muon_fresh: the conditioning's statistics refreshed every 10 steps at EMA rate 0.2, chosen on the
+# development task (experiments/results/develop/probes/fresh_statistics, synthetic data) before any benchmark
+# task ran it
+FRESH_STATISTICS = {"update_every": 10, "ema_rate": 0.2}
+
+
+def adam_settings(kind: str) -> dict:
+  """AdamW's authors' settings beyond the rate: nanoGPT's on a transformer, optax's defaults elsewhere."""
+  return dict(b2=0.99, weight_decay=0.1, decay_matrices_only=True) if kind == "transformer" else {}
+
+
+def adam_source(kind: str) -> str:
+  return NANOGPT if kind == "transformer" else ADAM
+
+
+def _muon_settings(kind: str) -> dict:
+  return {"output_layer": OUTPUT_LAYER[kind],
+          **{f"adam_{k}": v for k, v in adam_settings(kind).items() if k != "decay_matrices_only"}}
+
+
+def _muon_note(kind: str) -> str:
+  return "" if OUTPUT_LAYER[kind] else " (a one-layer model: its only matrix, the output layer, stays on Muon)"
+
+
+def _scsgd_muon_recipe(fresh: dict) -> Callable[[str], Recipe]:
+  said = f"with fresher statistics ({fresh}, chosen on the development task) " if fresh else "at its defaults "
+  return lambda kind: Recipe(
+      0.02, {**{f"muon_{k}": v for k, v in _muon_settings(kind).items()}, **fresh},
+      f"scsgd_jax's conditioning {said}in front of Muon as Muon's recipe: {MUON}{_muon_note(kind)}")
+
+
+def _sketchy_recipe(kind: str) -> Recipe:
+  settings = {**SHAMPOO_SETTINGS, "preconditioning_compute_steps": 1}
+  conv = kind == "cnn"
+  if conv:
+    settings["graft_conv"] = True
+  return Recipe(1e-3, settings, SKETCHY + INPUT_SIDE + (
+      "; conv kernels take the grafting step alone (their small axes cost ~50 s a step on the benchmark CPU)"
+      if conv else ""))
+
+
+# ------------------------------------------------------------------------------------------ builders
+# build(schedule, kwargs, config, forward) -> tx
+
+
+def _pop_prefixed(kwargs: dict, prefix: str) -> dict:
+  """The ``prefix``-ed entries of ``kwargs``, removed from it, without their prefix."""
+  return {k[len(prefix):]: kwargs.pop(k) for k in list(kwargs) if k.startswith(prefix)}
+
+
+def _plain(fn):
+  return lambda lr, kwargs, config, forward: fn(**{"learning_rate": lr, **kwargs})
+
+
+def _scsgd(lr, kwargs, config, forward):
+  return scsgd_jax.scsgd(lr, seed=config.seed, **kwargs)
+
+
+def _kfac(lr, kwargs, config, forward):
+  if forward is None:
+    raise ValueError("kfac runs the model itself: optimizers.create needs forward=Forward(apply_fn, example_batch)")
+  return peers.kfac(lr, apply_fn=forward.apply_fn, example_batch=forward.example_batch, **kwargs)
+
+
+def _muon(lr, kwargs, config, forward):
+  """Muon; its AdamW part (embeddings, head, vectors) follows ``config.schedule`` with peak
+  ``adam_learning_rate`` when that is set (the benchmark's: AdamW's own tuned rate), else Muon's rate."""
+  from experiments import optimizers  # the schedule of the config: optimizers imports this module
+
+  if kwargs.get("adam_learning_rate") is not None:
+    kwargs["adam_learning_rate"] = optimizers.learning_rate(config, kwargs["adam_learning_rate"])
+  return peers.muon(lr, **kwargs)
+
+
+def _scsgd_muon(lr, kwargs, config, forward):
+  """SCSGD's conditioning in front of Muon (``muon_*``: Muon's arguments): Muon orthogonalizes the
+  conditioned gradients of its kernels, and its AdamW part takes the conditioned ones of the rest."""
+  muon_args = _pop_prefixed(kwargs, "muon_")
+  return optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs),
+                     _muon(lr, muon_args, config, forward))
+
+
+def _scsgd_adamw(lr, kwargs, config, forward):
+  """SCSGD's conditioning in front of AdamW: Adam's moments see the conditioned gradients."""
+  adamw_args = _pop_prefixed(kwargs, "adamw_")
+  return optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs),
+                     peers.adamw(lr, **adamw_args))
+
+
+def _scsgd_graft(lr, kwargs, config, forward):
+  """SCSGD's conditioned direction at normalized RMSprop's per-layer step size (``graft_*``: its
+  ``decay``, ``eps``), then Nesterov momentum at SCSGD's default: Shampoo's grafting layout."""
+  graft_args = _pop_prefixed(kwargs, "graft_")
+  momentum = inspect.signature(scsgd_jax.scsgd).parameters["momentum"].default
+  return optax.chain(
+      scsgd_jax.scale_by_grafting(scsgd_jax.scale_by_normalized_rms(**graft_args),
+                                  scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs)),
+      optax.sgd(lr, momentum=momentum, nesterov=True))
+
+
+def _scsgd_two_sided(lr, kwargs, config, forward):
+  """``scsgd_jax.scsgd_two_sided``, with two probes of the development task (off unless given):
+  ``momentum_first=True`` takes the Nesterov momentum of the raw gradient before conditioning and grafting;
+  ``condition_embeddings=False`` leaves embeddings unconditioned (the output side's default filter)."""
+  kwargs = dict(kwargs)
+  momentum_first = kwargs.pop("momentum_first", False)
+  if not kwargs.pop("condition_embeddings", True):
+    kwargs["kernel_filter"] = scsgd_jax.output_kernel_filter
+  if not momentum_first:
+    return scsgd_jax.scsgd_two_sided(lr, seed=config.seed, **kwargs)
+  momentum = kwargs.pop("momentum", inspect.signature(scsgd_jax.scsgd_two_sided).parameters["momentum"].default)
+  return optax.chain(optax.trace(momentum, nesterov=True),
+                     scsgd_jax.scsgd_two_sided(lr, momentum=0.0, seed=config.seed, **kwargs))
+
+
+LEAN = {"magnitude": "sign", "split_budget": True}  # scsgd_two_sided at Adam's memory
+CONDITIONING = scsgd_jax.scale_by_sketched_conditioning
+SHAMPOO_PACKAGE = ("precondition-opt",)
+
+# ---------------------------------------------------------------------------------------- the registry
+
+REGISTRY: dict[str, Entry] = {
+    "scsgd": Entry(_scsgd, scsgd_jax.scsgd, "inputs", lambda kind: Recipe(0.01, {}, SCSGD)),
+    "sgd": Entry(_plain(optax.sgd), optax.sgd, "none", lambda kind: Recipe(0.01, {}, PAPER)),
+    "adam": Entry(_plain(optax.adam), optax.adam, "none", lambda kind: Recipe(1e-3, {}, ADAM)),
+    "adamw": Entry(_plain(peers.adamw), peers.adamw, "none",
+                   lambda kind: Recipe(1e-3, adam_settings(kind), adam_source(kind))),
+    "nadamw": Entry(_plain(peers.nadamw), peers.nadamw, "none",
+                    lambda kind: Recipe(1e-3, adam_settings(kind), f"{NADAM}; {adam_source(kind)}")),
+    # AdamW's part is not `prefixed`: its committed rows' records state every AdamW setting it changes
+    "scsgd_adamw": Entry(_scsgd_adamw, CONDITIONING, "inputs", lambda kind: Recipe(
+        1e-3, {f"adamw_{k}": v for k, v in adam_settings(kind).items()},
+        f"scsgd_jax's conditioning at its defaults in front of AdamW as AdamW's recipe: {adam_source(kind)}")),
+    "scsgd_graft": Entry(_scsgd_graft, CONDITIONING, "inputs", lambda kind: Recipe(
+        3.16e-4, {"graft_decay": SHAMPOO_SETTINGS["beta2"]},
+        "scsgd_jax's conditioning at its defaults, grafted onto normalized RMSprop as Shampoo's "
+        "RMSPROP_NORMALIZED grafting (Agarwal et al. 2020; beta2 as Shampoo's), Nesterov 0.9; " + DEVELOPED),
+        prefixed=("graft_", scsgd_jax.scale_by_normalized_rms)),
+    "scsgd_two_sided": Entry(_scsgd_two_sided, CONDITIONING, "two_sided", lambda kind: Recipe(
+        1e-3, {"graft_decay": SHAMPOO_SETTINGS["beta2"]},
+        "scsgd_jax.scsgd_two_sided at its defaults: both sides' conditioning grafted onto normalized RMSprop as "
+        "Shampoo's RMSPROP_NORMALIZED grafting (Agarwal et al. 2020; beta2 as Shampoo's), Nesterov 0.9; rate "
+        "centre Adam's 1e-3 (the grafted step is on Adam's scale)"),
+        prefixed=("graft_", scsgd_jax.scale_by_normalized_rms)),
+    "scsgd_two_sided_lean": Entry(
+        lambda lr, kwargs, config, forward: _scsgd_two_sided(lr, {**kwargs, **LEAN}, config, forward),
+        CONDITIONING, "two_sided", lambda kind: Recipe(
+            3.16e-4, {}, "scsgd_jax.scsgd_two_sided at Adam's memory (magnitude='sign', split_budget=True): both "
+            "sides' conditioning at the per-layer norm of sign(g), distributed Shampoo's SQRT_N grafting (Anil et "
+            "al. 2020), Nesterov 0.9; " + DEVELOPED), fixed=LEAN),
+    "muon": Entry(_muon, peers.muon, "none",
+                  lambda kind: Recipe(0.02, _muon_settings(kind), MUON + _muon_note(kind)),
+                  adam_rate="adam_learning_rate"),
+    "scsgd_muon": Entry(_scsgd_muon, CONDITIONING, "inputs", _scsgd_muon_recipe({}),
+                        adam_rate="muon_adam_learning_rate"),
+    "scsgd_muon_fresh": Entry(_scsgd_muon, CONDITIONING, "inputs", _scsgd_muon_recipe(FRESH_STATISTICS),
+                              adam_rate="muon_adam_learning_rate"),
+    "shampoo": Entry(_plain(peers.shampoo), peers.shampoo, "none",
+                     lambda kind: Recipe(1e-3, dict(SHAMPOO_SETTINGS), SHAMPOO), packages=SHAMPOO_PACKAGE),
+    "shampoo_input": Entry(_plain(peers.shampoo_input), peers.shampoo_input, "none",
+                           lambda kind: Recipe(1e-3, dict(SHAMPOO_SETTINGS), SHAMPOO + "; input side only" + INPUT_SIDE),
+                           packages=SHAMPOO_PACKAGE),
+    "sketchy": Entry(_plain(peers.sketchy), peers.sketchy, "none", _sketchy_recipe, packages=SHAMPOO_PACKAGE),
+    "kfac": Entry(_kfac, peers.kfac, "model", lambda kind: Recipe(0.01, dict(norm_constraint=1e-3), KFAC),
+                  packages=("kfac-jax",)),
+}
+
+
+def entry(name: str) -> Entry:
+  if name not in REGISTRY:
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(REGISTRY)}")
+  return REGISTRY[name]
+
+
+def recipe(name: str, kind: str) -> Recipe:
+  """How the authors of optimizer ``name`` run it on a model of ``kind`` (one of :data:`KINDS`)."""
+  if kind not in KINDS:
+    raise ValueError(f"unknown model kind {kind!r}; choose one of {KINDS}")
+  return entry(name).recipe(kind)
+
+
+def adam_rate_args() -> dict[str, Any]:
+  """``{name: argument}`` of the optimizers with an AdamW part whose rate is AdamW's tuned one."""
+  return {n: e.adam_rate for n, e in REGISTRY.items() if e.adam_rate}
