@@ -97,7 +97,7 @@ def _interleaved(config, variants: dict[str, list], period: int, xs, ys) -> dict
       for name in (names[j] for j in order.permutation(len(names))):
         v = variants[name]
         t = time.perf_counter()
-        params, rest, opt_state, loss = v[0](*v[1], xs[i % 4], ys[i % 4], jax.random.fold_in(key, i))
+        params, rest, opt_state, loss, _ = v[0](*v[1], xs[i % 4], ys[i % 4], jax.random.fold_in(key, i))
         jax.block_until_ready(loss)
         times[name].append(time.perf_counter() - t)
         v[1] = [params, rest, opt_state]

@@ -30,7 +30,6 @@ from experiments import optimizers
 from experiments import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
-_WITH_CONFIG = False
 
 
 def define_flags(*, workdir: bool, results: bool = True, results_dir: Optional[str] = None, data: bool = True) -> None:
@@ -38,8 +37,8 @@ def define_flags(*, workdir: bool, results: bool = True, results_dir: Optional[s
 
   ``results_dir=None`` makes ``--results_dir`` required; a string is its default.
   """
-  global _WITH_CONFIG
-  _WITH_CONFIG = True  # --config PATH is read by parse_flags (configs are data; the harness completes them)
+  flags.DEFINE_string("config_file", None, "Set from --config PATH (read by parse_flags, which completes the "
+                      "config before --config.<key> overrides apply).")
   if data:
     flags.DEFINE_string("data_dir", None, "TFDS data dir (default: $TFDS_DATA_DIR, else tfds' own).")
   if workdir:
@@ -144,31 +143,26 @@ def parse_flags(argv: list[str]) -> list[str]:
     print(f"error: {line}", file=sys.stderr, flush=True)
     sys.exit(2)
 
-  cfg = None
-  if _WITH_CONFIG:
-    path, argv = _config_path(argv)
-    if path is None:
-      fail("--config is required: the path of a config file (configs/*.py)")
-    if not os.path.isfile(path):
-      folder = os.path.dirname(path) or "."
-      there = sorted(f for f in os.listdir(folder) if f.endswith(".py")) if os.path.isdir(folder) else []
-      close = difflib.get_close_matches(os.path.basename(path), there, n=3, cutoff=0.5)
-      fail(f"--config {path}: no such file" +
-           (f" (did you mean {', '.join(os.path.join(folder, c) for c in close)}?)" if close else ""))
-    try:
-      cfg = load_config(path)
-    except Exception as e:  # the config file itself is broken
-      fail(f"--config {path} does not load: {type(e).__name__}: {_one_line(e)}")
-    global _CONFIG_PATH
-    _CONFIG_PATH = path
+  path, argv = _config_path(argv)
+  if path is None:
+    fail("--config is required: the path of a config file (configs/*.py)")
+  if not os.path.isfile(path):
+    folder = os.path.dirname(path) or "."
+    there = sorted(f for f in os.listdir(folder) if f.endswith(".py")) if os.path.isdir(folder) else []
+    close = difflib.get_close_matches(os.path.basename(path), there, n=3, cutoff=0.5)
+    fail(f"--config {path}: no such file" +
+         (f" (did you mean {', '.join(os.path.join(folder, c) for c in close)}?)" if close else ""))
   try:
-    if cfg is not None:
-      # the overrides are read from sys_argv: the arguments without --config PATH (else the flag waits for one)
-      config_flags.DEFINE_config_dict("config", cfg, "The config (--config PATH), with --config.<key> overrides.",
-                                      lock_config=True, sys_argv=list(argv))
-    rest = FLAGS(argv)
+    cfg = load_config(path)
+  except Exception as e:  # the config file itself is broken
+    fail(f"--config {path} does not load: {type(e).__name__}: {_one_line(e)}")
+  try:
+    # the overrides are read from sys_argv: the arguments without --config PATH (else the flag waits for one)
+    config_flags.DEFINE_config_dict("config", cfg, "The config (--config PATH), with --config.<key> overrides.",
+                                    lock_config=True, sys_argv=list(argv))
+    rest = FLAGS(argv + [f"--config_file={path}"])
   except Exception as e:  # config_flags raises KeyError/AttributeError/ValueError; absl flags.Error
-    line = _unknown_override(argv, cfg) if cfg is not None and isinstance(e, (KeyError, AttributeError)) else None
+    line = _unknown_override(argv, cfg) if isinstance(e, (KeyError, AttributeError)) else None
     fail(line or _one_line(e))
   if "workdir" in FLAGS:
     try:
@@ -180,10 +174,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def config_path() -> str:
   """The path given as ``--config``."""
-  return _CONFIG_PATH
-
-
-_CONFIG_PATH = ""
+  return FLAGS.config_file
 
 
 def run(main: Callable[[list[str]], object]) -> None:

@@ -16,7 +16,7 @@ import scsgd_jax
 from experiments import peers
 
 KINDS = ("cnn", "transformer", "linear")  # the model kinds a recipe is given for
-CAPTURES = ("none", "inputs", "two_sided", "model")  # what a step passes to tx.update (train.make_train_step)
+CAPTURES = ("none", "inputs", "two_sided", "model")  # what a step passes to tx.update (step.make_train_step)
 
 
 class Recipe(NamedTuple):
