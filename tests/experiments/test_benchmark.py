@@ -12,7 +12,9 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs.benchmark import convex
+from experiments import baselines
 from experiments import benchmark
+from experiments import benchmark_report
 from experiments import data
 from experiments import errors
 from experiments import registry
@@ -90,7 +92,7 @@ def test_target_iterations_ranking_and_ratios_by_hand():
       "adamw": opt(0.001, [0.8, 0.5, 0.4], [0.7, 0.45, 0.4], 10),
       "scsgd": opt(0.01, [0.5, 0.4, 0.3], [0.4, 0.35, 0.3], 20),
   }
-  s = benchmark.summarize(config, results, {})
+  s = benchmark_report.summarize(config, results, {})
   assert s["target"] == pytest.approx(0.40)
   sgd, adamw, scsgd = (s["optimizers"][n] for n in ("sgd", "adamw", "scsgd"))
   assert sgd["reached"] == "1/2" and sgd["iterations_median"] is None and sgd["iterations_range"] == [300, 300]
@@ -98,14 +100,14 @@ def test_target_iterations_ranking_and_ratios_by_hand():
   assert scsgd["iterations_range"] == [100, 200] and scsgd["iterations_median"] == 150
   assert scsgd["step_ms_median"] == pytest.approx(20.0) and scsgd["step_time_vs_sgd"] == pytest.approx(2.0)
   assert scsgd["report_loss_median"] == pytest.approx(0.31) and not scsgd["at_grid_edge"]
-  assert benchmark.rank(s) == ["scsgd", "adamw", "sgd"]  # 150 < 300 < not reached by every seed
+  assert benchmark_report.rank(s) == ["scsgd", "adamw", "sgd"]  # 150 < 300 < not reached by every seed
 
 
 def test_anchors_by_brute_force():
   fit = data.Split(np.zeros((6, 3), np.int32), np.array([[1, 2, 1], [1, 1, 0]] * 3, np.int32))
   fit = fit._replace(inputs=np.array([[0, 1, 2], [0, 1, 1]] * 3, np.int32))
   test = data.Split(np.array([[0, 1]], np.int32), np.array([[1, 2]], np.int32))
-  got = benchmark.trivial_losses("tiny_shakespeare", fit, test)
+  got = baselines.trivial_losses("tiny_shakespeare", fit, test)
   v = 65
   counts = np.bincount(fit.labels.ravel(), minlength=v) + 1.0
   assert got["unigram"] == pytest.approx(-np.mean(np.log(counts[[1, 2]] / counts.sum())))
@@ -114,7 +116,7 @@ def test_anchors_by_brute_force():
     pairs[(a, b)] += 1
   prob = lambda a, b: (pairs[(a, b)] + 1) / (sum(pairs[(a, c)] for c in range(v)) + v)  # noqa: E731
   assert got["bigram"] == pytest.approx(-np.mean([np.log(prob(0, 1)), np.log(prob(1, 2))]))
-  images = benchmark.trivial_losses("mnist", data.Split(None, np.array([3, 3, 3, 1])), data.Split(None, np.array([3, 1])))
+  images = baselines.trivial_losses("mnist", data.Split(None, np.array([3, 3, 3, 1])), data.Split(None, np.array([3, 1])))
   freq = (np.bincount([3, 3, 3, 1], minlength=10) + 1.0) / 14
   assert images["class frequencies"] == pytest.approx(-np.mean(np.log(freq[[3, 1]])))
   assert images["majority class error"] == 0.5
