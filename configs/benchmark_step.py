@@ -19,8 +19,8 @@ def get_config():
       "adamw": {"name": "adamw"},
       "muon": {"name": "muon"},
       "scsgd": {"name": "scsgd"},
-      "scsgd_muon": {"name": "scsgd_muon"},  # issue 20's rule: at most 1.3x SGD's step on the transformer
-      "scsgd_two_sided": {"name": "scsgd_two_sided"},  # issue 20, direction 1 (same rule)
+      "scsgd_muon": {"name": "scsgd_muon"},
+      "scsgd_two_sided": {"name": "scsgd_two_sided"},  # two-sided conditioning, grafted
       "scsgd_two_sided_lean": {"name": "scsgd_two_sided_lean"},  # at Adam's memory (same rule)
       "sgd_capture": {"name": "sgd", "capture": "rows"},  # phases: the capture's cost
       "scsgd_no_fold": {"name": "scsgd", "statistics_every": 10**9},  # phases: all but the fold

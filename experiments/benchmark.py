@@ -4,7 +4,7 @@
       --results_dir experiments/results/benchmark/<task> --data_dir ../shared/tfds \\
       [--config.benchmark.optimizers=sgd,adamw]
 
-Protocol (``config.benchmark``; issue 19):
+Protocol (``config.benchmark``):
 
 - **Tuning at the full budget, equal for all.** Each optimizer's rate from a log grid
   (``grid``: multiples of its authors' rate, half a decade apart, ``experiments/registry.py`` cites

@@ -7,7 +7,7 @@ Per model, every variant's jitted training step (forward, backward, update; SCSG
 built through the experiments' optimizer factory and timed **in a pass of its own with Nesterov SGD's step,
 the two interleaved step by step** in one process, so the machine's drift hits both alike and no third
 program evicts the caches a user's one training program finds warm (with eleven variants interleaved in one
-pass, every step started cold, which cost the variants with more state most: issue 18). Each step is synced
+pass, every step started cold, which cost the variants with more state most). Each step is synced
 and timed, with Python's garbage collector off (as ``timeit``). Every round runs the pair in a fresh random
 order (``order_seed``), so neither is tied to a place in the round at any position of the window. Reported
 per variant, as ratios to SGD's figure of the same pass:

@@ -1,4 +1,4 @@
-"""Development runs for issue 20 (variants of SCSGD on transformers), on synthetic data only.
+"""Development runs (variants of SCSGD on transformers), on synthetic data only.
 
   python -m experiments.develop --config configs/develop.py --results_dir experiments/results/develop
 
@@ -12,7 +12,7 @@ held-out loss and each optimizer's median over the seeds, against the source's o
 model can do on the same windows) and a unigram model's. Each run is written to
 ``<results_dir>/runs/`` as it finishes and found there on the next invocation (same settings), so an
 interrupted invocation resumes. Nothing here is a benchmark task, so settings may be chosen on it
-(issue 19's rule); the head to head then confirms them.
+(the head to head's rule); the head to head then confirms them.
 """
 
 from __future__ import annotations

@@ -17,6 +17,6 @@ def get_config():
   config.eval_every = 50
   config.checkpoint_every = 500
   config.eval_batch_size = 128
-  # Sketchy's step is ~1 s here (7x SGD's): one seed (issue 19 allows it above a third of the task's time)
+  # Sketchy's step is ~1 s here (7x SGD's): one seed (the protocol allows it above a third of the task's time)
   config.benchmark.single_seed = ("sketchy",)
   return config

@@ -41,3 +41,18 @@ def test_the_harness_finds_no_committed_row_to_rerun(task, tmp_path, capsys):
     if harness.committed(rec["optimizer"], point, rec["seed"]) is None:
       stale.append(rec["key"])
   assert not stale, f"{task}: rows the harness would run again: {stale}\n{capsys.readouterr().out}"
+
+
+def test_the_provenance_file_is_what_the_records_say(tmp_path):
+  """experiments/results/provenance.json is machine-written from the records: regenerated, it lists every
+  row of every table at the commits the rows record (a hand edit or a forgotten regeneration fails here)."""
+  from experiments import provenance
+
+  fresh = provenance.collect(os.path.join(RESULTS, ".."))
+  with open(os.path.join(RESULTS, "..", provenance.OUT)) as f:
+    committed = json.load(f)
+  assert committed["tables"] == fresh["tables"] and committed["files"] == fresh["files"]
+  for task in TASKS:
+    rows = glob.glob(os.path.join(RESULTS, task, benchmark.RUNS, "*", "*.json"))
+    t = fresh["tables"][f"benchmark/{task}"]
+    assert t["rows"] == len(rows) == sum(t["commits"].values())
