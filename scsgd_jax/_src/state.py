@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import serialization
 
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
@@ -31,6 +32,11 @@ class PlanSummary:
 
   def __repr__(self):
     return f"PlanSummary({dict(self.items)})"
+
+
+# flax.serialization (msgpack checkpoints, a Linen TrainState's to_bytes) writes the summary as an empty dict
+# and restores the target's: it is derived from the shapes, never data
+serialization.register_serialization_state(PlanSummary, lambda summary: {}, lambda target, state: target)
 
 
 class ScaleBySketchedConditioningState(NamedTuple):

@@ -210,3 +210,17 @@ def test_transformer_lm_trains_faster_than_nesterov_sgd_at_defaults(api):
   assert np.all(sc_windows < sgd_windows), (sc_windows, sgd_windows)
   reached = np.flatnonzero(sc_windows <= sgd_losses[-20:].mean())
   assert reached.size and 10 * (reached[0] + 1) <= 90, (sc_windows, sgd_losses[-20:].mean())
+
+
+@pytest.mark.parametrize("statistics", ["dense", "streaming", "diagonal"])
+def test_state_round_trips_through_flax_serialization(statistics):
+  """``flax.serialization.to_bytes`` (a Linen TrainState's msgpack save) of a trained state, restored into a
+  freshly built optimizer's ``init``: every array equal, the plan summary the target's."""
+  from flax import serialization
+
+  tx = sk.scsgd(0.01, rank=8, statistics=statistics, update_every=2)
+  _, state = _steps(tx, steps=5)
+  restored = serialization.from_bytes(tx.init(PARAMS), serialization.to_bytes(state))
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
+  assert restored[0].summary() == state[0].summary() and int(restored[0].count) == 5
