@@ -1,7 +1,8 @@
 """The checkpoint format: its one writer and one reader (orbax), with a checksum of the saved state.
 
 A checkpoint ``<dir>/<step>`` holds the state (``params``, ``opt_state``) and a JSON ``meta`` with
-the SHA-256 of the state's bytes and the training time so far. :meth:`Checkpoints.restore` takes
+the SHA-256 of the state's bytes and the loop's progress (:class:`Progress`: the training time so far and
+the running sums of the train-metrics window, so a run resumed between two log steps logs the same rows). :meth:`Checkpoints.restore` takes
 the newest checkpoint that restores and matches its checksum; a damaged one (truncated, missing
 files, flipped bits) is reported in one line naming it, moved aside to ``<workdir>/damaged_checkpoints``
 and the previous kept one is used. If none is usable the run stops with a :class:`WorkdirError`.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -23,6 +24,14 @@ import orbax.checkpoint as ocp
 from experiments import errors
 
 KEEP = 2  # checkpoints kept: the newest and one to fall back to
+
+
+class Progress(NamedTuple):
+  """The training loop's own state beside the arrays: seconds spent in training steps, and the window of
+  train metrics not yet logged (sum of losses, sum of errors, steps), each float32 sum stored exactly."""
+
+  train_time: float
+  window: tuple[float, float, int] = (0.0, 0.0, 0)
 
 
 def checksum(tree: Any) -> str:
@@ -107,15 +116,16 @@ class Checkpoints:
     state, meta = _refill(abstract_state, restored["state"]), restored["meta"]
     if checksum(state) != meta["sha256"]:
       raise ValueError("the restored state does not match its checksum")
-    return state, float(meta["train_time"])
+    loss, error, steps = meta.get("train_window", (0.0, 0.0, 0))  # older checkpoints: an empty window
+    return state, Progress(float(meta["train_time"]), (float(loss), float(error), int(steps)))
 
-  def restore(self, abstract_state) -> Optional[tuple[int, Any, float]]:
-    """The newest usable ``(step, state, train_time)``; ``None`` if there is no checkpoint."""
+  def restore(self, abstract_state) -> Optional[tuple[int, Any, Progress]]:
+    """The newest usable ``(step, state, progress)``; ``None`` if there is no checkpoint."""
     damaged = []
     for step in sorted(self._manager.all_steps(), reverse=True):
       self._check_layout(step, abstract_state)
       try:
-        state, train_time = self._restore_one(step, abstract_state)
+        state, progress = self._restore_one(step, abstract_state)
       except Exception as e:  # orbax raises many types for truncated or missing files
         damaged.append((step, _first_line(e)))
         continue
@@ -129,7 +139,7 @@ class Checkpoints:
       if damaged:
         self._manager.close()
         self._manager = self._open()
-      return step, state, train_time
+      return step, state, progress
     if damaged:
       what = "; ".join(f"{os.path.join(self.directory, str(s))}: {why}" for s, why in damaged)
       raise errors.WorkdirError(
@@ -152,9 +162,10 @@ class Checkpoints:
           "Continue it with the settings it was made with (the run's config.json, 'resolved' for library "
           "defaults), or use a new --workdir to start over")
 
-  def save(self, step: int, state: Any, train_time: float) -> None:
+  def save(self, step: int, state: Any, progress: Progress) -> None:
     """Saves and waits for the write (so timing resumes on an idle machine, and failures surface here)."""
-    meta = {"sha256": checksum(state), "train_time": train_time, "step": step}
+    meta = {"sha256": checksum(state), "train_time": float(progress.train_time), "step": step,
+            "train_window": [float(progress.window[0]), float(progress.window[1]), int(progress.window[2])]}
     self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_storable(state)),
                                                       meta=ocp.args.JsonSave(meta)))
     self._manager.wait_until_finished()

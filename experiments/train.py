@@ -144,7 +144,7 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
   evaluate = make_eval_fn(graphdef, placement)
 
   ckpts = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), os.path.join(workdir, "damaged_checkpoints"))
-  step, train_time = 0, 0.0
+  step, progress = 0, ckpt_lib.Progress(0.0)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                           {"params": params, "opt_state": opt_state})
   try:
@@ -153,7 +153,7 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
     ckpts.close()  # stops Orbax's threads before the one-line error (else they print after it)
     raise
   if restored is not None:
-    step, state, train_time = restored
+    step, state, progress = restored
     params, opt_state = state["params"], state["opt_state"]
     logging.info("resumed %s from step %d", workdir, step)
   params, opt_state = placement.replicate((params, opt_state))
@@ -173,7 +173,10 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
       metrics_lib.write(metrics_path, rows)
 
   base_key = jax.random.PRNGKey(config.seed)
-  sum_loss, sum_err, window = jnp.zeros(()), jnp.zeros(()), 0
+  train_time = progress.train_time
+  # the train-metrics window in flight at the checkpoint (a resume between two log steps logs the same rows)
+  sum_loss, sum_err = (jnp.asarray(v, jnp.float32) for v in progress.window[:2])
+  window = progress.window[2]
   last: dict[str, Any] = rows[-1] if rows else {}
   bar = tqdm(total=config.num_steps, initial=step, desc=f"{config.dataset}/{name}",
              disable=not config.progress_bar, mininterval=2.0)
@@ -225,7 +228,8 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
           bar.set_postfix(test_loss=f"{row['test_loss']:.4f}", test_err=f"{row['test_error']:.4f}")
         if save:
           with workdir_lib.writing(ckpts.directory, kept()):
-            ckpts.save(step, {"params": params, "opt_state": opt_state}, train_time)
+            ckpts.save(step, {"params": params, "opt_state": opt_state},
+                       ckpt_lib.Progress(train_time, (float(sum_loss), float(sum_err), window)))
           saved_step = step
         if stopping is not None:
           ckpts.wait()  # the save is on disk before the run says so
