@@ -58,6 +58,8 @@ from experiments import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
 RUNS = "runs"  # <results_dir>/runs/<optimizer>/<point>_seed<seed>.json: one record per run
+HARNESS_LOCK = ".harness.lock"  # <results_dir>/.harness.lock: one live harness per task (not committed)
+RECORD_KEYS = ("config", "rows", "diverged", "commit", "optimizer", "learning_rate", "joint", "seed")
 
 
 class Point(NamedTuple):
@@ -98,6 +100,21 @@ def joint_points(config, name: str) -> list[tuple[tuple[str, float], ...]]:
     return [()]
   keys = sorted(grid)
   return [tuple(zip(keys, map(float, values))) for values in itertools.product(*(grid[k] for k in keys))]
+
+
+def read_record(path: str) -> Optional[dict]:
+  """The run record at ``path``, or ``None`` (saying so) if it is damaged: not JSON (a torn or hand-edited
+  file) or without a key every record has. A damaged record is run again, never read as a result."""
+  try:
+    with open(path) as f:
+      rec = json.load(f)
+    missing = [k for k in RECORD_KEYS if k not in rec] if isinstance(rec, dict) else ["(not an object)"]
+    if missing:
+      raise ValueError(f"no {', '.join(missing)}")
+  except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+    print(f"{path}: damaged record ({str(e).splitlines()[0]}): run again", file=sys.stderr, flush=True)
+    return None
+  return rec
 
 
 def run_config(config, name: str, point: Point, seed: int, extra: Optional[dict] = None):
@@ -157,8 +174,9 @@ class Harness:
     path = self.path(key(name, point, seed))
     if not os.path.exists(path):
       return None
-    with open(path) as f:
-      rec = json.load(f)
+    rec = read_record(path)
+    if rec is None:
+      return None
     now = train.record(run_config(self.config, name, point, seed, self.extra(name)))
     diff = workdir_lib.config_differences(rec["config"], now)
     if diff:
@@ -251,8 +269,9 @@ def rerun(config, workdir: str, results_dir: str, key_: str) -> dict[str, Any]:
   path = os.path.join(results_dir, RUNS, f"{key_}.json")
   if not os.path.exists(path):
     raise errors.ConfigError(f"config.benchmark.rerun: no committed run {key_!r} ({path} does not exist)")
-  with open(path) as f:
-    rec = json.load(f)
+  rec = read_record(path)
+  if rec is None:
+    raise errors.ConfigError(f"config.benchmark.rerun: the committed run {key_!r} ({path}) is damaged")
   point = Point(rec["learning_rate"], tuple(sorted(rec["joint"].items())))
   harness = Harness(config, workdir, results_dir, "")
   cfg = run_config(config, rec["optimizer"], point, rec["seed"], harness.extra(rec["optimizer"]))
@@ -271,15 +290,18 @@ def benchmark(config, workdir: str, results_dir: str, command: str, tasks: Seque
   """Runs what is missing for ``config.benchmark.optimizers`` and rebuilds the report after each optimizer
   from every optimizer of the task's protocol whose runs are committed (``tasks``: the summary's list)."""
   validate(config)
-  harness = Harness(config, workdir, results_dir, command)
-  listed = names(config)
-  everyone = list(config.benchmark.all_optimizers)
-  found = {}
-  marks = baselines.anchors(config)
-  for name in listed:
-    found[name] = harness.optimizer(name)
-    _report(config, harness, found, everyone, marks, results_dir, command, tasks)
-  return found
+  os.makedirs(results_dir, exist_ok=True)
+  with workdir_lib.lock(results_dir, HARNESS_LOCK, "harness",
+                        "give this one another --results_dir (the records of one task have one writer)"):
+    harness = Harness(config, workdir, results_dir, command)
+    listed = names(config)
+    everyone = list(config.benchmark.all_optimizers)
+    found = {}
+    marks = baselines.anchors(config)
+    for name in listed:
+      found[name] = harness.optimizer(name)
+      _report(config, harness, found, everyone, marks, results_dir, command, tasks)
+    return found
 
 
 def _report(config, harness, found, everyone, marks, results_dir, command, tasks):

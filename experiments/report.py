@@ -80,9 +80,16 @@ def write_results(out_dir: str, record: dict[str, Any], command: str, filename: 
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, filename)
   full = {"command": command, "machine": machine or machine_lib.describe(), **copy.deepcopy(provenance()), **record}
-  with open(f"{path}.tmp", "w") as f:
-    json.dump(full, f, indent=1)
-  os.replace(f"{path}.tmp", path)
+  tmp = f"{path}.{os.getpid()}.tmp"
+  try:
+    with open(tmp, "w") as f:
+      json.dump(full, f, indent=1)
+      f.flush()
+      os.fsync(f.fileno())  # on disk before the rename: a crash leaves the old file or the new, never half
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
   return path
 
 

@@ -121,9 +121,9 @@ def check_config(workdir: str, record: dict, allow_change: bool = False) -> None
 
 
 @contextlib.contextmanager
-def lock(workdir: str):
-  """Holds ``<workdir>/lock`` (``flock``, released by the OS even on ``kill -9``) for one live run."""
-  f = open(os.path.join(workdir, LOCK_FILE), "a+")
+def lock(workdir: str, name: str = LOCK_FILE, holder: str = "run", advice: str = "use another --workdir"):
+  """Holds ``<workdir>/<name>`` (``flock``, released by the OS even on ``kill -9``) for one live ``holder``."""
+  f = open(os.path.join(workdir, name), "a+")
   try:
     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
@@ -131,7 +131,7 @@ def lock(workdir: str):
     pid = f.read().strip() or "?"
     f.close()
     raise errors.WorkdirError(
-        f"{workdir} is in use by another run (pid {pid}): wait for it to finish, or use another --workdir") from None
+        f"{workdir} is in use by another {holder} (pid {pid}): wait for it to finish, or {advice}") from None
   try:
     f.seek(0)
     f.truncate()

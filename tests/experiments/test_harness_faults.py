@@ -1,0 +1,167 @@
+"""The head to head's records survive what breaks a long benchmark: a harness killed mid-task, two harnesses
+on one task, a damaged or partial record, a write that fails (full or read-only disk), and a report built
+while some optimizer's grid is incomplete. Training is replaced by a stand-in that writes a plausible record
+at once, so each fault is injected into the harness itself (tfds mock data for the anchors)."""
+
+import errno
+import json
+import os
+
+import pytest
+import tensorflow_datasets as tfds
+
+from configs.benchmark import convex
+from experiments import benchmark
+from experiments import cli
+from experiments import errors
+from experiments import report
+from experiments import train
+from experiments import workdir as workdir_lib
+
+
+def _config():
+  config = convex.get_config()
+  config.download = False
+  config.max_train_examples, config.max_test_examples = 64, 32
+  config.train_split, config.eval_split = "train", "test"
+  config.num_steps = 20
+  config.benchmark.all_optimizers = ("sgd", "scsgd")
+  config.benchmark.optimizers = ("sgd", "scsgd")
+  config.benchmark.grid = (1.0, 3.16)
+  config.benchmark.extend_edge = 0
+  config.benchmark.seeds = (0, 1)
+  config.benchmark.target_from = ("sgd",)
+  return config
+
+
+class FakeTraining:
+  """``benchmark.train_one`` that trains nothing: a record whose loss depends on the rate; ``die_at``: the
+  call (1-based) that is killed instead, as a harness killed in the middle of a run."""
+
+  def __init__(self, die_at=None):
+    self.calls, self.die_at = [], die_at
+
+  def __call__(self, cfg, workdir, report_split):
+    self.calls.append(os.path.relpath(workdir, os.path.dirname(os.path.dirname(workdir))))
+    if self.die_at is not None and len(self.calls) == self.die_at:
+      raise KeyboardInterrupt
+    loss = 1.0 + abs(cfg.schedule.base - 0.03) + 0.01 * cfg.seed
+    rows = [{"step": s, "train_time": 0.1 * s, "test_loss": loss + 1.0 / s, "test_error": 0.1} for s in (10, 20)]
+    return {"config": train.record(cfg), "diverged": False, "rows": rows, "state_bytes": 8,
+            "load_average_1min": [0.0, 0.0], "report": {"step": 20, "loss": loss, "error": 0.1}}
+
+
+@pytest.fixture
+def task(tmp_path, monkeypatch):
+  with tfds.testing.mock_data(num_examples=64):
+    yield str(tmp_path / "results" / "convex"), str(tmp_path / "work")
+
+
+def _records(results):
+  root = os.path.join(results, benchmark.RUNS)
+  return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+def test_a_killed_harness_resumes_without_losing_or_repeating_a_run(task, monkeypatch):
+  results, work = task
+  killed = FakeTraining(die_at=4)  # sgd's 3 runs finish, scsgd's first is killed
+  monkeypatch.setattr(benchmark, "train_one", killed)
+  with pytest.raises(KeyboardInterrupt):
+    benchmark.benchmark(_config(), work, results, "cmd")
+  assert len(_records(results)) == 3 and not [f for f in _records(results) if not f.endswith(".json")]
+  # the report of what is complete says what is not
+  again = FakeTraining()
+  monkeypatch.setattr(benchmark, "train_one", again)
+  config = _config()
+  config.benchmark.optimizers = ("sgd",)
+  benchmark.benchmark(config, work, results, "cmd")
+  assert again.calls == []
+  readme = open(os.path.join(results, "README.md")).read()
+  assert "Not run yet (or not complete): scsgd." in readme
+  assert json.load(open(os.path.join(results, "results.json")))["missing"] == ["scsgd"]
+  # the same command as the killed one: only what is missing trains, each run once
+  benchmark.benchmark(_config(), work, results, "cmd")
+  assert sorted(again.calls) == sorted(set(again.calls)) and len(again.calls) == 3
+  assert all(c.startswith("scsgd/") for c in again.calls)
+  assert len(_records(results)) == 6
+  assert "Not run yet" not in open(os.path.join(results, "README.md")).read()
+
+
+def test_a_second_harness_on_the_same_task_is_refused_in_one_line(task, monkeypatch):
+  results, work = task
+  fake = FakeTraining()
+  monkeypatch.setattr(benchmark, "train_one", fake)
+  os.makedirs(results)
+  with workdir_lib.lock(results, benchmark.HARNESS_LOCK, "harness"):  # a live harness holds the task
+    with pytest.raises(errors.WorkdirError) as info:
+      benchmark.benchmark(_config(), work, results, "cmd")
+  line, code = cli.message(info.value)
+  assert line.startswith(f"error: {results} is in use by another harness (pid {os.getpid()})") and code == 1
+  assert fake.calls == [] and _records(results) == []
+  benchmark.benchmark(_config(), work, results, "cmd")  # released: it runs
+  assert len(fake.calls) == 6
+
+
+@pytest.mark.parametrize("damage", ["torn", "not_json", "partial"])
+def test_a_damaged_record_is_named_and_run_again(task, monkeypatch, capsys, damage):
+  results, work = task
+  fake = FakeTraining()
+  monkeypatch.setattr(benchmark, "train_one", fake)
+  benchmark.benchmark(_config(), work, results, "cmd")
+  path = os.path.join(results, benchmark.RUNS, "sgd", "lr0.01_seed0.json")
+  text = open(path).read()
+  with open(path, "w") as f:
+    if damage == "torn":
+      f.write(text[: len(text) // 2])
+    elif damage == "not_json":
+      f.write("\x00" * 64)
+    else:  # valid JSON without the metrics
+      rec = json.loads(text)
+      del rec["rows"]
+      json.dump(rec, f)
+  fake.calls.clear()
+  capsys.readouterr()
+  benchmark.benchmark(_config(), work, results, "cmd")
+  assert f"{path}: damaged record" in capsys.readouterr().err
+  assert fake.calls == ["sgd/lr0.01_seed0"]  # that run alone, once
+  assert json.load(open(path))["rows"]  # whole again
+
+
+def test_a_record_write_that_fails_keeps_the_old_record_whole(task, monkeypatch):
+  """A full disk in the middle of writing a record: the old record stays as it was, no temporary file is
+  left, and the failure is one line naming the file."""
+  results, work = task
+  monkeypatch.setattr(benchmark, "train_one", FakeTraining())
+  benchmark.benchmark(_config(), work, results, "cmd")
+  path = os.path.join(results, benchmark.RUNS, "sgd", "lr0.01_seed0.json")
+  before = open(path).read()
+  real_dump = json.dump
+
+  def dump_then_fill_the_disk(obj, f, **kwargs):
+    real_dump(obj, f, **kwargs)
+    raise OSError(errno.ENOSPC, "No space left on device", f.name)
+
+  monkeypatch.setattr(report.json, "dump", dump_then_fill_the_disk)
+  with pytest.raises(OSError) as info:
+    report.write_results(os.path.dirname(path), {"key": "x"}, "cmd", filename=os.path.basename(path))
+  assert open(path).read() == before
+  assert [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".tmp")] == []
+  line, code = cli.message(info.value)
+  assert line.startswith("error: cannot write ") and "No space left on device" in line and code == 1
+
+
+def test_a_read_only_results_directory_is_one_line_before_anything_trains(task, monkeypatch):
+  results, work = task
+  fake = FakeTraining()
+  monkeypatch.setattr(benchmark, "train_one", fake)
+  os.makedirs(results)
+
+  def read_only(path, *args, **kwargs):
+    raise OSError(errno.EROFS, "Read-only file system", path)
+
+  monkeypatch.setattr(workdir_lib, "open", read_only, raising=False)
+  with pytest.raises(OSError) as info:
+    benchmark.benchmark(_config(), work, results, "cmd")
+  line, _ = cli.message(info.value)
+  assert line == f"error: cannot write {os.path.join(results, benchmark.HARNESS_LOCK)}: Read-only file system"
+  assert fake.calls == []
