@@ -1,6 +1,10 @@
 """Trains one config: ``python -m experiments.main --config configs/mnist.py --workdir /tmp/mnist``.
 
-Config fields can be overridden on the command line, e.g. ``--config.optimizer.name=sgd``.
+Config fields can be overridden on the command line, e.g. ``--config.optimizer.name=sgd``. Several processes
+(hosts, or processes on one machine) run the same command, each with its ``--process_id``::
+
+  python -m experiments.main --config configs/mnist.py --workdir /tmp/mnist \\
+      --num_processes 2 --process_id 0 --coordinator_address 127.0.0.1:12355   # and --process_id 1
 """
 
 from absl import flags
@@ -14,10 +18,15 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
+  if FLAGS.num_processes > 1:
+    devices.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   print(f"devices: {devices.DataParallel().describe()}", flush=True)
   print(train.train_and_evaluate(cli.config(), FLAGS.workdir, allow_config_change=FLAGS.allow_config_change))
 
 
 if __name__ == "__main__":
   cli.define_flags(workdir=True, results=False)
+  flags.DEFINE_integer("num_processes", 1, "Processes of the run (jax.distributed); 1: this process alone.")
+  flags.DEFINE_integer("process_id", 0, "This process's index, 0 to num_processes - 1 (0 serves the coordinator).")
+  flags.DEFINE_string("coordinator_address", "127.0.0.1:12355", "host:port of process 0's coordinator.")
   cli.run(main)

@@ -87,3 +87,16 @@ class Appender:
 
   def __exit__(self, *exc):
     self.close()
+
+
+class Discard(Appender):
+  """An :class:`Appender` that writes nothing: the metrics of a process that is not the run's writer."""
+
+  def __init__(self):
+    self.path = None
+
+  def append(self, row: Row) -> None:
+    del row
+
+  def close(self) -> None:
+    pass

@@ -8,6 +8,7 @@ write failures), the model and optimizer built by ``build.py``, checkpoints read
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -102,7 +103,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                   for split in (config.train_split, config.eval_split))
   with workdir_lib.writing(workdir, "Nothing was written"):
     os.makedirs(workdir, exist_ok=True)
-    lock = workdir_lib.lock(workdir)
+    # one live run per workdir; of a run's processes, the writer holds it for them all
+    lock = workdir_lib.lock(workdir) if devices_lib.is_writer() else contextlib.nullcontext()
     lock.__enter__()
   try:
     return _train(config, workdir, allow_config_change, sources)
@@ -145,7 +147,7 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
 
   ckpts = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), os.path.join(workdir, "damaged_checkpoints"))
   step, progress = 0, ckpt_lib.Progress(0.0)
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement.state_sharding),
                           {"params": params, "opt_state": opt_state})
   try:
     restored = ckpts.restore(abstract)
@@ -163,14 +165,16 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
     return (f"{workdir} keeps the checkpoint of step {saved_step} and its metrics" if saved_step
             else f"{workdir} holds no checkpoint yet")
 
+  writer = devices_lib.is_writer()  # process 0 writes the run's files (the checkpoints: orbax, once)
   config_path = os.path.join(workdir, workdir_lib.CONFIG_FILE)
-  with workdir_lib.writing(config_path, kept()):
-    workdir_lib.write_json_atomic(config_path, json.dumps(recorded, indent=1))
   metrics_path = os.path.join(workdir, METRICS_FILE)
   rows = metrics_lib.read(metrics_path, up_to_step=step)
-  if not metrics_lib.is_clean(metrics_path, rows):  # rows past the checkpoint, or a torn last line
-    with workdir_lib.writing(metrics_path, kept()):
-      metrics_lib.write(metrics_path, rows)
+  if writer:
+    with workdir_lib.writing(config_path, kept()):
+      workdir_lib.write_json_atomic(config_path, json.dumps(recorded, indent=1))
+    if not metrics_lib.is_clean(metrics_path, rows):  # rows past the checkpoint, or a torn last line
+      with workdir_lib.writing(metrics_path, kept()):
+        metrics_lib.write(metrics_path, rows)
 
   base_key = jax.random.PRNGKey(config.seed)
   train_time = progress.train_time
@@ -179,17 +183,18 @@ def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str
   window = progress.window[2]
   last: dict[str, Any] = rows[-1] if rows else {}
   bar = tqdm(total=config.num_steps, initial=step, desc=f"{config.dataset}/{name}",
-             disable=not config.progress_bar, mininterval=2.0)
+             disable=not (config.progress_bar and writer), mininterval=2.0)
   t0, compile_time = None, 0.0
   t_first = time.perf_counter()
   failed = True
   try:
-    with (workdir_lib.writing(metrics_path, kept()), metrics_lib.Appender(metrics_path) as metrics_file,
+    with (workdir_lib.writing(metrics_path, kept()),
+          metrics_lib.Appender(metrics_path) if writer else metrics_lib.Discard() as metrics_file,
           workdir_lib.StopRequest() as stop):
       while step < config.num_steps:
         idx = data_lib.batch_indices(len(train.labels), config.batch_size, step, config.seed)
         params, rest, opt_state, loss, err = train_step(
-            params, rest, opt_state, placement.shard(train.inputs[idx]), placement.shard(train.labels[idx]),
+            params, rest, opt_state, placement.shard_rows(train.inputs, idx), placement.shard_rows(train.labels, idx),
             jax.random.fold_in(base_key, step))
         if t0 is None:  # the first step compiles: keep it out of the timing
           jax.block_until_ready(loss)

@@ -24,3 +24,25 @@ def test_data_parallel_and_fsdp_equal_one_device_and_replicas_stay_identical():
   for key in ("pmap", "shard_map", "sharded_jit", "fsdp_jit"):
     assert r[f"{key}_vs_one_device"] < 1e-5, (key, r)
     assert r[f"{key}_statistics_vs_one_device"] < 1e-5, (key, r)
+
+
+def test_statistics_fold_every_process_rows_into_one_correlation():
+  """2 processes x 2 CPU devices, each feeding half of each batch's rows: the statistics and the update equal
+  one device folding all the rows (the statistics are global under jit; no argument needed)."""
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_fold.py")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  procs = [subprocess.Popen([sys.executable, script, str(i), str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  for out, _ in outs:
+    r = json.loads(out.strip().splitlines()[-1])
+    assert (r["processes"], r["devices"]) == (2, 4)
+    assert r["summary"] == {"l1/kernel": "dense C, full C^(1/2), n=12", "l2/kernel": "dense C, rank 4, n=40"}, r
+    assert r["statistics_vs_all_rows"] < 1e-5 and r["update_vs_all_rows"] < 1e-5, r

@@ -1,0 +1,124 @@
+"""Past one process: ``experiments.main`` run as 2 processes x 2 CPU devices (JAX's multi-controller runtime on
+localhost, gloo collectives) trains the smoke config to the state of 1 process on 4 devices; checkpoints are
+written once and restore on another process count (2 -> 1, 1 -> 2); metrics are written by one process; a
+process that dies takes the run down in bounded time. Real MNIST from ../shared/tfds, as a user runs it."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import scsgd_jax
+from tests import helpers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHARED_TFDS = os.path.join(ROOT, "..", "shared", "tfds")
+pytestmark = pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_TFDS, "mnist")), reason="needs ../shared/tfds")
+
+
+def _port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _args(workdir, *extra):
+  return [sys.executable, "-m", "experiments.main", "--config", "configs/smoke.py", "--workdir", str(workdir),
+          "--data_dir", SHARED_TFDS, "--config.download=False", *extra]
+
+
+def _env(devices):
+  return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def _one_process(workdir, *extra):
+  out = subprocess.run(_args(workdir, *extra), cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout
+
+
+def _start_two(workdir, *extra):
+  port = _port()
+  return [subprocess.Popen(_args(workdir, "--num_processes", "2", "--process_id", str(i), "--coordinator_address",
+                                 f"127.0.0.1:{port}", *extra), cwd=ROOT, env=_env(2), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def _two_processes(workdir, *extra):
+  procs = _start_two(workdir, *extra)
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  return [o for o, _ in outs]
+
+
+def _assert_same_training(a_dir, b_dir):
+  (a, sa), (b, sb) = helpers.final_state(str(a_dir)), helpers.final_state(str(b_dir))
+  assert sa == sb == 40
+  is_factor = lambda x: isinstance(x, scsgd_jax.Factor)  # compared by the operator it applies (see test_devices)
+  for x, y in zip(jax.tree.leaves(a, is_leaf=is_factor), jax.tree.leaves(b, is_leaf=is_factor), strict=True):
+    if is_factor(x):
+      x, y = scsgd_jax.inverse_matrix(x), scsgd_jax.inverse_matrix(y)
+    x, y = np.asarray(x), np.asarray(y)
+    np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5 * max(1.0, float(np.abs(y).max())))
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+  """1 process on 4 devices: the reference."""
+  workdir = tmp_path_factory.mktemp("one")
+  assert _one_process(workdir).splitlines()[0] == "devices: 4 device(s) (cpu, cpu), data parallel"
+  return workdir
+
+
+def test_two_processes_train_as_one_process_on_four_devices(one, tmp_path):
+  outs = _two_processes(tmp_path)
+  assert [o.splitlines()[0] for o in outs] == ["devices: 4 device(s) (cpu, cpu) in 2 processes, data parallel"] * 2
+  _assert_same_training(one, tmp_path)
+  rows = _rows(tmp_path)  # written by process 0 alone: each row once
+  assert [r["step"] for r in rows] == [r["step"] for r in _rows(one)] == [10, 20, 30, 40]
+  for a, b in zip(rows, _rows(one)):
+    assert a.keys() == b.keys()
+    for k in {"train_loss", "test_loss"} & a.keys():
+      assert a[k] == pytest.approx(b[k], rel=1e-4), (k, a, b)
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["20", "40"]  # each step's checkpoint once
+
+
+@pytest.mark.parametrize("first,then", [("two", "one"), ("one", "two")])
+def test_a_checkpoint_restores_on_another_process_count(one, tmp_path, first, then):
+  run = {"one": _one_process, "two": _two_processes}
+  run[first](tmp_path, "--config.stop_after_steps=20")
+  assert helpers.final_state(str(tmp_path))[1] == 20
+  run[then](tmp_path)
+  _assert_same_training(one, tmp_path)
+  assert [r["step"] for r in _rows(tmp_path)] == [10, 20, 30, 40]
+
+
+def test_a_process_that_dies_takes_the_run_down_in_one_line(tmp_path):
+  procs = _start_two(tmp_path, "--config.num_steps=1000000", "--config.checkpoint_every=100000",
+                     "--config.eval_every=100000", "--config.train_log_every=10")
+  deadline = time.time() + 300
+  while not os.path.exists(tmp_path / "metrics.jsonl") or not _rows(tmp_path):  # training under way
+    assert time.time() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+    time.sleep(0.5)
+  procs[1].send_signal(signal.SIGKILL)
+  t0 = time.time()
+  _, err = procs[0].communicate(timeout=120)  # bounded: never a hang
+  assert time.time() - t0 < 60 and procs[0].returncode == 1
+  procs[1].communicate()
+  lines = [l for l in err.splitlines() if l.startswith("error:")]
+  assert lines == ["error: process 1 of 2 stopped (no heartbeat for 10 s); process 0 stops too. The run's workdir "
+                   "keeps its last checkpoint: rerun the same commands to resume"], err[-3000:]
+  assert "Traceback" not in err
