@@ -224,11 +224,18 @@ def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], flo
 # ------------------------------------------------------------------------------------------- plans
 
 
-def _check_kernel_rank(path: str, n: int, k: int) -> None:
-  if k >= n:
-    raise ValueError(
-        f"rank={k} must be < n={n}, the input dimension of kernel '{path}'; "
-        "lower rank, or use conditioner='auto' or 'full'.")
+def _check_kernel_rank(path: str, n: int, k: int, spec: "Spec") -> None:
+  """A rank-``k`` factor needs ``k < n``; the advice names what leads somewhere from ``spec``'s choices."""
+  if k < n:
+    return
+  if spec.statistics == "streaming":
+    advice = ("lower rank below n, or use statistics='auto' (the default: narrow kernels then get the dense C "
+              "and the full C^(1/2)) or statistics='dense'")
+  elif spec.conditioner == "sketched":
+    advice = "lower rank below n, or use conditioner='auto' (the default: the full C^(1/2) up to full_max_dim)"
+  else:
+    advice = f"lower rank below n, or raise full_max_dim (now {spec.full_max_dim}) to at least n"
+  raise ValueError(f"rank={k} must be < n={n}, the input dimension of kernel '{path}': {advice}.")
 
 
 def _full(spec: Spec, n: int) -> bool:
@@ -240,17 +247,17 @@ def _fixed(spec: Spec, path: str, n: int) -> Optional[tuple[str, Optional[int]]]
   """``(kind, rank)`` of a kernel when ``statistics`` is not ``'auto'``; ``None`` under ``'auto'``."""
   full = _full(spec, n)
   if spec.conditioner == "sketched":
-    _check_kernel_rank(path, n, spec.rank)
+    _check_kernel_rank(path, n, spec.rank, spec)
   if isinstance(spec.statistics, stats_lib.CorrelationStatistics) or spec.statistics == "dense" or (
       spec.conditioner == "full" and spec.statistics != "diagonal"):
     if not full:
-      _check_kernel_rank(path, n, spec.rank)
+      _check_kernel_rank(path, n, spec.rank, spec)
     kind = "dense" if isinstance(spec.statistics, str) else "custom"
     return kind, None if full else spec.rank
   if spec.statistics == "diagonal":
     return "diagonal", 0
   if spec.statistics == "streaming":
-    _check_kernel_rank(path, n, spec.rank)
+    _check_kernel_rank(path, n, spec.rank, spec)
     return "streaming", spec.rank
   return None
 
@@ -291,6 +298,18 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Sequence[int]]]
   }
 
 
+def unconditioned(tree, spec: Spec, plans: Mapping[str, KernelPlan]) -> dict[str, str]:
+  """``{path: why}`` of every Flax kernel or embedding of ``tree`` (:func:`default_kernel_filter`'s) that
+  gets no conditioning: excluded by ``kernel_filter``, or left plain by the memory rule (no statistics fit
+  its budget under ``statistics='auto'``)."""
+  out = {}
+  for path, leaf in kernel_paths(tree).items():
+    if path not in plans:
+      out[path] = ("not conditioned: excluded by kernel_filter" if not spec.kernel_filter(path, leaf) else
+                   "not conditioned: no statistics fit its memory budget (statistics='auto')")
+  return out
+
+
 def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[str, Sequence[int]]
            ) -> dict[str, KernelPlan]:
   """``planned`` (``init``'s plans, by the default axes) with each kernel that the capture read by other
@@ -311,7 +330,7 @@ def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[s
     if plan.kind in ("dense", "custom"):
       k = None if spec.conditioner != "sketched" and (_full(spec, n) or plan.rank is None or plan.rank >= n) else k
       if k is not None and k >= n:
-        _check_kernel_rank(path, n, k)
+        _check_kernel_rank(path, n, k, spec)
     elif plan.kind == "streaming":
       k = min(plan.rank, n - 1)
     kind = "dense" if plan.kind == "custom" else plan.kind

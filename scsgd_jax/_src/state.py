@@ -3,6 +3,7 @@ and the plans it is kept for (computed once per tree of shapes, re-planned once 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import jax
@@ -60,10 +61,11 @@ class ScaleBySketchedConditioningState(NamedTuple):
   plan: PlanSummary = PlanSummary(())
 
   def summary(self) -> dict[str, str]:
-    """How each conditioned kernel is conditioned (works on ``jax.eval_shape`` of ``init``).
+    """How each kernel is conditioned, or why it is not (works on ``jax.eval_shape`` of ``init``).
 
     E.g. ``{'conv1/kernel': 'dense C, full C^(1/2), n=25', 'dense1/kernel': 'streaming C Omega, rank 32,
-    n=800'}``; kernels absent from it get plain updates.
+    n=800', 'head/kernel': 'not conditioned: excluded by kernel_filter'}``. A leaf that is no Flax kernel or
+    embedding (a bias, a norm's scale) is absent and gets plain updates; so is a leaf ``optax.masked`` hides.
     """
     return dict(self.plan.items)
 
@@ -81,13 +83,19 @@ class PlanCache:
   and at the first update) and reused by later updates."""
 
   def __init__(self, spec: plan_lib.Spec):
-    self._spec, self._plans = spec, {}
+    self._spec, self._plans, self._notes = spec, {}, {}
+    self.notes: dict[str, str] = {}  # the kernels of the last tree planned left unconditioned, and why
 
   def __call__(self, tree, captured=None) -> dict[str, plan_lib.KernelPlan]:
     flat, treedef = jax.tree_util.tree_flatten(tree)
     key = (treedef, tuple(tuple(np.shape(leaf)) for leaf in flat))
     if key not in self._plans:
       self._plans[key] = plan_lib.make_plans(tree, self._spec)
+      notes = self._notes[key] = plan_lib.unconditioned(tree, self._spec, self._plans[key])
+      if notes:  # once per tree of shapes
+        logging.getLogger("scsgd_jax").info(
+            "kernels left unconditioned (plain updates): %s", "; ".join(f"{p} ({w})" for p, w in notes.items()))
+    self.notes = self._notes[key]
     if not captured:
       return self._plans[key]
     key_captured = key + (tuple(sorted(captured.items())),)
@@ -96,8 +104,9 @@ class PlanCache:
     return self._plans[key_captured]
 
 
-def summary_of(kernel_plans) -> PlanSummary:
-  return PlanSummary((p, plan.describe()) for p, plan in kernel_plans.items())
+def summary_of(kernel_plans, notes=()) -> PlanSummary:
+  """Each conditioned kernel's plan, then each kernel left unconditioned and why (``notes``)."""
+  return PlanSummary([*((p, plan.describe()) for p, plan in kernel_plans.items()), *dict(notes).items()])
 
 
 def fresh_kernel_states(kernel_plans, seed: int):
@@ -124,8 +133,13 @@ def replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int):
   stale = [p for p in kernel_plans
            if not _same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2])]
   if not stale:
-    return state._replace(plan=summary_of(kernel_plans))
+    return state._replace(plan=summary_of(kernel_plans, _notes(state, kernel_plans)))
   _, fresh = fresh_kernel_states(kernel_plans, seed)
   pick = lambda field, i: {p: fresh[p][i] if p in stale else field[p] for p in kernel_plans}
   return state._replace(statistics=pick(state.statistics, 0), factors=pick(state.factors, 1),
-                        clipped_rows=pick(state.clipped_rows, 2), plan=summary_of(kernel_plans))
+                        clipped_rows=pick(state.clipped_rows, 2),
+                        plan=summary_of(kernel_plans, _notes(state, kernel_plans)))
+
+
+def _notes(state, kernel_plans) -> dict[str, str]:
+  return {p: why for p, why in state.plan.items if p not in kernel_plans}

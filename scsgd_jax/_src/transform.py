@@ -214,7 +214,7 @@ def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_ax
         statistics={p: f[0] for p, f in fresh.items()},
         factors={p: f[1] for p, f in fresh.items()},
         clipped_rows={p: f[2] for p, f in fresh.items()},
-        plan=state_lib.summary_of(kernel_plans),
+        plan=state_lib.summary_of(kernel_plans, plans.notes),
     )
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):

@@ -157,7 +157,9 @@ def test_auto_gives_each_kernel_alone_its_best_option_within_n_times_p():
       "wide/kernel": "dense C, full C^(1/2), n=20",  # n <= 4 * rank
       "mid/kernel": "streaming C Omega, rank 8, n=200",  # dense C (40,000 floats) > 12,000
       "thin/kernel": "diagonal C, n=200",  # streaming at rank 1 (4,604 floats) > 2,000
-  }  # column: p = 1, nothing fits beside the momentum: plain SGD
+      # p = 1: nothing fits beside the momentum: plain SGD, and the summary says so
+      "column/kernel": "not conditioned: no statistics fit its memory budget (statistics='auto')",
+  }
 
 
 def test_model_budget_spends_the_leftover_floats_on_the_smallest_n_first():

@@ -485,3 +485,34 @@ def test_a_kernel_with_no_rows_skips_its_fold_and_the_others_fold(statistics):
   for x, y in zip(jax.tree.leaves(new.statistics["a/kernel"]), jax.tree.leaves(alone.statistics["a/kernel"])):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)  # a: folded as if alone (jit vs eager: rounding)
   assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(new))
+
+
+def test_summary_names_every_kernel_left_unconditioned_and_why(caplog):
+  """A kernel the filter excludes, and one the memory rule leaves plain, appear in the summary with the reason
+  (and once in the log), so no layer silently falls back to SGD."""
+  import logging
+
+  params = {"a": {"kernel": jnp.zeros((40, 3))}, "b": {"kernel": jnp.zeros((300, 1))},
+            "e": {"embedding": jnp.zeros((10, 4))}}
+  tx = sk.scale_by_sketched_conditioning(kernel_filter=lambda path, leaf: path != "e/embedding", budget="kernel")
+  with caplog.at_level(logging.INFO, logger="scsgd_jax"):
+    summary = tx.init(params).summary()
+  assert summary == {"a/kernel": "diagonal C, n=40",
+                     "b/kernel": "not conditioned: no statistics fit its memory budget (statistics='auto')",
+                     "e/embedding": "not conditioned: excluded by kernel_filter"}
+  assert [r.getMessage() for r in caplog.records] == [
+      "kernels left unconditioned (plain updates): b/kernel (not conditioned: no statistics fit its memory budget "
+      "(statistics='auto')); e/embedding (not conditioned: excluded by kernel_filter)"]
+
+
+@pytest.mark.parametrize("kwargs,advice", [
+    (dict(statistics="streaming", rank=8), "or use statistics='auto'"),
+    (dict(conditioner="sketched", rank=8), "or use conditioner='auto'"),
+    (dict(statistics="dense", rank=8, full_max_dim=4), "or raise full_max_dim (now 4) to at least n"),
+])
+def test_a_rank_at_least_n_is_refused_with_advice_that_leads_somewhere(kwargs, advice):
+  import re
+
+  with pytest.raises(ValueError, match=re.escape(f"rank=8 must be < n=8, the input dimension of kernel 'd/kernel': "
+                                                 f"lower rank below n, {advice}")):
+    sk.scale_by_sketched_conditioning(**kwargs).init({"d": {"kernel": jnp.zeros((8, 3))}})
