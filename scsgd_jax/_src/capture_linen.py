@@ -21,16 +21,22 @@ __all__ = ["apply_gradients", "capture_linen", "input_axes_linen", "output_pertu
 LINEN_COLLECTION = "layer_inputs"
 
 
-def _linen_interceptor(max_rows, counter, record, sow=True, outputs=None):
+def _linen_interceptor(max_rows, counter, record, unconditioned, sow=True, outputs=None):
   def interceptor(next_fun, a, k, context):
     mod = context.module
     if context.method_name == "__call__" and isinstance(mod, LINEN_LAYERS) and a:
       name = "/".join(map(str, mod.path)) or type(mod).__name__
-      spec = layer_spec(mod, name, einsum_arg(mod, a[1:], k))
+      try:
+        spec = layer_spec(mod, name, einsum_arg(mod, a[1:], k))
+        rows = spec.rows(jax.lax.stop_gradient(a[0]), max_rows, counter.key()) if sow else None
+      except NotImplementedError as e:  # a layer kind the conditioning cannot read: plain updates, said
+        for where in (unconditioned, outputs.unconditioned if outputs is not None else {}):
+          where["/".join((*map(str, mod.path), "kernel"))] = str(e)
+        return next_fun(*a, **k)
       param_path = "/".join((*map(str, mod.path), spec.param))
       record[param_path] = spec.input_axes
       if sow:
-        mod.sow(LINEN_COLLECTION, spec.param, spec.rows(jax.lax.stop_gradient(a[0]), max_rows, counter.key()))
+        mod.sow(LINEN_COLLECTION, spec.param, rows)
       if outputs is not None:
         return outputs(param_path, spec, next_fun(*a, **k))
     return next_fun(*a, **k)
@@ -72,12 +78,14 @@ def capture_linen(
 
 def _capture_linen(module, variables, args, kwargs, rng, max_rows, mutable, outputs):
   captured_lib.check_max_rows(max_rows)
-  axes = {}
-  with nn.intercept_methods(_linen_interceptor(max_rows, captured_lib.Counter(rng), axes, outputs=outputs)):
+  axes, unconditioned = {}, {}
+  with nn.intercept_methods(_linen_interceptor(max_rows, captured_lib.Counter(rng), axes, unconditioned,
+                                               outputs=outputs)):
     out, state = module.apply(variables, *args, mutable=[LINEN_COLLECTION, *mutable], **kwargs)
   state = dict(state)
   captured = state.pop(LINEN_COLLECTION, {})
-  captured = CapturedInputs(jax.tree.map(captured_lib.merge, dict(captured), is_leaf=lambda v: isinstance(v, tuple)), axes)
+  captured = CapturedInputs(jax.tree.map(captured_lib.merge, dict(captured), is_leaf=lambda v: isinstance(v, tuple)),
+                            axes, unconditioned)
   if mutable:
     return out, captured, state
   return out, captured
@@ -96,7 +104,7 @@ def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str,
   record = {}
 
   def run(variables, *a):
-    with nn.intercept_methods(_linen_interceptor(None, captured_lib.Counter(None), record, sow=False)):
+    with nn.intercept_methods(_linen_interceptor(None, captured_lib.Counter(None), record, {}, sow=False)):
       return module.apply(variables, *a, **kwargs)
 
   jax.eval_shape(run, variables, *args)

@@ -28,16 +28,23 @@ class LayerInput(nnx.Intermediate):
 
 
 @contextlib.contextmanager
-def _patched_nnx(names, max_rows, counter, axes, outputs=None):
+def _patched_nnx(names, max_rows, counter, axes, unconditioned, outputs=None):
   originals = {cls: cls.__call__ for cls in NNX_LAYERS}
 
   def make(orig):
     def call(self, inputs, *args, **kwargs):
       path = names.get(id(self), "")
-      spec = layer_spec(self, path or type(self).__name__, einsum_arg(self, args, kwargs))
-      param_path = captured_lib.param_path(path, spec)
+      try:
+        spec = layer_spec(self, path or type(self).__name__, einsum_arg(self, args, kwargs))
+        rows = spec.rows(jax.lax.stop_gradient(inputs), max_rows, counter.key())
+      except NotImplementedError as e:  # a layer kind the conditioning cannot read: plain updates, said
+        unconditioned[captured_lib.param_path(path, "kernel")] = str(e)
+        if outputs is not None:
+          outputs.unconditioned[captured_lib.param_path(path, "kernel")] = str(e)
+        return orig(self, inputs, *args, **kwargs)
+      param_path = captured_lib.param_path(path, spec.param)
       axes[param_path] = spec.input_axes
-      self.sow(LayerInput, spec.param, spec.rows(jax.lax.stop_gradient(inputs), max_rows, counter.key()))
+      self.sow(LayerInput, spec.param, rows)
       y = orig(self, inputs, *args, **kwargs)
       return y if outputs is None else outputs(param_path, spec, y)
 
@@ -100,11 +107,12 @@ def _capture_nnx(model, args, kwargs, rng, max_rows, outputs):
   captured_lib.check_max_rows(max_rows)
   names = {id(node): "/".join(map(str, path)) for path, node in nnx.iter_graph(model)
            if isinstance(node, nnx.Module)}
-  counter, axes = captured_lib.Counter(rng), {}
-  with _patched_nnx(names, max_rows, counter, axes, outputs):
+  counter, axes, unconditioned = captured_lib.Counter(rng), {}, {}
+  with _patched_nnx(names, max_rows, counter, axes, unconditioned, outputs):
     out, captured = nnx.capture(lambda m, *a, **k: m(*a, **k), LayerInput)(model, *args, **kwargs)
   pure = nnx.to_pure_dict(captured)
-  return out, CapturedInputs(jax.tree.map(captured_lib.merge, pure, is_leaf=lambda v: isinstance(v, tuple)), axes)
+  return out, CapturedInputs(jax.tree.map(captured_lib.merge, pure, is_leaf=lambda v: isinstance(v, tuple)), axes,
+                             unconditioned)
 
 
 def output_perturbations_nnx(model: nnx.Module, *args, **kwargs) -> CapturedInputs:
@@ -142,10 +150,13 @@ def input_axes_nnx(model: nnx.Module) -> dict[str, tuple[int, ...]]:
   for path, node in nnx.iter_graph(model):
     if isinstance(node, NNX_LAYERS):
       name = "/".join(map(str, path))
-      spec = layer_spec(node, name)
+      try:
+        spec = layer_spec(node, name)
+      except NotImplementedError:  # a layer kind left unconditioned (the capture says why)
+        continue
       if spec.input_axes is None:
         raise ValueError(
             f"layer '{name}' is an Einsum whose equation is given only at call time; name its kernel's "
             f"input axes yourself, e.g. input_axes={{'{name}/kernel': (0,)}}.")
-      out[captured_lib.param_path(name, spec)] = spec.input_axes
+      out[captured_lib.param_path(name, spec.param)] = spec.input_axes
   return out

@@ -27,17 +27,21 @@ class CapturedInputs(dict):
   layers themselves at capture, Einsum equations included; it is static pytree metadata (no leaves), so it
   travels through ``jit``, ``pmap``, ``shard_map`` and ``jax.tree.map`` unchanged and costs nothing. The
   transformation reads it, so a DenseGeneral/Einsum model of any layout needs no ``input_axes=`` argument.
+  ``unconditioned`` (``{param path: why}``, static too) names the kernels of layers the capture cannot
+  condition (a grouped or transposed convolution, ...): the transformation gives them plain updates and
+  says so in its ``summary()``, so no model fails to train because of one layer kind.
   Converted to a plain ``dict``, the rows stay valid and the kernels fall back to the name-based default axes.
   """
 
-  def __init__(self, rows=(), input_axes=None):
+  def __init__(self, rows=(), input_axes=None, unconditioned=None):
     super().__init__(rows)
     self.input_axes = dict(input_axes or {})
+    self.unconditioned = dict(unconditioned or {})
 
   def tree_flatten_with_keys(self):
     keys = tuple(sorted(self))
     return ([(jax.tree_util.DictKey(k), self[k]) for k in keys],
-            (keys, tuple(sorted(self.input_axes.items()))))
+            (keys, tuple(sorted(self.input_axes.items())), tuple(sorted(self.unconditioned.items()))))
 
   def tree_flatten(self):
     children, aux = self.tree_flatten_with_keys()
@@ -45,11 +49,12 @@ class CapturedInputs(dict):
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    keys, axes = aux
-    return cls(zip(keys, children), dict(axes))
+    keys, axes, unconditioned = aux
+    return cls(zip(keys, children), dict(axes), dict(unconditioned))
 
   def __repr__(self):
-    return f"CapturedInputs({dict.__repr__(self)}, input_axes={self.input_axes})"
+    return (f"CapturedInputs({dict.__repr__(self)}, input_axes={self.input_axes}"
+            + (f", unconditioned={self.unconditioned})" if self.unconditioned else ")"))
 
 
 def check_max_rows(max_rows) -> None:
@@ -73,8 +78,9 @@ def merge(rows_tuple):
   return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
 
 
-def param_path(name: str, spec: LayerSpec) -> str:
-  return f"{name}/{spec.param}" if name else spec.param
+def param_path(name: str, param: str) -> str:
+  """The path of a layer's parameter ``param`` (``'kernel'``, ``'embedding'``), as the transformation names it."""
+  return f"{name}/{param}" if name else param
 
 
 class Outputs:
@@ -85,7 +91,7 @@ class Outputs:
 
   def __init__(self, perturbations=None):
     self.perturbations = None if perturbations is None else flat(perturbations)
-    self.shapes, self.axes = {}, {}
+    self.shapes, self.axes, self.unconditioned = {}, {}, {}
 
   def __call__(self, path: str, spec: LayerSpec, y):
     if spec.output_axes is None or spec.input_axes is None:
@@ -117,7 +123,8 @@ class Outputs:
     return jnp.transpose(moved, tuple(int(i) for i in np.argsort(perm)))
 
   def zeros(self) -> "CapturedInputs":
-    return CapturedInputs({p: jnp.zeros(s.shape, s.dtype) for p, s in self.shapes.items()}, self.axes)
+    return CapturedInputs({p: jnp.zeros(s.shape, s.dtype) for p, s in self.shapes.items()}, self.axes,
+                          self.unconditioned)
 
 
 def flat(tree) -> dict:

@@ -41,7 +41,7 @@ def fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
   statistics are an EMA, affine in the batch's moments, so the mean of the replicas' folds is the fold of
   the mean moments, i.e. of the gathered rows (equal shards); every replica then holds the same state.
   """
-  new_stats, new_clipped = {}, {}
+  new_stats, new_clipped = dict(stats), dict(clipped)  # kernels without a plan here keep theirs
   for path, plan in kernel_plans.items():
     x, n_clipped = rows[path], jnp.zeros([], jnp.int32)
     if x.shape[0] == 0:  # no rows this step (an empty micro-batch, a fully masked layer): nothing to fold

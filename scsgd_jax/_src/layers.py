@@ -28,8 +28,8 @@ from scsgd_jax._src import patches
 
 __all__ = ["LayerSpec", "layer_rows", "layer_spec"]
 
-NNX_LAYERS = (nnx.Linear, nnx.Conv, nnx.LinearGeneral, nnx.Einsum, nnx.Embed)
-LINEN_LAYERS = (nn.Dense, nn.Conv, nn.DenseGeneral, nn.Einsum, nn.Embed)
+NNX_LAYERS = (nnx.Linear, nnx.Conv, nnx.ConvTranspose, nnx.LinearGeneral, nnx.Einsum, nnx.Embed)
+LINEN_LAYERS = (nn.Dense, nn.Conv, nn.ConvTranspose, nn.DenseGeneral, nn.Einsum, nn.Embed)
 
 
 class LayerSpec(NamedTuple):
@@ -158,7 +158,12 @@ def _embed_rows(x, max_rows, key):
 
 
 def layer_spec(layer: Any, name: str, einsum_str: Optional[str] = None) -> LayerSpec:
-  """The :class:`LayerSpec` of an NNX or Linen layer (``einsum_str``: the equation of this Einsum call, if given)."""
+  """The :class:`LayerSpec` of an NNX or Linen layer (``einsum_str``: the equation of this Einsum call, if given).
+
+  Raises ``NotImplementedError`` (naming the layer and why) for a layer whose kernel the conditioning cannot
+  read as one ``(n, p)`` matrix over its inputs; the captures then leave that kernel unconditioned."""
+  if isinstance(layer, (nnx.ConvTranspose, nn.ConvTranspose)):
+    raise NotImplementedError(f"layer '{name}' is a transposed convolution (its inputs are dilated)")
   if isinstance(layer, (nnx.Conv, nn.Conv)):
     return _conv_spec(layer, name)
   if isinstance(layer, (nnx.Linear, nn.Dense)):

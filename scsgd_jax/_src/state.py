@@ -133,13 +133,13 @@ def replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int):
   stale = [p for p in kernel_plans
            if not _same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2])]
   if not stale:
-    return state._replace(plan=summary_of(kernel_plans, _notes(state, kernel_plans)))
+    return state._replace(plan=summary_of(kernel_plans, notes_of(state, kernel_plans)))
   _, fresh = fresh_kernel_states(kernel_plans, seed)
   pick = lambda field, i: {p: fresh[p][i] if p in stale else field[p] for p in kernel_plans}
   return state._replace(statistics=pick(state.statistics, 0), factors=pick(state.factors, 1),
                         clipped_rows=pick(state.clipped_rows, 2),
-                        plan=summary_of(kernel_plans, _notes(state, kernel_plans)))
+                        plan=summary_of(kernel_plans, notes_of(state, kernel_plans)))
 
 
-def _notes(state, kernel_plans) -> dict[str, str]:
+def notes_of(state, kernel_plans) -> dict[str, str]:
   return {p: why for p, why in state.plan.items if p not in kernel_plans}

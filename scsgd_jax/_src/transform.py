@@ -7,6 +7,7 @@ captured rows into the statistics, refreshes the factors when due and conditions
 from __future__ import annotations
 
 import inspect
+import logging
 import types
 from typing import Any, Callable, Hashable, Literal, Optional, Union
 
@@ -225,6 +226,15 @@ def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_ax
           f"the conditioned kernels of `updates` {sorted(kernel_plans)} do not match those the state "
           f"was initialised with {sorted(state.factors)}.")
     state = state_lib.replanned(state, kernel_plans, a.seed)
+    skipped = getattr(layer_inputs, "unconditioned", None)
+    if skipped:  # layers the capture cannot condition: plain updates, their state untouched, the summary says so
+      skipped = {p: f"not conditioned: {why}" for p, why in skipped.items() if p in kernel_plans}
+      if skipped:  # said once per trace
+        logging.getLogger("scsgd_jax").info("kernels left unconditioned (plain updates): %s",
+                                            "; ".join(f"{p} ({why})" for p, why in skipped.items()))
+      kernel_plans = {p: plan for p, plan in kernel_plans.items() if p not in skipped}
+      state = state._replace(plan=state_lib.summary_of(kernel_plans, {**state_lib.notes_of(state, kernel_plans),
+                                                                       **skipped}))
     rows = _checked_rows(kernel_plans, layer_inputs)
     fold = lambda operand: fold_lib.fold(kernel_plans, rows, *operand, a.outlier_threshold, a.axis_name)
     operand = (state.statistics, state.clipped_rows)
@@ -263,7 +273,7 @@ def _condition(updates, kernel_plans, factors):
 
   def condition(path, g):
     p = plan_lib.path_to_str(path)
-    if p in factors and g is not None:
+    if p in kernel_plans and g is not None:
       return sketch.precondition_kernel(factors[p], g, kernel_plans[p].input_axes)
     return g
 

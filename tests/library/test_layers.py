@@ -177,7 +177,65 @@ def test_max_rows_must_be_positive(bad):
     sk.capture_linen(module, variables, jnp.ones((2, 3)), max_rows=bad)
 
 
-def test_einsum_with_shared_batch_label_is_refused():
+def test_einsum_with_shared_batch_label_is_left_unconditioned_and_named():
   layer = nnx.Einsum("bnd,nde->bne", (3, 4, 5), rngs=nnx.Rngs(0))
-  with pytest.raises(NotImplementedError, match="shares labels"):
-    sk.capture_nnx(layer, jnp.ones((2, 3, 4)))
+  _, li = sk.capture_nnx(layer, jnp.ones((2, 3, 4)))
+  assert "shares labels" in li.unconditioned["kernel"] and dict(li) == {}
+
+
+class _Mixed(nnx.Module):
+  """A CNN as vision code writes it: a conv, a depthwise conv, a transposed conv, a head."""
+
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+    self.dw = nnx.Conv(8, 8, (3, 3), feature_group_count=8, rngs=rngs)
+    self.up = nnx.ConvTranspose(8, 4, (2, 2), strides=(2, 2), rngs=rngs)
+    self.head = nnx.Linear(4 * 16 * 16, 5, rngs=rngs)
+
+  def __call__(self, x):
+    y = nnx.relu(self.up(nnx.relu(self.dw(nnx.relu(self.conv(x))))))
+    return self.head(y.reshape(y.shape[0], -1))
+
+
+def test_depthwise_and_transposed_convs_train_with_plain_updates_and_are_named(caplog):
+  """No model fails to train because of one layer kind: the depthwise and the transposed conv get exactly
+  Nesterov SGD's update (their statistics untouched), the other kernels are conditioned, and the summary and
+  the log name the two with the reason."""
+  import logging
+
+  model = _Mixed(nnx.Rngs(0))
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8, 8, 3)), jnp.float32)
+  y = jnp.array([0, 1, 2, 3])
+
+  def loss_fn(params):
+    logits, li = sk.capture_nnx(nnx.merge(nnx.graphdef(model), params), x, rng=jax.random.PRNGKey(0))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), li
+
+  (_, li), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  tx, sgd = sk.scsgd(0.1), optax.sgd(0.1, 0.9, nesterov=True)
+  state = tx.init(params)
+  with caplog.at_level(logging.INFO, logger="scsgd_jax"):
+    updates, new = jax.jit(lambda g, s, li: tx.update(g, s, params, layer_inputs=li))(grads, state, li)
+  plain, _ = jax.jit(lambda g: sgd.update(g, sgd.init(params), params))(grads)
+  for layer in ("dw", "up"):
+    np.testing.assert_allclose(updates[layer]["kernel"], plain[layer]["kernel"], rtol=1e-6, atol=1e-9)
+    jax.tree.map(np.testing.assert_array_equal, new[0].statistics[f"{layer}/kernel"], state[0].statistics[f"{layer}/kernel"])
+  assert np.abs(np.asarray(updates["conv"]["kernel"]) - np.asarray(plain["conv"]["kernel"])).max() > 1e-4
+  summary = new[0].summary()
+  assert summary["dw/kernel"].startswith("not conditioned: layer 'dw' is a grouped convolution")
+  assert summary["up/kernel"] == "not conditioned: layer 'up' is a transposed convolution (its inputs are dilated)"
+  assert summary["conv/kernel"] == "dense C, full C^(1/2), n=27"
+  assert any("dw/kernel" in r.getMessage() and "up/kernel" in r.getMessage() for r in caplog.records)
+  # Linen: the same layers, the same outcome
+  class Linen(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Conv(8, (3, 3), feature_group_count=1, name="conv")(x)
+      x = nn.Conv(8, (3, 3), feature_group_count=8, name="dw")(x)
+      x = nn.ConvTranspose(4, (2, 2), strides=(2, 2), name="up")(x)
+      return nn.Dense(5, name="head")(x.reshape(x.shape[0], -1))
+
+  variables = Linen().init(jax.random.PRNGKey(0), x)
+  _, li = sk.capture_linen(Linen(), variables, x, rng=jax.random.PRNGKey(0))
+  assert sorted(li.unconditioned) == ["dw/kernel", "up/kernel"] and sorted(li) == ["conv", "head"]
