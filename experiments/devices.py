@@ -32,16 +32,24 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int) ->
   """Joins the run's ``num_processes`` processes (``process_id`` is this one's; process 0 serves the
   coordinator at ``coordinator_address``, e.g. ``127.0.0.1:12355``). Call before any other JAX work.
 
-  A process that dies (``kill -9``, a crash, a lost host) takes the others down, never a hang: a process
-  other than 0 within :data:`PEER_SILENT_S` seconds, the others saying so in one line (exit status 1, see
-  :class:`PeerWatch`); process 0, which serves the coordinator, at once, through the runtime's own fatal
-  error (its log, not one line: the runtime gives Python no hook for a lost coordinator)."""
+  A process that dies (``kill -9``, a crash, a lost host) takes the others down in one line each (exit
+  status 1), never a hang: a process other than 0 within :data:`PEER_SILENT_S` seconds (:class:`PeerWatch`);
+  process 0, which serves the coordinator, at once, through the runtime's own abort, which
+  ``experiments.main`` turns into one line (``supervise.py``)."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU backend's; others have their own
   jax.distributed.initialize(coordinator_address, num_processes, process_id, initialization_timeout=120,
                              heartbeat_timeout_seconds=RUNTIME_HEARTBEAT_TIMEOUT_S)
   watch = PeerWatch()
   watch.start()
   atexit.register(watch.finish)
+
+
+def collective_failed(e: BaseException) -> None:
+  """A step across processes raised ``e`` (a peer's connection closed): the peer watch names a dead peer
+  within :data:`PEER_SILENT_S` (and ends this process); else ``e`` is said in one line. Never returns."""
+  time.sleep(PEER_SILENT_S + 3 * BEAT_S)
+  text = str(e).strip().splitlines()
+  _stop(f"a step across processes failed ({type(e).__name__}: {text[0][:200] if text else ''})")
 
 
 def _stop(why: str) -> None:

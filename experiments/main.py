@@ -7,10 +7,14 @@ Config fields can be overridden on the command line, e.g. ``--config.optimizer.n
       --num_processes 2 --process_id 0 --coordinator_address 127.0.0.1:12355   # and --process_id 1
 """
 
+import sys
+
 from absl import flags
 
 from experiments import cli
 from experiments import devices
+from experiments import errors
+from experiments import supervise
 from experiments import train
 
 FLAGS = flags.FLAGS
@@ -18,10 +22,20 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
+  if FLAGS.num_processes > 1 and FLAGS.process_id != 0 and not supervise.supervised():
+    sys.exit(supervise.run_child(FLAGS.process_id))  # a lost coordinator: one line, not the runtime's abort
   if FLAGS.num_processes > 1:
     devices.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   print(f"devices: {devices.DataParallel().describe()}", flush=True)
-  print(train.train_and_evaluate(cli.config(), FLAGS.workdir, allow_config_change=FLAGS.allow_config_change))
+  try:
+    last = train.train_and_evaluate(cli.config(), FLAGS.workdir, allow_config_change=FLAGS.allow_config_change)
+  except (errors.ExperimentError, KeyboardInterrupt, OSError):
+    raise  # one line (cli)
+  except Exception as e:  # noqa: BLE001 - with several processes: a peer gone mid-step
+    if FLAGS.num_processes > 1:
+      devices.collective_failed(e)
+    raise
+  print(last)
 
 
 if __name__ == "__main__":
