@@ -37,4 +37,7 @@ def get_config():
       "dense_2048": {"shape": (2048,), "classes": 1024, "batch": 256},
   })
   config.only = ""  # comma-separated models to run ("": all)
+  config.compile_only = False  # True: each variant's first-step lowering + compilation (benchmark_compile.json)
+  # measured for compile time only, besides config.models: the TransformerLM at 6 blocks (the cost per layer)
+  config.compile_models = ml_collections.ConfigDict({"transformer_lm_6": {"shape": (64,), "classes": 65, "batch": 16}})
   return config

@@ -21,6 +21,10 @@ per variant, as ratios to SGD's figure of the same pass:
   the ratios' noise from. ``sgd_again``, a second copy of SGD's step, is the A/A control: any distance of
   its ratios from 1.0 is noise (or an order effect), not cost.
 
+With ``--config.compile_only=True`` it measures instead what a user waits for before the first step: each
+variant's lowering and compilation of its training step (:func:`first_step_seconds`), written to
+``benchmark_compile.json``.
+
 SCSGD's extra time is split by phase (:func:`phases`) from the ratios of variants, in ms of SGD's median
 step of SCSGD's pass: ``capture`` (SGD's step that also computes the captured rows), ``apply`` (SCSGD with
 the statistics never folded, its median, less the capture variant's), ``refresh`` (that variant's window
@@ -57,8 +61,9 @@ def _model(name: str, shape: tuple, classes: int) -> nnx.Module:
   rngs = nnx.Rngs(0)
   if name in models.MODELS:  # LeNet; the head to head's char transformer (GPT-2-layout 2-D attention kernels)
     return models.MODELS[name](rngs, classes, shape)
-  if name == "transformer_lm":  # ~0.4M parameters, the Flax examples' layout: nnx.MultiHeadAttention
-    return models.CharTransformer(rngs=rngs, vocab=classes, d=128, heads=4, layers=2, context=shape[0])
+  if name.startswith("transformer_lm"):  # ~0.4M parameters at 2 layers, the Flax examples' layout
+    layers = int(name.split("_")[-1]) if name[-1].isdigit() else 2  # transformer_lm_6: 6 blocks
+    return models.CharTransformer(rngs=rngs, vocab=classes, d=128, heads=4, layers=layers, context=shape[0])
   if name == "small_resnet":
     return models.SmallResNet(rngs=rngs, num_classes=classes, channels=shape[-1])
   if name.startswith("dense_"):  # one Dense layer (n, 1024)
@@ -133,10 +138,18 @@ def phases(out: dict[str, Any]) -> dict[str, float]:
           "fold": (full["window_mean_vs_sgd"] - nofold["window_mean_vs_sgd"]) * sgd}
 
 
-def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[str, Any]:
-  shape, classes, batch = tuple(spec["shape"]), spec["classes"], spec["batch"]
-  period = scsgd_jax.resolve_static_args()["update_every"]  # the library's refresh period
-  xs, ys = _data(name, shape, classes, batch, 4)
+def first_step_seconds(fn, args) -> dict[str, float]:
+  """What a user waits for before the first step: tracing and lowering, then XLA's compilation (seconds)."""
+  t0 = time.perf_counter()
+  lowered = fn.lower(*args)
+  t1 = time.perf_counter()
+  lowered.compile()
+  t2 = time.perf_counter()
+  return {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
+
+
+def _variants(config, name: str, shape: tuple, classes: int) -> dict[str, list]:
+  """Every variant's jitted step on a fresh copy of the model, and its state."""
   variants: dict[str, list] = {}
   for vname, variant in config.variants.items():
     variant = dict(variant)
@@ -145,6 +158,26 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
     tx, capture = opt.tx, capture or opt.capture
     fn, params, rest, opt_state = jitted_step(_model(name, shape, classes), tx, capture, config.run.max_rows or None)
     variants[vname] = [fn, [params, rest, opt_state]]
+  return variants
+
+
+def compile_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[str, Any]:
+  """Each variant's first-step lowering and compilation, in the config's order, and its ratio to SGD's."""
+  shape, classes, batch = tuple(spec["shape"]), spec["classes"], spec["batch"]
+  xs, ys = _data(name, shape, classes, batch, 1)
+  out = {}
+  for vname, (fn, state) in _variants(config, name, shape, classes).items():
+    out[vname] = first_step_seconds(fn, (*state, xs[0], ys[0], jax.random.PRNGKey(0)))
+  for figures in out.values():
+    figures["total_vs_sgd"] = figures["total_s"] / out[BASELINE]["total_s"]
+  return out
+
+
+def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[str, Any]:
+  shape, classes, batch = tuple(spec["shape"]), spec["classes"], spec["batch"]
+  period = scsgd_jax.resolve_static_args()["update_every"]  # the library's refresh period
+  xs, ys = _data(name, shape, classes, batch, 4)
+  variants = _variants(config, name, shape, classes)
   out, sgd_times = {}, None
   for vname in variants:
     if vname == BASELINE:
@@ -176,14 +209,20 @@ def main(argv):
                        "variants": config.variants.to_dict(), "models": config.models.to_dict(),
                        "run": config.run.to_dict()},
              "models": {}}
-  for name, spec in config.models.items():
+  models = {**config.models, **(config.compile_models if config.compile_only else {})}
+  for name, spec in models.items():
     if only and name not in only:
+      continue
+    if config.compile_only:
+      r = results["models"][name] = compile_model(config, name, spec.to_dict())
+      print(name, {k: f"{v['total_s']:.1f} s ({v['total_vs_sgd']:.2f}x)" for k, v in r.items()}, flush=True)
       continue
     results["models"][name] = run_model(config, name, spec.to_dict())
     r = results["models"][name]
     print(name, {k: round(v["window_mean_vs_sgd"], 3) for k, v in r.items() if "window_mean_vs_sgd" in v},
           r.get("phases_ms_per_step"), flush=True)
-  report.write_results(FLAGS.results_dir, results, cli.command_line(), "benchmark_step.json", machine.describe())
+  filename = "benchmark_compile.json" if config.compile_only else "benchmark_step.json"
+  report.write_results(FLAGS.results_dir, results, cli.command_line(), filename, machine.describe())
 
 
 if __name__ == "__main__":

@@ -133,6 +133,15 @@ def test_benchmark_takes_config_overrides_and_writes_its_results_file(tmp_path):
   assert len(result["sgd_again"]["per_window_vs_sgd"]) == 1 and result["sgd"]["per_window_vs_sgd"] == [1.0]
   # each variant in a pass of its own with SGD: its ratio is against SGD's step of that pass
   assert result["muon"]["sgd_median_ms"] > 0 and "sgd_median_ms" not in result["sgd"]
+  # what a user waits for before the first step: each variant's lowering and compilation, against SGD's
+  out = _run("experiments.benchmark_step", "--config", "configs/benchmark_step.py", "--config.compile_only=True",
+             "--config.only=dense_256", "--results_dir", str(tmp_path))
+  assert out.returncode == 0, out.stderr[-2000:]
+  compiled = json.load(open(tmp_path / "benchmark_compile.json"))["models"]["dense_256"]
+  assert list(compiled) == list(json.load(open(tmp_path / "benchmark_step.json"))["setup"]["variants"])
+  assert compiled["sgd"]["total_vs_sgd"] == 1.0
+  for v in compiled.values():
+    assert v["lower_s"] > 0 and v["compile_s"] > 0 and v["total_s"] == pytest.approx(v["lower_s"] + v["compile_s"])
   # the phases add up to SCSGD's extra time per step
   assert sum(result["phases_ms_per_step"].values()) == pytest.approx(
       (result["scsgd"]["window_mean_vs_sgd"] - 1.0) * result["scsgd"]["sgd_median_ms"])
