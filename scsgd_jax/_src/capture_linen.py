@@ -31,7 +31,7 @@ def _linen_interceptor(max_rows, counter, record, unconditioned, sow=True, outpu
         rows = spec.rows(jax.lax.stop_gradient(a[0]), max_rows, counter.key()) if sow else None
       except NotImplementedError as e:  # a layer kind the conditioning cannot read: plain updates, said
         for where in (unconditioned, outputs.unconditioned if outputs is not None else {}):
-          where["/".join((*map(str, mod.path), "kernel"))] = str(e)
+          where[captured_lib.param_path("/".join(map(str, mod.path)), "kernel")] = str(e)
         return next_fun(*a, **k)
       param_path = "/".join((*map(str, mod.path), spec.param))
       record[param_path] = spec.input_axes

@@ -38,9 +38,8 @@ def _patched_nnx(names, max_rows, counter, axes, unconditioned, outputs=None):
         spec = layer_spec(self, path or type(self).__name__, einsum_arg(self, args, kwargs))
         rows = spec.rows(jax.lax.stop_gradient(inputs), max_rows, counter.key())
       except NotImplementedError as e:  # a layer kind the conditioning cannot read: plain updates, said
-        unconditioned[captured_lib.param_path(path, "kernel")] = str(e)
-        if outputs is not None:
-          outputs.unconditioned[captured_lib.param_path(path, "kernel")] = str(e)
+        for where in (unconditioned, outputs.unconditioned if outputs is not None else {}):
+          where[captured_lib.param_path(path, "kernel")] = str(e)
         return orig(self, inputs, *args, **kwargs)
       param_path = captured_lib.param_path(path, spec.param)
       axes[param_path] = spec.input_axes

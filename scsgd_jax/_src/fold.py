@@ -45,7 +45,6 @@ def fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
   for path, plan in kernel_plans.items():
     x, n_clipped = rows[path], jnp.zeros([], jnp.int32)
     if x.shape[0] == 0:  # no rows this step (an empty micro-batch, a fully masked layer): nothing to fold
-      new_stats[path], new_clipped[path] = stats[path], clipped[path]
       continue
     if not plan.statistics.takes_ids:
       x, n_clipped = guard_rows(x, plan.statistics.trace(stats[path]), outlier_threshold)

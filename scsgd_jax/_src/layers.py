@@ -67,7 +67,7 @@ def _conv_spec(layer, name) -> LayerSpec:
   if groups != 1:
     raise NotImplementedError(
         f"layer '{name}' is a grouped convolution (feature_group_count={groups}); its kernel is not "
-        "one (n, cout) matrix over all inputs. Exclude it with kernel_filter or optax.masked.")
+        "one (n, cout) matrix over all inputs.")
   if any(v != 1 for v in _to_tuple(getattr(layer, "input_dilation", 1), d)):
     raise NotImplementedError(f"layer '{name}': input_dilation is not supported by the conv statistics.")
 
@@ -98,7 +98,7 @@ def _general_spec(layer, name, batch) -> LayerSpec:
   if batch:
     raise NotImplementedError(
         f"layer '{name}' has batch axes {tuple(batch)}: its kernel is one matrix per batch index, not "
-        "one (n, p) matrix. Exclude it with kernel_filter or optax.masked.")
+        "one (n, p) matrix.")
   axis = _as_tuple(layer.axis)
   features = _as_tuple(layer.out_features if isinstance(layer, nnx.LinearGeneral) else layer.features)
   return LayerSpec("kernel", tuple(range(len(axis))), lambda x, m, k: _contracted_rows(x, axis, m, k),
@@ -127,7 +127,7 @@ def _parse_einsum(equation: str, name: str) -> tuple[tuple[int, ...], Callable, 
   if shared:
     raise NotImplementedError(
         f"layer '{name}': einsum {equation!r} shares labels {shared} between input, kernel and output, so "
-        "its kernel is one matrix per such index. Exclude it with kernel_filter or optax.masked.")
+        "its kernel is one matrix per such index.")
   contracted = [c for c in rhs if c in lhs]
   if not contracted:
     raise ValueError(f"layer '{name}': einsum {equation!r} contracts no input axis with the kernel.")

@@ -93,8 +93,7 @@ class PlanCache:
       self._plans[key] = plan_lib.make_plans(tree, self._spec)
       notes = self._notes[key] = plan_lib.unconditioned(tree, self._spec, self._plans[key])
       if notes:  # once per tree of shapes
-        logging.getLogger("scsgd_jax").info(
-            "kernels left unconditioned (plain updates): %s", "; ".join(f"{p} ({w})" for p, w in notes.items()))
+        log_unconditioned(notes)
     self.notes = self._notes[key]
     if not captured:
       return self._plans[key]
@@ -104,9 +103,18 @@ class PlanCache:
     return self._plans[key_captured]
 
 
+def log_unconditioned(notes: dict[str, str]) -> None:
+  """One log line (logger ``scsgd_jax``, INFO) naming every kernel left unconditioned and why."""
+  logging.getLogger("scsgd_jax").info("kernels left unconditioned (plain updates): %s",
+                                      "; ".join(f"{p} ({why})" for p, why in notes.items()))
+
+
 def summary_of(kernel_plans, notes=()) -> PlanSummary:
-  """Each conditioned kernel's plan, then each kernel left unconditioned and why (``notes``)."""
-  return PlanSummary([*((p, plan.describe()) for p, plan in kernel_plans.items()), *dict(notes).items()])
+  """Each conditioned kernel's plan, then each kernel left unconditioned and why (``notes``, which win over a
+  plan of the same kernel)."""
+  notes = dict(notes)
+  return PlanSummary([*((p, plan.describe()) for p, plan in kernel_plans.items() if p not in notes),
+                      *notes.items()])
 
 
 def fresh_kernel_states(kernel_plans, seed: int):
@@ -121,25 +129,23 @@ def _same_shapes(a, b) -> bool:
       np.shape(x) == np.shape(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int):
-  """``state`` with every kernel whose statistics or factor do not have its plan's shapes started afresh.
+def replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int, skipped=()):
+  """``state`` with every kernel whose statistics or factor do not have its plan's shapes started afresh, and
+  its summary: the plans, the kernels left unconditioned at ``init`` and those ``skipped`` in this update.
 
   ``init`` sees only the parameters, so it reads a DenseGeneral/Einsum kernel by the name-based default
   axes; the captured inputs say the layer's true axes, and the first update re-plans such a kernel
   (:func:`plan.replan`: same kind of statistics, so the same structure) and starts its state afresh (a
   kernel whose shapes already fit, e.g. from an earlier update, keeps its state).
   """
+  notes = {**{p: why for p, why in state.plan.items if p not in kernel_plans}, **dict(skipped)}
+  state = state._replace(plan=summary_of(kernel_plans, notes))
   _, shapes = jax.eval_shape(lambda: fresh_kernel_states(kernel_plans, seed))
   stale = [p for p in kernel_plans
            if not _same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2])]
   if not stale:
-    return state._replace(plan=summary_of(kernel_plans, notes_of(state, kernel_plans)))
+    return state
   _, fresh = fresh_kernel_states(kernel_plans, seed)
   pick = lambda field, i: {p: fresh[p][i] if p in stale else field[p] for p in kernel_plans}
   return state._replace(statistics=pick(state.statistics, 0), factors=pick(state.factors, 1),
-                        clipped_rows=pick(state.clipped_rows, 2),
-                        plan=summary_of(kernel_plans, notes_of(state, kernel_plans)))
-
-
-def notes_of(state, kernel_plans) -> dict[str, str]:
-  return {p: why for p, why in state.plan.items if p not in kernel_plans}
+                        clipped_rows=pick(state.clipped_rows, 2))

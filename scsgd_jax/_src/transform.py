@@ -7,7 +7,6 @@ captured rows into the statistics, refreshes the factors when due and conditions
 from __future__ import annotations
 
 import inspect
-import logging
 import types
 from typing import Any, Callable, Hashable, Literal, Optional, Union
 
@@ -225,16 +224,13 @@ def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_ax
       raise ValueError(
           f"the conditioned kernels of `updates` {sorted(kernel_plans)} do not match those the state "
           f"was initialised with {sorted(state.factors)}.")
-    state = state_lib.replanned(state, kernel_plans, a.seed)
-    skipped = getattr(layer_inputs, "unconditioned", None)
-    if skipped:  # layers the capture cannot condition: plain updates, their state untouched, the summary says so
-      skipped = {p: f"not conditioned: {why}" for p, why in skipped.items() if p in kernel_plans}
-      if skipped:  # said once per trace
-        logging.getLogger("scsgd_jax").info("kernels left unconditioned (plain updates): %s",
-                                            "; ".join(f"{p} ({why})" for p, why in skipped.items()))
+    # layers the capture cannot condition: plain updates, their state untouched, the summary says so
+    skipped = {p: f"not conditioned: {why}" for p, why in getattr(layer_inputs, "unconditioned", {}).items()
+               if p in kernel_plans}
+    state = state_lib.replanned(state, kernel_plans, a.seed, skipped)
+    if skipped:
+      state_lib.log_unconditioned(skipped)  # once per trace
       kernel_plans = {p: plan for p, plan in kernel_plans.items() if p not in skipped}
-      state = state._replace(plan=state_lib.summary_of(kernel_plans, {**state_lib.notes_of(state, kernel_plans),
-                                                                       **skipped}))
     rows = _checked_rows(kernel_plans, layer_inputs)
     fold = lambda operand: fold_lib.fold(kernel_plans, rows, *operand, a.outlier_threshold, a.axis_name)
     operand = (state.statistics, state.clipped_rows)
