@@ -200,7 +200,8 @@ class Harness:
                                 filename=os.path.basename(self.path(k)))
     with open(path) as f:
       rec = json.load(f)  # as committed: with its commit, versions and machine
-    print(f"{k}: final {self.config.eval_split} loss {benchmark_report.final(rec):.4f}" + (" (diverged)" if rec["diverged"] else ""),
+    print(f"{k}: final {self.config.eval_split} loss {benchmark_report.final(rec):.4f}"
+          + (" (diverged)" if rec["diverged"] else ""),
           flush=True)
     return rec
 
@@ -209,7 +210,8 @@ class Harness:
     b = self.config.benchmark
     tried: dict[Point, float] = {}
     for joint in joint_points(self.config, name):
-      losses = tune(lambda lr, j=joint: benchmark_report.final(self.run(name, Point(lr, j), 0)), learning_rates(self.config, name),
+      losses = tune(lambda lr, j=joint: benchmark_report.final(self.run(name, Point(lr, j), 0)),
+                    learning_rates(self.config, name),
                     b.extend_edge)
       tried.update({Point(lr, joint): v for lr, v in losses.items()})
     best = min(tried, key=lambda p: (tried[p], p.learning_rate, p.joint))

@@ -131,6 +131,8 @@ class DataParallel:
     self.mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     self.batch = NamedSharding(self.mesh, P("data"))
     self.replicated = NamedSharding(self.mesh, P())
+    # this process's places on the mesh (its devices' rows of every batch)
+    self._places = [i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == jax.process_index()]
 
   @property
   def size(self) -> int:
@@ -162,9 +164,8 @@ class DataParallel:
 
   def local_part(self, n: int) -> slice:
     """The rows of an ``n``-row global batch that this process feeds: its devices' places on the mesh."""
-    places = [i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == jax.process_index()]
     per = n // self.size
-    return slice(places[0] * per, (places[-1] + 1) * per)
+    return slice(self._places[0] * per, (self._places[-1] + 1) * per)
 
   def shard_rows(self, data: np.ndarray, indices: np.ndarray) -> jax.Array:
     """The global batch ``data[indices]`` placed over ``data``, each process reading only its own rows."""

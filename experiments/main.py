@@ -29,10 +29,8 @@ def main(argv):
   print(f"devices: {devices.DataParallel().describe()}", flush=True)
   try:
     last = train.train_and_evaluate(cli.config(), FLAGS.workdir, allow_config_change=FLAGS.allow_config_change)
-  except (errors.ExperimentError, KeyboardInterrupt, OSError):
-    raise  # one line (cli)
-  except Exception as e:  # noqa: BLE001 - with several processes: a peer gone mid-step
-    if FLAGS.num_processes > 1:
+  except Exception as e:  # noqa: BLE001 - with several processes, anything but a one-line error: a peer gone
+    if FLAGS.num_processes > 1 and not isinstance(e, (errors.ExperimentError, OSError)):
       devices.collective_failed(e)
     raise
   print(last)

@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402,F401  (re-exported for the reports' figures)
 
 from experiments import machine as machine_lib  # noqa: E402
+from experiments import workdir as workdir_lib  # noqa: E402
 
 
 def machine_line(machine: Optional[dict] = None) -> str:
@@ -80,16 +81,7 @@ def write_results(out_dir: str, record: dict[str, Any], command: str, filename: 
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, filename)
   full = {"command": command, "machine": machine or machine_lib.describe(), **copy.deepcopy(provenance()), **record}
-  tmp = f"{path}.{os.getpid()}.tmp"
-  try:
-    with open(tmp, "w") as f:
-      json.dump(full, f, indent=1)
-      f.flush()
-      os.fsync(f.fileno())  # on disk before the rename: a crash leaves the old file or the new, never half
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  workdir_lib.write_json_atomic(path, json.dumps(full, indent=1))
   return path
 
 

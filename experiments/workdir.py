@@ -158,10 +158,18 @@ def writing(path: str, kept: str):
 
 
 def write_json_atomic(path: str, text: str) -> None:
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
+  """``text`` as the file ``path``, all or nothing: written to a temporary file, on disk (fsync), then renamed;
+  a failure leaves the old file whole and no temporary file behind. The one atomic writer of the experiments."""
+  tmp = f"{path}.{os.getpid()}.tmp"
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 class StopRequest:

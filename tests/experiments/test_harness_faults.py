@@ -135,13 +135,10 @@ def test_a_record_write_that_fails_keeps_the_old_record_whole(task, monkeypatch)
   benchmark.benchmark(_config(), work, results, "cmd")
   path = os.path.join(results, benchmark.RUNS, "sgd", "lr0.01_seed0.json")
   before = open(path).read()
-  real_dump = json.dump
+  def disk_full_at_fsync(fd):  # the new record is written, but the disk fills before it is on disk
+    raise OSError(errno.ENOSPC, "No space left on device", path)
 
-  def dump_then_fill_the_disk(obj, f, **kwargs):
-    real_dump(obj, f, **kwargs)
-    raise OSError(errno.ENOSPC, "No space left on device", f.name)
-
-  monkeypatch.setattr(report.json, "dump", dump_then_fill_the_disk)
+  monkeypatch.setattr(workdir_lib.os, "fsync", disk_full_at_fsync)
   with pytest.raises(OSError) as info:
     report.write_results(os.path.dirname(path), {"key": "x"}, "cmd", filename=os.path.basename(path))
   assert open(path).read() == before
