@@ -15,13 +15,15 @@ from scsgd_jax._src.captured import CapturedInputs
 from scsgd_jax._src.layers import LINEN_LAYERS
 from scsgd_jax._src.layers import einsum_arg
 from scsgd_jax._src.layers import layer_spec
+from scsgd_jax._src.layers import own_ndim
+from scsgd_jax._src.plan import Layout
 
 __all__ = ["apply_gradients", "capture_linen", "input_axes_linen", "output_perturbations_linen"]
 
 LINEN_COLLECTION = "layer_inputs"
 
 
-def _linen_interceptor(max_rows, counter, record, unconditioned, sow=True, outputs=None):
+def _linen_interceptor(max_rows, counter, record, unconditioned, full_ndim, sow=True, outputs=None):
   def interceptor(next_fun, a, k, context):
     mod = context.module
     if context.method_name == "__call__" and isinstance(mod, LINEN_LAYERS) and a:
@@ -34,14 +36,25 @@ def _linen_interceptor(max_rows, counter, record, unconditioned, sow=True, outpu
           where[captured_lib.param_path("/".join(map(str, mod.path)), "kernel")] = str(e)
         return next_fun(*a, **k)
       param_path = "/".join((*map(str, mod.path), spec.param))
-      record[param_path] = spec.input_axes
-      if sow:
-        mod.sow(LINEN_COLLECTION, spec.param, rows)
+      layout = captured_lib.layout(spec, full_ndim.get(param_path), own_ndim(mod))
+      record[param_path] = layout
+      if sow and not mod.sow(LINEN_COLLECTION, spec.param, rows):
+        raise ValueError(
+            f"layer '{name}' runs inside a Linen lifted transform (nn.scan, nn.vmap, ...) that does not pass "
+            f"the collection '{LINEN_COLLECTION}' through, so its inputs cannot be captured. List it next to "
+            f"'params': nn.scan(..., variable_axes={{'params': 0, '{LINEN_COLLECTION}': 0}}) (the rows are then "
+            "stacked like the kernels), as Flax asks for any collection sown inside a scan.")
       if outputs is not None:
-        return outputs(param_path, spec, next_fun(*a, **k))
+        return outputs(param_path, spec, next_fun(*a, **k), layout)
     return next_fun(*a, **k)
 
   return interceptor
+
+
+def _param_ndims(variables) -> dict[str, int]:
+  """``{'layer/kernel': ndim}`` of the parameters (a stacked kernel has more axes than its layer declares)."""
+  params = variables.get("params", {}) if hasattr(variables, "get") else {}
+  return {path: getattr(leaf, "ndim", 0) for path, leaf in captured_lib.flat(params).items()}
 
 
 def capture_linen(
@@ -80,7 +93,7 @@ def _capture_linen(module, variables, args, kwargs, rng, max_rows, mutable, outp
   captured_lib.check_max_rows(max_rows)
   axes, unconditioned = {}, {}
   with nn.intercept_methods(_linen_interceptor(max_rows, captured_lib.Counter(rng), axes, unconditioned,
-                                               outputs=outputs)):
+                                               _param_ndims(variables), outputs=outputs)):
     out, state = module.apply(variables, *args, mutable=[LINEN_COLLECTION, *mutable], **kwargs)
   state = dict(state)
   captured = state.pop(LINEN_COLLECTION, {})
@@ -99,12 +112,14 @@ def output_perturbations_linen(module: nn.Module, variables, *args, **kwargs) ->
   return outputs.zeros()
 
 
-def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str, tuple[int, ...]]:
-  """``{param path: input axes}`` of every captured layer of a Linen model, traced once (no compute) on ``args``."""
+def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str, Layout]:
+  """``{param path: Layout}`` of every captured layer of a Linen model (see :func:`input_axes_nnx`), traced
+  once (no compute) on ``args``: pass it as ``input_axes=`` to fix every plan at ``init``."""
   record = {}
 
   def run(variables, *a):
-    with nn.intercept_methods(_linen_interceptor(None, captured_lib.Counter(None), record, {}, sow=False)):
+    with nn.intercept_methods(_linen_interceptor(None, captured_lib.Counter(None), record, {},
+                                                 _param_ndims(variables), sow=False)):
       return module.apply(variables, *a, **kwargs)
 
   jax.eval_shape(run, variables, *args)

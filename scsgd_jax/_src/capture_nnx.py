@@ -18,6 +18,8 @@ from scsgd_jax._src.captured import CapturedInputs
 from scsgd_jax._src.layers import NNX_LAYERS
 from scsgd_jax._src.layers import einsum_arg
 from scsgd_jax._src.layers import layer_spec
+from scsgd_jax._src.layers import own_ndim
+from scsgd_jax._src.plan import Layout
 
 __all__ = ["LayerInput", "capture_nnx", "input_axes_nnx", "output_perturbations_nnx"]
 
@@ -27,35 +29,55 @@ class LayerInput(nnx.Intermediate):
   """NNX variable type of the captured input rows (a subtype of ``nnx.Intermediate``)."""
 
 
+_PATH_ATTR = "_scsgd_jax_path"  # set on each captured layer for one call: its path, inside nnx.scan/vmap too
+
+
+def _layer_path(layer, default: str) -> str:
+  return getattr(layer, _PATH_ATTR, None) or default
+
+
 @contextlib.contextmanager
-def _patched_nnx(names, max_rows, counter, axes, unconditioned, outputs=None):
+def _patched_nnx(model, max_rows, counter, layouts, unconditioned, outputs=None):
   originals = {cls: cls.__call__ for cls in NNX_LAYERS}
+  # a layer inside nnx.scan/nnx.vmap runs as a copy holding one slice of each parameter: it finds its path in
+  # an attribute (kept by the transforms' graph copy) and its stack axes from its parameter's full rank here
+  layers = {"/".join(map(str, path)): node for path, node in nnx.iter_graph(model) if isinstance(node, NNX_LAYERS)}
+  full_ndim = {}
+  for name, node in layers.items():
+    param = getattr(node, "embedding" if isinstance(node, nnx.Embed) else "kernel", None)
+    full_ndim[name] = getattr(param, "ndim", None)
 
   def make(orig):
     def call(self, inputs, *args, **kwargs):
-      path = names.get(id(self), "")
+      path = _layer_path(self, type(self).__name__)
       try:
-        spec = layer_spec(self, path or type(self).__name__, einsum_arg(self, args, kwargs))
+        spec = layer_spec(self, path, einsum_arg(self, args, kwargs))
         rows = spec.rows(jax.lax.stop_gradient(inputs), max_rows, counter.key())
       except NotImplementedError as e:  # a layer kind the conditioning cannot read: plain updates, said
         for where in (unconditioned, outputs.unconditioned if outputs is not None else {}):
-          where[captured_lib.param_path(path, "kernel")] = str(e)
+          where[captured_lib.param_path(path if path in layers else "", "kernel")] = str(e)
         return orig(self, inputs, *args, **kwargs)
-      param_path = captured_lib.param_path(path, spec.param)
-      axes[param_path] = spec.input_axes
+      param_path = captured_lib.param_path(path if path in layers else "", spec.param)
+      layout = captured_lib.layout(spec, full_ndim.get(path), own_ndim(self))
+      layouts[param_path] = layout
       self.sow(LayerInput, spec.param, rows)
       y = orig(self, inputs, *args, **kwargs)
-      return y if outputs is None else outputs(param_path, spec, y)
+      return y if outputs is None else outputs(param_path, spec, y, layout)
 
     return call
 
   try:
+    for node_name, node in layers.items():
+      object.__setattr__(node, _PATH_ATTR, node_name)
     for cls, orig in originals.items():
       cls.__call__ = make(orig)
     yield
   finally:
     for cls, orig in originals.items():
       cls.__call__ = orig
+    for node in layers.values():
+      if _PATH_ATTR in vars(node):
+        object.__delattr__(node, _PATH_ATTR)
 
 
 def capture_nnx(
@@ -104,10 +126,8 @@ def capture_nnx(
 
 def _capture_nnx(model, args, kwargs, rng, max_rows, outputs):
   captured_lib.check_max_rows(max_rows)
-  names = {id(node): "/".join(map(str, path)) for path, node in nnx.iter_graph(model)
-           if isinstance(node, nnx.Module)}
   counter, axes, unconditioned = captured_lib.Counter(rng), {}, {}
-  with _patched_nnx(names, max_rows, counter, axes, unconditioned, outputs):
+  with _patched_nnx(model, max_rows, counter, axes, unconditioned, outputs):
     out, captured = nnx.capture(lambda m, *a, **k: m(*a, **k), LayerInput)(model, *args, **kwargs)
   pure = nnx.to_pure_dict(captured)
   return out, CapturedInputs(jax.tree.map(captured_lib.merge, pure, is_leaf=lambda v: isinstance(v, tuple)), axes,
@@ -138,12 +158,13 @@ def output_perturbations_nnx(model: nnx.Module, *args, **kwargs) -> CapturedInpu
   return outputs.zeros()
 
 
-def input_axes_nnx(model: nnx.Module) -> dict[str, tuple[int, ...]]:
-  """``{param path: input axes}`` of every captured layer of an NNX model, read from the layers themselves.
+def input_axes_nnx(model: nnx.Module) -> dict[str, Layout]:
+  """``{param path: Layout}`` of every captured layer of an NNX model, read from the layers themselves: the
+  kernel's input axes, its stack axes (a layer inside ``nnx.scan``/``nnx.vmap``) and feature groups.
 
-  The captured :class:`CapturedInputs` already carry these axes (the transformation reads them); pass this
-  as ``scsgd(..., input_axes=input_axes_nnx(model))`` only to fix the plan at ``init`` (see
-  :func:`~scsgd_jax.scale_by_sketched_conditioning`) or for rows captured by other means.
+  The captured :class:`CapturedInputs` already carry these layouts (the transformation reads them); pass this
+  as ``scsgd(..., input_axes=input_axes_nnx(model))`` to fix every plan at ``init``, so that the state never
+  changes shape (see :func:`~scsgd_jax.scale_by_sketched_conditioning`), or for rows captured by other means.
   """
   out = {}
   for path, node in nnx.iter_graph(model):
@@ -157,5 +178,6 @@ def input_axes_nnx(model: nnx.Module) -> dict[str, tuple[int, ...]]:
         raise ValueError(
             f"layer '{name}' is an Einsum whose equation is given only at call time; name its kernel's "
             f"input axes yourself, e.g. input_axes={{'{name}/kernel': (0,)}}.")
-      out[captured_lib.param_path(name, spec.param)] = spec.input_axes
+      full = getattr(getattr(node, spec.param), "ndim", None)
+      out[captured_lib.param_path(name, spec.param)] = captured_lib.layout(spec, full, own_ndim(node))
   return out

@@ -23,8 +23,10 @@ class CapturedInputs(dict):
   """What :func:`capture_nnx` and :func:`capture_linen` return: a ``dict`` of the captured rows (mirroring the
   parameter tree) that also says how each kernel is read.
 
-  ``input_axes`` (``{param path: input axes}``, e.g. ``{'attn/q_einsum/kernel': (1,)}``) is read from the
-  layers themselves at capture, Einsum equations included; it is static pytree metadata (no leaves), so it
+  ``input_axes`` (``{param path: Layout}``, e.g. ``{'attn/q_einsum/kernel': Layout((1,), 0, 1)}``: the
+  kernel's input axes, its leading stack axes (a layer in ``nnx.scan``/``nnx.vmap``/``nn.scan``, whose rows
+  then lead with the stack) and a grouped conv's feature groups) is read from the layers themselves at
+  capture, Einsum equations included; it is static pytree metadata (no leaves), so it
   travels through ``jit``, ``pmap``, ``shard_map`` and ``jax.tree.map`` unchanged and costs nothing. The
   transformation reads it, so a DenseGeneral/Einsum model of any layout needs no ``input_axes=`` argument.
   ``unconditioned`` (``{param path: why}``, static too) names the kernels of layers the capture cannot
@@ -74,8 +76,19 @@ class Counter:
 
 
 def merge(rows_tuple):
+  """A layer's rows of several calls as one array: rows ``(..., m, n)`` joined along ``m``, ids ``(..., m)``
+  along the last axis (the leading axes of a stack stay)."""
   rows = tuple(rows_tuple)
-  return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
+  if len(rows) == 1:
+    return rows[0]
+  return jnp.concatenate(rows, axis=-1 if jnp.issubdtype(rows[0].dtype, jnp.integer) else -2)
+
+
+def layout(spec: LayerSpec, full_ndim, own: int) -> plan_lib.Layout:
+  """The :class:`~scsgd_jax._src.plan.Layout` of a layer's kernel whose parameter has ``full_ndim`` axes
+  (``None``: unknown) where the layer declares ``own``: the extra leading axes are a stack of layers."""
+  stack = max(full_ndim - own, 0) if full_ndim is not None else 0
+  return plan_lib.Layout(spec.input_axes, stack, spec.groups)
 
 
 def param_path(name: str, param: str) -> str:
@@ -93,8 +106,12 @@ class Outputs:
     self.perturbations = None if perturbations is None else flat(perturbations)
     self.shapes, self.axes, self.unconditioned = {}, {}, {}
 
-  def __call__(self, path: str, spec: LayerSpec, y):
+  def __call__(self, path: str, spec: LayerSpec, y, layout: plan_lib.Layout):
     if spec.output_axes is None or spec.input_axes is None:
+      return y
+    if layout.stack or layout.groups > 1:
+      self.unconditioned[path] = ("the output side does not condition a stacked (scanned, vmapped) or grouped "
+                                  "kernel; its input side does")
       return y
     out_axes = spec.output_axes(y.ndim)
     rest = tuple(a for a in range(y.ndim) if a not in out_axes)

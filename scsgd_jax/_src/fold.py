@@ -43,14 +43,24 @@ def fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
   """
   new_stats, new_clipped = dict(stats), dict(clipped)  # kernels without a plan here keep theirs
   for path, plan in kernel_plans.items():
-    x, n_clipped = rows[path], jnp.zeros([], jnp.int32)
-    if x.shape[0] == 0:  # no rows this step (an empty micro-batch, a fully masked layer): nothing to fold
-      continue
-    if not plan.statistics.takes_ids:
-      x, n_clipped = guard_rows(x, plan.statistics.trace(stats[path]), outlier_threshold)
-    folded = plan.statistics.update(stats[path], x)
+    x = rows[path]
+    if x.size == 0:
+      continue  # no rows this step (an empty micro-batch, a fully masked layer): nothing to fold
+
+    def one(state, x, plan=plan):
+      n_clipped = jnp.zeros([], jnp.int32)
+      if not plan.statistics.takes_ids:
+        x, n_clipped = guard_rows(x, plan.statistics.trace(state), outlier_threshold)
+      return plan.statistics.update(state, x), n_clipped
+
+    if plan.slices is None:
+      folded, n_clipped = one(stats[path], x)
+    else:  # a stack of layers or groups: each slice folds its own rows
+      folded, n_clipped = jax.vmap(one)(stats[path], x)
+      n_clipped = jnp.sum(n_clipped)
     if axis_name is not None:
       folded, n_clipped = jax.lax.pmean(folded, axis_name), jax.lax.psum(n_clipped, axis_name)
-    new_stats[path] = keep_if_finite(folded, stats[path])
+    keep = keep_if_finite if plan.slices is None else jax.vmap(keep_if_finite)
+    new_stats[path] = keep(folded, stats[path])
     new_clipped[path] = clipped[path] + n_clipped
   return new_stats, new_clipped

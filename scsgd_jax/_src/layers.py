@@ -48,6 +48,8 @@ class LayerSpec(NamedTuple):
   output_axes: Optional[Callable[[int], tuple[int, ...]]] = None
   """``output_axes(y.ndim)``: the axes of the layer's output ``y`` that the kernel's output axes make, in the
   kernel's order (``None``: no output side, e.g. an embedding)."""
+  groups: int = 1
+  """Feature groups (a grouped convolution): ``rows`` then returns ``(groups, m, n)``, group ``i``'s rows."""
 
 
 def _to_tuple(v, d):
@@ -64,22 +66,24 @@ def _conv_spec(layer, name) -> LayerSpec:
   window = tuple(layer.kernel_size) if not isinstance(layer.kernel_size, int) else (layer.kernel_size,)
   d = len(window)
   groups = getattr(layer, "feature_group_count", 1)
-  if groups != 1:
-    raise NotImplementedError(
-        f"layer '{name}' is a grouped convolution (feature_group_count={groups}); its kernel is not "
-        "one (n, cout) matrix over all inputs.")
   if any(v != 1 for v in _to_tuple(getattr(layer, "input_dilation", 1), d)):
     raise NotImplementedError(f"layer '{name}': input_dilation is not supported by the conv statistics.")
 
   def rows(x, max_rows, key):
     try:
-      return patches.conv_patch_rows(
+      out = patches.conv_patch_rows(
           x, window, strides=_to_tuple(layer.strides, d), padding=layer.padding,
           dilation=_to_tuple(layer.kernel_dilation, d), max_rows=max_rows, key=key)
     except (ValueError, NotImplementedError) as e:
       raise type(e)(f"layer '{name}': {e}") from None
+    if groups == 1:
+      return out
+    # a grouped conv: group i's output channels read input channels block i only, so each group is its own
+    # (window * cin / groups, cout / groups) problem (block-diagonal C): (m, window, cin) -> (groups, m, n)
+    m, cin = out.shape[0], x.shape[-1]
+    return jnp.moveaxis(out.reshape(m, -1, groups, cin // groups), 2, 0).reshape(groups, m, -1)
 
-  return LayerSpec("kernel", tuple(range(d + 1)), rows, _last_axes(1))
+  return LayerSpec("kernel", tuple(range(d + 1)), rows, _last_axes(1), groups)
 
 
 def _last_axes(count: int) -> Callable[[int], tuple[int, ...]]:
@@ -155,6 +159,22 @@ def _embed_rows(x, max_rows, key):
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"an Embed layer's input must be integer ids, got dtype {x.dtype}.")
   return x.reshape(-1)
+
+
+def own_ndim(layer: Any) -> int:
+  """The number of axes of one layer's kernel (or embedding) as the layer declares it: a parameter with more
+  has leading stack axes (``nnx.scan``/``nnx.vmap``/``nn.scan``), each index its own layer."""
+  if isinstance(layer, (nnx.Conv, nn.Conv, nnx.ConvTranspose, nn.ConvTranspose)):
+    return (1 if isinstance(layer.kernel_size, int) else len(layer.kernel_size)) + 2
+  if isinstance(layer, nnx.LinearGeneral):
+    return len(_as_tuple(layer.in_features)) + len(_as_tuple(layer.out_features)) + len(dict(layer.batch_axis))
+  if isinstance(layer, nn.DenseGeneral):
+    return len(_as_tuple(layer.axis)) + len(_as_tuple(layer.features)) + len(_as_tuple(layer.batch_dims))
+  if isinstance(layer, nnx.Einsum):
+    return len(layer.kernel_shape)
+  if isinstance(layer, nn.Einsum):
+    return len(layer.shape)
+  return 2  # Linear/Dense (n, p), Embed (vocab, features)
 
 
 def layer_spec(layer: Any, name: str, einsum_str: Optional[str] = None) -> LayerSpec:

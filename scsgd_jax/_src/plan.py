@@ -17,23 +17,44 @@ import math
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from scsgd_jax._src import statistics as stats_lib
 
-InputAxes = Union[None, Mapping[str, Sequence[int]], Callable[[str, Any], Sequence[int]]]
+
+
+class Layout(NamedTuple):
+  """How a kernel parameter reads as matrices ``(n, p)``: one, or a stack of them.
+
+  Attributes:
+    input_axes: the axes of one slice's kernel contracted with the layer input.
+    stack: leading axes that index layers, not features (``nnx.scan``/``nnx.vmap``/``nn.scan`` stacks):
+      each index is its own layer, conditioned by its own statistics.
+    groups: feature groups of a grouped convolution: the last (output) axis is ``groups`` blocks, block
+      ``i`` read by input channels block ``i`` only, each its own problem (block-diagonal ``C``).
+  """
+
+  input_axes: tuple[int, ...]
+  stack: int = 0
+  groups: int = 1
+
+
+InputAxes = Union[None, Mapping[str, Union[Sequence[int], Layout]], Callable[[str, Any], Sequence[int]]]
 
 
 class KernelPlan(NamedTuple):
   """How one kernel is conditioned (decided from its shape at ``init``).
 
   Attributes:
-    input_axes: the kernel axes contracted with the layer input.
+    input_axes: the axes of one slice's kernel contracted with the layer input.
     n: the input dimension (product of ``input_axes``).
     kind: ``'dense'``, ``'streaming'``, ``'diagonal'``, ``'embedding'`` or ``'custom'``.
     rank: the factor's rank; ``None`` for the full ``C^{1/2}``; ``0`` for diagonal kinds.
     statistics: the :class:`~scsgd_jax.CorrelationStatistics` kept for it.
     phase: the step (mod ``update_every``) at which its periodic refresh falls.
+    stack: the shape of the kernel's leading stack axes (``()``: one layer; see :class:`Layout`).
+    groups: a grouped convolution's feature groups, each its own slice.
   """
 
   input_axes: tuple[int, ...]
@@ -42,6 +63,31 @@ class KernelPlan(NamedTuple):
   rank: Optional[int]
   statistics: stats_lib.CorrelationStatistics
   phase: int
+  stack: tuple[int, ...] = ()
+  groups: int = 1
+
+  @property
+  def slices(self) -> Optional[int]:
+    """How many ``(n, p)`` problems the kernel holds (``None``: one, kept without a leading axis)."""
+    return math.prod(self.stack) * self.groups if self.stack or self.groups > 1 else None
+
+  def layout(self) -> Layout:
+    return Layout(self.input_axes, len(self.stack), self.groups)
+
+  def to_slices(self, kernel: jax.Array) -> jax.Array:
+    """A stacked or grouped ``kernel`` (the parameter's shape) as ``(slices, *one slice's kernel)``."""
+    x = kernel.reshape((-1,) + kernel.shape[len(self.stack):])
+    if self.groups > 1:  # (S, ..., cout) -> (S, g, ..., cout / g) -> (S * g, ..., cout / g)
+      x = jnp.moveaxis(x.reshape(x.shape[:-1] + (self.groups, x.shape[-1] // self.groups)), -2, 1)
+      x = x.reshape((-1,) + x.shape[2:])
+    return x
+
+  def from_slices(self, x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The inverse of :meth:`to_slices` for a parameter of ``shape``."""
+    if self.groups > 1:
+      x = jnp.moveaxis(x.reshape((-1, self.groups) + x.shape[1:]), 1, -2)
+      x = x.reshape(x.shape[:-2] + (-1,))
+    return x.reshape(shape)
 
   def describe(self) -> str:
     """E.g. ``'dense C, full C^(1/2), n=25'`` or ``'streaming C Omega, rank 32, n=800'``."""
@@ -52,7 +98,12 @@ class KernelPlan(NamedTuple):
         "dense": "dense C, full C^(1/2)" if self.rank is None else f"dense C, rank {self.rank}",
         "custom": "custom statistics, " + ("full C^(1/2)" if self.rank is None else f"rank {self.rank}"),
     }[self.kind]
-    return f"{kind}, n={self.n}"
+    where = []
+    if self.stack:
+      where.append(f"per layer of a stack {self.stack}")
+    if self.groups > 1:
+      where.append(f"per group of {self.groups}")
+    return f"{kind}, n={self.n}" + (f", {' and '.join(where)}" if where else "")
 
 
 class Spec(NamedTuple):
@@ -145,24 +196,31 @@ def kernel_paths(tree, kernel_filter: Callable[[str, Any], bool] = default_kerne
   return {path_to_str(p): leaf for p, leaf in flat if kernel_filter(path_to_str(p), leaf)}
 
 
-def axes_of(path: str, leaf, input_axes: InputAxes, captured: Optional[Mapping[str, Sequence[int]]] = None,
-            default: Optional[Callable[[str, Any], tuple[int, ...]]] = None) -> tuple[int, ...]:
-  """The checked input axes of kernel ``path``: ``input_axes`` (callable or mapping), else the axes the
-  capture read from the layer (``captured``), else the name-based defaults."""
+def axes_of(path: str, leaf, input_axes: InputAxes, captured: Optional[Mapping[str, Any]] = None,
+            default: Optional[Callable[[str, Any], tuple[int, ...]]] = None) -> Layout:
+  """The checked :class:`Layout` of kernel ``path``: ``input_axes`` (callable or mapping; a tuple of axes or a
+  :class:`Layout`), else what the capture read from the layer (``captured``), else the name-based defaults."""
   if callable(input_axes):
-    axes = input_axes(path, leaf)
+    layout = input_axes(path, leaf)
   elif input_axes is not None and path in input_axes:
-    axes = input_axes[path]
+    layout = input_axes[path]
   elif captured and captured.get(path) is not None:
-    axes = captured[path]
+    layout = captured[path]
   else:
-    axes = (default or default_input_axes)(path, leaf)
-  axes = tuple(int(a) % leaf.ndim for a in axes)
-  if not axes or len(set(axes)) != len(axes) or len(axes) >= leaf.ndim:
+    layout = (default or default_input_axes)(path, leaf)
+  layout = layout if isinstance(layout, Layout) else Layout(tuple(layout))
+  shape = tuple(leaf.shape)
+  ndim = len(shape) - layout.stack
+  if layout.stack < 0 or ndim < 2:
+    raise ValueError(f"kernel '{path}' {shape}: {layout.stack} stack axes leave no matrix to condition.")
+  axes = tuple(int(a) % ndim for a in layout.input_axes)
+  if not axes or len(set(axes)) != len(axes) or len(axes) >= ndim:
     raise ValueError(
-        f"input axes {axes} of kernel '{path}' {tuple(leaf.shape)} must be distinct and leave at "
-        "least one output axis.")
-  return axes
+        f"input axes {axes} of kernel '{path}' {shape} must be distinct and leave at least one output axis"
+        + (f" of each of its {layout.stack}-axis stack's slices {shape[layout.stack:]}." if layout.stack else "."))
+  if layout.groups < 1 or shape[-1] % layout.groups or (layout.groups > 1 and ndim - 1 in axes):
+    raise ValueError(f"kernel '{path}' {shape}: {layout.groups} feature groups must divide its last (output) axis.")
+  return layout._replace(input_axes=axes)
 
 
 # -------------------------------------------------------------------------------------- memory rule
@@ -262,38 +320,52 @@ def _fixed(spec: Spec, path: str, n: int) -> Optional[tuple[str, Optional[int]]]
   return None
 
 
-def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Sequence[int]]] = None) -> dict[str, KernelPlan]:
+def _slices(leaf, layout: Layout) -> int:
+  return math.prod(leaf.shape[:layout.stack]) * layout.groups
+
+
+def _input_dim(leaf, layout: Layout) -> int:
+  return math.prod(leaf.shape[layout.stack + a] for a in layout.input_axes)
+
+
+def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -> dict[str, KernelPlan]:
   """The plan of every kernel of ``tree`` (arrays or shapes) that ``spec.kernel_filter`` selects
-  (``captured``: the input axes the capture read from the layers, under ``spec.input_axes``)."""
+  (``captured``: the layouts the capture read from the layers, under ``spec.input_axes``). A stacked or
+  grouped kernel is planned per slice, its memory that of all its slices."""
   custom = isinstance(spec.statistics, stats_lib.CorrelationStatistics)
   decided: dict[str, tuple[str, Optional[int]]] = {}
-  axes, dims, shapes, opts = {}, {}, {}, {}
+  layouts, dims, shapes, opts, count = {}, {}, {}, {}, {}
   for path, leaf in kernel_paths(tree, spec.kernel_filter).items():
-    axes[path] = axes_of(path, leaf, spec.input_axes, captured, spec.default_axes)
-    n = dims[path] = math.prod(leaf.shape[a] for a in axes[path])
+    layout = layouts[path] = axes_of(path, leaf, spec.input_axes, captured, spec.default_axes)
+    n = dims[path] = _input_dim(leaf, layout)
+    count[path] = _slices(leaf, layout)
     if path.rsplit("/", 1)[-1] == "embedding" and not custom:
       decided[path] = ("embedding", 0)
       continue
     fixed = _fixed(spec, path, n)
     if fixed is None:
-      shapes[path] = (n, leaf.size // n)
-      opts[path] = options(n, spec.rank, spec.oversample, _full(spec, n))
+      shapes[path] = (n, leaf.size // n)  # the bound n * p of all slices
+      opts[path] = [o._replace(floats=o.floats * count[path])
+                    for o in options(n, spec.rank, spec.oversample, _full(spec, n))]
     else:
       decided[path] = fixed
   if opts:
     # budget='model': Adam's state beyond SGD's momentum, one float per parameter, less this state's scalars
     # (count and key beyond Adam's count, a clipped-row counter per kernel) and the embeddings' statistics.
     # With share < 1 (two transformations splitting the budget) this one gets that fraction of the floats.
-    floats = math.floor(spec.share * sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree))) - 2 - len(axes)
-    floats -= sum(state_floats("embedding", dims[p], 0, 0) for p, (kind, _) in decided.items() if kind == "embedding")
+    floats = math.floor(spec.share * sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree))) - 2 - len(layouts)
+    floats -= sum(count[p] * state_floats("embedding", dims[p], 0, 0)
+                  for p, (kind, _) in decided.items() if kind == "embedding")
     for path, i in allot(shapes, opts, floats, spec.budget, spec.share).items():
       if i < len(opts[path]):  # else nothing fits: plain SGD
         decided[path] = (opts[path][i].kind, opts[path][i].rank)
-  ordered = [p for p in axes if p in decided]  # the tree's order
+  leaves = kernel_paths(tree, spec.kernel_filter)
+  ordered = [p for p in layouts if p in decided]  # the tree's order
   return {
-      path: KernelPlan(axes[path], dims[path], kind, k,
+      path: KernelPlan(layouts[path].input_axes, dims[path], kind, k,
                        spec.statistics if kind == "custom" else spec.choices.of(kind, k),
-                       (i * spec.update_every) // len(ordered) if spec.stagger else 0)
+                       (i * spec.update_every) // len(ordered) if spec.stagger else 0,
+                       tuple(leaves[path].shape[:layouts[path].stack]), layouts[path].groups)
       for i, (path, (kind, k)) in enumerate((p, decided[p]) for p in ordered)
   }
 
@@ -310,22 +382,22 @@ def unconditioned(tree, spec: Spec, plans: Mapping[str, KernelPlan]) -> dict[str
   return out
 
 
-def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[str, Sequence[int]]
+def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[str, Any]
            ) -> dict[str, KernelPlan]:
-  """``planned`` (``init``'s plans, by the default axes) with each kernel that the capture read by other
-  input axes re-planned with those: its kind of statistics kept (so the state keeps its structure, which
-  ``nnx.Optimizer`` needs), its ``n`` and rank those of the true axes (rank below ``n``; the full
-  conditioner up to ``full_max_dim``), and, under ``statistics='auto'``, its memory at most its own budget
-  (a clear error otherwise)."""
+  """``planned`` (``init``'s plans, by the default axes) with each kernel that the capture read by another
+  layout (other input axes, a stack, groups) re-planned with it: its kind of statistics kept (so the state
+  keeps its structure, which ``nnx.Optimizer`` needs), its ``n`` and rank those of the true axes (rank below
+  ``n``; the full conditioner up to ``full_max_dim``), and, under ``statistics='auto'``, its memory at most
+  its own budget (a clear error otherwise)."""
   leaves = kernel_paths(tree, spec.kernel_filter)
   out = {}
   for path, plan in planned.items():
     leaf = leaves[path]
-    axes = axes_of(path, leaf, spec.input_axes, captured, spec.default_axes)
-    if axes == plan.input_axes:
+    layout = axes_of(path, leaf, spec.input_axes, captured, spec.default_axes)
+    if layout == plan.layout():
       out[path] = plan
       continue
-    n = math.prod(leaf.shape[a] for a in axes)
+    n, slices = _input_dim(leaf, layout), _slices(leaf, layout)
     k = plan.rank
     if plan.kind in ("dense", "custom"):
       k = None if spec.conditioner != "sketched" and (_full(spec, n) or plan.rank is None or plan.rank >= n) else k
@@ -335,14 +407,14 @@ def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[s
       k = min(plan.rank, n - 1)
     kind = "dense" if plan.kind == "custom" else plan.kind
     cost = lambda n, k: state_floats(kind, n, k, min((k or 0) + spec.oversample, n))
-    if k == 0 and plan.kind == "streaming" or (
-        spec.statistics == "auto" and cost(n, k) > max(cost(plan.n, plan.rank), math.floor(spec.share * leaf.size))):
+    if k == 0 and plan.kind == "streaming" or (spec.statistics == "auto" and slices * cost(n, k) > max(
+        (plan.slices or 1) * cost(plan.n, plan.rank), math.floor(spec.share * leaf.size))):
       raise ValueError(
-          f"kernel '{path}' {tuple(leaf.shape)}: its layer meets its input along axes {axes} (n={n}), but "
-          f"init, which sees only the parameters, planned it along the default axes {plan.input_axes} "
-          f"(n={plan.n}) as '{plan.describe()}', a statistic that does not fit the true n within its memory. "
-          "Pass input_axes=scsgd_jax.input_axes_nnx(model) (or input_axes_linen) so that init plans it "
-          "with the true axes.")
+          f"kernel '{path}' {tuple(leaf.shape)}: its layer reads it as {layout} (n={n}), but init, which sees "
+          f"only the parameters, planned it as {plan.layout()} (n={plan.n}) with '{plan.describe()}', a "
+          "statistic that does not fit the true n within its memory. Pass input_axes=scsgd_jax.input_axes_nnx("
+          "model) (or input_axes_linen) so that init plans it with the true layout.")
     stats = spec.statistics if plan.kind == "custom" else spec.choices.of(plan.kind, k)
-    out[path] = plan._replace(input_axes=axes, n=n, rank=k, statistics=stats)
+    out[path] = plan._replace(input_axes=layout.input_axes, n=n, rank=k, statistics=stats,
+                              stack=tuple(leaf.shape[:layout.stack]), groups=layout.groups)
   return out

@@ -48,13 +48,23 @@ def refresh(kernel_plans, stats, old_factors, key, count, refresh_due: Callable)
       new = {}
       for group in groups.values():
         plan = kernel_plans[group[0]]
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[group_stats[p] for p in group])
-        group_keys = jnp.stack([key_of[p] for p in group])
+        # each kernel's slices (one for a lone kernel), all slices of the group refreshed as one vmap
+        sizes = [kernel_plans[p].slices or 1 for p in group]
+        lead = lambda tree, p: tree if kernel_plans[p].slices else jax.tree.map(lambda a: a[None], tree)
+        stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[lead(group_stats[p], p) for p in group])
+        group_keys = jnp.concatenate([jax.random.split(key_of[p], kernel_plans[p].slices)
+                                      if kernel_plans[p].slices else key_of[p][None] for p in group])
         out = jax.vmap(lambda s, kk, plan=plan: kept_factor(plan, plan.statistics.factor(s, kk, plan.rank)))(
             stacked, group_keys)
-        for i, p in enumerate(group):
-          # never replace a good factor by a non-finite one
-          new[p] = fold_lib.keep_if_finite(jax.tree.map(lambda a, i=i: a[i], out), group_factors[p])
+        start = 0
+        for p, size in zip(group, sizes):
+          mine = jax.tree.map(lambda a, start=start, size=size: a[start:start + size], out)
+          start += size
+          # never replace a good factor by a non-finite one (each slice its own)
+          if kernel_plans[p].slices:
+            new[p] = jax.vmap(fold_lib.keep_if_finite)(mine, group_factors[p])
+          else:
+            new[p] = fold_lib.keep_if_finite(jax.tree.map(lambda a: a[0], mine), group_factors[p])
       return new
 
     operand = ({p: stats[p] for p in paths}, {p: old_factors[p] for p in paths})

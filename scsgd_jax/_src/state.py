@@ -71,6 +71,14 @@ class ScaleBySketchedConditioningState(NamedTuple):
 
 
 def initial_factor(plan: plan_lib.KernelPlan) -> sketch.Factor:
+  """The factor of ``A = I`` in the form ``plan`` keeps (one per slice of a stacked or grouped kernel)."""
+  one = _one_initial_factor(plan)
+  if plan.slices is None:
+    return one
+  return jax.tree.map(lambda a: jnp.broadcast_to(a, (plan.slices,) + a.shape), one)
+
+
+def _one_initial_factor(plan: plan_lib.KernelPlan) -> sketch.Factor:
   if plan.kind in ("diagonal", "embedding"):
     return sketch.Factor(None, None, jnp.ones((plan.n,)))
   if plan.rank is None:  # the full conditioner is kept dense: one product per step
@@ -120,7 +128,13 @@ def summary_of(kernel_plans, notes=()) -> PlanSummary:
 def fresh_kernel_states(kernel_plans, seed: int):
   """The state key and each kernel's ``(statistics, factor, clipped rows)`` before any data."""
   keys = jax.random.split(jax.random.PRNGKey(seed), len(kernel_plans) + 1)
-  return keys[0], {p: (plan.statistics.init(plan.n, kk), initial_factor(plan), jnp.zeros([], jnp.int32))
+
+  def statistics(plan, key):
+    if plan.slices is None:
+      return plan.statistics.init(plan.n, key)
+    return jax.vmap(lambda kk: plan.statistics.init(plan.n, kk))(jax.random.split(key, plan.slices))
+
+  return keys[0], {p: (statistics(plan, kk), initial_factor(plan), jnp.zeros([], jnp.int32))
                    for (p, plan), kk in zip(kernel_plans.items(), keys[1:])}
 
 

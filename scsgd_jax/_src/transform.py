@@ -7,6 +7,7 @@ captured rows into the statistics, refreshes the factors when due and conditions
 from __future__ import annotations
 
 import inspect
+import math
 import types
 from typing import Any, Callable, Hashable, Literal, Optional, Union
 
@@ -269,9 +270,14 @@ def _condition(updates, kernel_plans, factors):
 
   def condition(path, g):
     p = plan_lib.path_to_str(path)
-    if p in kernel_plans and g is not None:
-      return sketch.precondition_kernel(factors[p], g, kernel_plans[p].input_axes)
-    return g
+    if p not in kernel_plans or g is None:
+      return g
+    plan = kernel_plans[p]
+    if plan.slices is None:
+      return sketch.precondition_kernel(factors[p], g, plan.input_axes)
+    # a stack of layers or groups: each slice conditioned by its own factor
+    sliced = jax.vmap(lambda f, s: sketch.precondition_kernel(f, s, plan.input_axes))(factors[p], plan.to_slices(g))
+    return plan.from_slices(sliced, g.shape)
 
   return jax.tree_util.tree_map_with_path(condition, updates)
 
@@ -294,21 +300,30 @@ def _checked_rows(kernel_plans: dict[str, plan_lib.KernelPlan], layer_inputs) ->
           "with kernel_filter / optax.masked.")
     x = inputs[path]
     shape = getattr(x, "shape", None)
+    lead = plan.stack + ((plan.groups,) if plan.groups > 1 else ())  # a stacked kernel's rows: (*lead, ..., n)
+    if lead and (shape is None or tuple(shape[:len(lead)]) != lead):
+      raise ValueError(
+          f"layer_inputs['{path}'] has shape {shape}, expected leading axes {lead} (the kernel's "
+          + (f"stack {plan.stack}" if plan.stack else "") + (" and " if plan.stack and plan.groups > 1 else "")
+          + (f"{plan.groups} feature groups" if plan.groups > 1 else "") + "), one set of rows per slice, "
+          "as scsgd_jax.capture_nnx / capture_linen capture them.")
+    rows_shape = (-1,) if not lead else (math.prod(lead), -1)
     if plan.statistics.takes_ids:
       if shape is None or not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(
             f"layer_inputs['{path}'] must hold the integer token ids of embedding '{path}' "
             f"(vocabulary n={n}), got {type(x).__name__} of dtype {getattr(x, 'dtype', None)}.")
-      rows[path] = jax.lax.stop_gradient(x).reshape(-1)
+      rows[path] = jax.lax.stop_gradient(x).reshape(rows_shape)
       continue
-    if shape is None or len(shape) < 2 or shape[-1] != n:
+    if shape is None or len(shape) < 2 + len(lead) or shape[-1] != n:
       raise ValueError(
-          f"layer_inputs['{path}'] has shape {shape}, expected (rows, {n}) to match kernel '{path}' "
-          f"read with input axes {plan.input_axes} (n={n}). A conv kernel (kh, kw, cin, cout) needs im2col "
-          "rows of size kh*kw*cin; rows not captured by scsgd_jax.capture_nnx / capture_linen (whose "
-          "output says each kernel's axes) of a DenseGeneral/Einsum kernel whose input axes are not the "
-          "default need input_axes=scsgd_jax.input_axes_nnx(model) (or input_axes_linen).")
+          f"layer_inputs['{path}'] has shape {shape}, expected ({'*' + str(lead) + ', ' if lead else ''}rows, {n}) "
+          f"to match kernel '{path}' read with input axes {plan.input_axes} (n={n}). A conv kernel (kh, kw, cin, "
+          "cout) needs im2col rows of size kh*kw*cin; rows not captured by scsgd_jax.capture_nnx / capture_linen "
+          "(whose output says each kernel's layout) of a DenseGeneral/Einsum kernel whose input axes are not the "
+          "default, or of a stacked (scanned) kernel, need input_axes=scsgd_jax.input_axes_nnx(model) (or "
+          "input_axes_linen).")
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"layer_inputs['{path}'] must be floating point, got dtype {x.dtype}.")
-    rows[path] = jax.lax.stop_gradient(x).reshape(-1, n).astype(jnp.float32)
+    rows[path] = jax.lax.stop_gradient(x).reshape(rows_shape + (n,)).astype(jnp.float32)
   return rows

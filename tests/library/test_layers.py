@@ -56,7 +56,7 @@ def test_nnx_rows_reproduce_layer_output(name, make, _, x, axes):
     rows = np.eye(11)[rows]  # ids -> one-hot rows
   mat, _ = _kernel_matrix(getattr(layer, param)[...], axes)
   np.testing.assert_allclose(rows @ mat, np.asarray(out).reshape(rows.shape[0], -1), rtol=1e-5, atol=1e-5)
-  assert sk.input_axes_nnx(layer) == {param: axes}
+  assert sk.input_axes_nnx(layer) == {param: sk.Layout(axes)}
 
 
 @pytest.mark.parametrize("name,_,module,x,axes", CASES, ids=[c[0] for c in CASES])
@@ -71,7 +71,7 @@ def test_linen_rows_reproduce_layer_output(name, _, module, x, axes):
     rows = np.eye(11)[rows]
   mat, _ = _kernel_matrix(variables["params"][param], axes)
   np.testing.assert_allclose(rows @ mat, np.asarray(out).reshape(rows.shape[0], -1), rtol=1e-5, atol=1e-5)
-  assert sk.input_axes_linen(module, variables, x) == {param: axes}
+  assert sk.input_axes_linen(module, variables, x) == {param: sk.Layout(axes)}
 
 
 @pytest.mark.parametrize("told", [False, True], ids=["captured_axes", "input_axes_given"])
@@ -114,16 +114,16 @@ def test_attention_kernels_read_by_true_input_axes():
   state = sk.scsgd(0.1, statistics="dense", conditioner="full").init(params)
   dims = {p: f.dim for p, f in state[0].factors.items()}
   assert dims == {"query/kernel": 16, "key/kernel": 16, "value/kernel": 16, "out/kernel": 32}
-  assert sk.input_axes_nnx(attn) == {f"{p}/kernel": ax for p, ax in
+  assert sk.input_axes_nnx(attn) == {f"{p}/kernel": sk.Layout(ax) for p, ax in
                                      [("query", (0,)), ("key", (0,)), ("value", (0,)), ("out", (0, 1))]}
 
 
 def test_captured_inputs_carry_the_axes_and_survive_tree_maps_and_jit():
   layer = nnx.Einsum("btd,od->bto", (6, 8), rngs=nnx.Rngs(0))   # input axis is 1, the default reads 0
   _, li = sk.capture_nnx(layer, X3)
-  assert isinstance(li, sk.CapturedInputs) and li.input_axes == {"kernel": (1,)}
-  assert jax.tree.map(lambda r: r * 2, li).input_axes == {"kernel": (1,)}
-  assert jax.jit(lambda t: t)(li).input_axes == {"kernel": (1,)}
+  assert isinstance(li, sk.CapturedInputs) and li.input_axes == {"kernel": sk.Layout((1,))}
+  assert jax.tree.map(lambda r: r * 2, li).input_axes == {"kernel": sk.Layout((1,))}
+  assert jax.jit(lambda t: t)(li).input_axes == {"kernel": sk.Layout((1,))}
   flat, _ = jax.tree_util.tree_flatten_with_path(li)
   assert [jax.tree_util.keystr(p) for p, _ in flat] == ["['kernel']"]
 
@@ -197,10 +197,40 @@ class _Mixed(nnx.Module):
     return self.head(y.reshape(y.shape[0], -1))
 
 
-def test_depthwise_and_transposed_convs_train_with_plain_updates_and_are_named(caplog):
-  """No model fails to train because of one layer kind: the depthwise and the transposed conv get exactly
-  Nesterov SGD's update (their statistics untouched), the other kernels are conditioned, and the summary and
-  the log name the two with the reason."""
+@pytest.mark.parametrize("groups,cin,cout", [(2, 4, 6), (8, 8, 8), (4, 4, 8)],
+                         ids=["grouped", "depthwise", "depthwise_multiplier"])
+def test_grouped_conv_step_equals_per_group_dense_oracle(groups, cin, cout):
+  """A grouped conv is ``groups`` problems: group g's output channels read input channels block g only, so
+  each block of the kernel gets ``C_g^{-1/2} G_g`` with ``C_g`` from the explicit im2col of its channels."""
+  layer = nnx.Conv(cin, cout, (3, 3), feature_group_count=groups, use_bias=False, rngs=nnx.Rngs(0))
+  x = jnp.asarray(RNG.standard_normal((2, 6, 6, cin)), jnp.float32)
+  tx = optax.chain(sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense", ema_rate=1.0,
+                                                     update_every=1), optax.sgd(LR))
+  params = nnx.as_pure(nnx.state(layer, nnx.Param))
+  target = jnp.asarray(RNG.standard_normal(layer(x).shape), jnp.float32)
+
+  def loss(m):
+    out, li = sk.capture_nnx(m, x, max_rows=None)
+    return jnp.sum(out * target), li
+
+  (_, li), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
+  assert li.input_axes == {"kernel": sk.Layout((0, 1, 2), 0, groups)}
+  state = tx.init(params)
+  updates, new = jax.jit(lambda g, s, li: tx.update(g, s, params, layer_inputs=li))(nnx.as_pure(grads), state, li)
+  assert new[0].summary()["kernel"] == f"dense C, full C^(1/2), n={9 * cin // groups}, per group of {groups}"
+  g, got = np.asarray(nnx.as_pure(grads)["kernel"]), np.asarray(updates["kernel"])
+  ci, co = cin // groups, cout // groups
+  for i in range(groups):
+    rows = helpers.im2col(np.asarray(x)[..., i * ci:(i + 1) * ci], (3, 3), pads=((1, 1), (1, 1)))
+    c = rows.T @ rows / rows.shape[0]
+    block = lambda k: k[..., i * co:(i + 1) * co].reshape(9 * ci, co)
+    np.testing.assert_allclose(block(got), -LR * helpers.psd_power(c, -0.5) @ block(g), rtol=2e-3, atol=1e-4)
+
+
+def test_depthwise_conditioned_per_group_and_transposed_conv_trains_plain(caplog):
+  """No model fails to train because of one layer kind: the depthwise conv is conditioned per group, the
+  transposed conv gets exactly Nesterov SGD's update (its statistics untouched), and the summary and the log
+  name it with the reason."""
   import logging
 
   model = _Mixed(nnx.Rngs(0))
@@ -213,20 +243,22 @@ def test_depthwise_and_transposed_convs_train_with_plain_updates_and_are_named(c
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), li
 
   (_, li), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-  tx, sgd = sk.scsgd(0.1), optax.sgd(0.1, 0.9, nesterov=True)
+  tx, sgd = sk.scsgd(0.1, input_axes=sk.input_axes_nnx(model)), optax.sgd(0.1, 0.9, nesterov=True)
   state = tx.init(params)
   with caplog.at_level(logging.INFO, logger="scsgd_jax"):
     updates, new = jax.jit(lambda g, s, li: tx.update(g, s, params, layer_inputs=li))(grads, state, li)
   plain, _ = jax.jit(lambda g: sgd.update(g, sgd.init(params), params))(grads)
-  for layer in ("dw", "up"):
-    np.testing.assert_allclose(updates[layer]["kernel"], plain[layer]["kernel"], rtol=1e-6, atol=1e-9)
-    jax.tree.map(np.testing.assert_array_equal, new[0].statistics[f"{layer}/kernel"], state[0].statistics[f"{layer}/kernel"])
-  assert np.abs(np.asarray(updates["conv"]["kernel"]) - np.asarray(plain["conv"]["kernel"])).max() > 1e-4
+  np.testing.assert_allclose(updates["up"]["kernel"], plain["up"]["kernel"], rtol=1e-6, atol=1e-9)
+  jax.tree.map(np.testing.assert_array_equal, new[0].statistics["up/kernel"], state[0].statistics["up/kernel"])
+  for layer in ("conv", "dw"):
+    assert np.abs(np.asarray(updates[layer]["kernel"]) - np.asarray(plain[layer]["kernel"])).max() > 1e-4
   summary = new[0].summary()
-  assert summary["dw/kernel"].startswith("not conditioned: layer 'dw' is a grouped convolution")
+  # planned at init with the layers' layouts: the plan in use
+  assert {k: summary[k] for k in ("conv/kernel", "dw/kernel")} == {k: state[0].summary()[k] for k in ("conv/kernel", "dw/kernel")}
+  assert summary["dw/kernel"] == "dense C, full C^(1/2), n=9, per group of 8"
   assert summary["up/kernel"] == "not conditioned: layer 'up' is a transposed convolution (its inputs are dilated)"
   assert summary["conv/kernel"] == "dense C, full C^(1/2), n=27"
-  assert any("dw/kernel" in r.getMessage() and "up/kernel" in r.getMessage() for r in caplog.records)
+  assert any("up/kernel" in r.getMessage() for r in caplog.records)
   # Linen: the same layers, the same outcome
   class Linen(nn.Module):
     @nn.compact
@@ -238,4 +270,5 @@ def test_depthwise_and_transposed_convs_train_with_plain_updates_and_are_named(c
 
   variables = Linen().init(jax.random.PRNGKey(0), x)
   _, li = sk.capture_linen(Linen(), variables, x, rng=jax.random.PRNGKey(0))
-  assert sorted(li.unconditioned) == ["dw/kernel", "up/kernel"] and sorted(li) == ["conv", "head"]
+  assert sorted(li.unconditioned) == ["up/kernel"] and sorted(li) == ["conv", "dw", "head"]
+  assert li["dw"]["kernel"].shape[0] == 8 and li.input_axes["dw/kernel"] == sk.Layout((0, 1, 2), 0, 8)

@@ -146,7 +146,8 @@ class GemmaStyle(nnx.Module):
 
 
 # the true input axes, as a reader of the equations above gives them (the defaults: all but the last axis)
-GEMMA_AXES = {"q/kernel": (1,), "kv/kernel": (0,), "out/kernel": (0, 1), "up/kernel": (1,), "down/kernel": (0,)}
+GEMMA_AXES = {p: scsgd_jax.Layout(a) for p, a in
+              {"q/kernel": (1,), "kv/kernel": (0,), "out/kernel": (0, 1), "up/kernel": (1,), "down/kernel": (0,)}.items()}
 
 
 def _tokens(seed):
@@ -234,7 +235,7 @@ def test_linen_einsum_model_trains_with_no_input_axes_argument():
   model = LinenGemmaStyle()
   ids, _ = _tokens(0)
   params = model.init(jax.random.PRNGKey(0), ids)["params"]
-  axes = {"q/kernel": (1,), "kv/kernel": (0,), "out/kernel": (0, 1)}
+  axes = {p: scsgd_jax.Layout(a) for p, a in {"q/kernel": (1,), "kv/kernel": (0,), "out/kernel": (0, 1)}.items()}
   assert scsgd_jax.input_axes_linen(model, {"params": params}, ids) | axes == scsgd_jax.input_axes_linen(
       model, {"params": params}, ids)
 
