@@ -4,6 +4,7 @@ from scsgd_jax._src.alias import scsgd as scsgd
 from scsgd_jax._src.alias import scsgd_two_sided as scsgd_two_sided
 from scsgd_jax._src.captured import CapturedInputs as CapturedInputs
 from scsgd_jax._src.capture_nnx import LayerInput as LayerInput
+from scsgd_jax._src.capture_linen import LINEN_COLLECTION as LINEN_COLLECTION
 from scsgd_jax._src.capture_linen import apply_gradients as apply_gradients
 from scsgd_jax._src.capture_linen import capture_linen as capture_linen
 from scsgd_jax._src.capture_nnx import capture_nnx as capture_nnx

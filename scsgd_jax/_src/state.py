@@ -20,16 +20,21 @@ __all__ = ["ScaleBySketchedConditioningState"]
 @jax.tree_util.register_static
 class PlanSummary:
   """``((kernel path, how it is conditioned), ...)``: static (no leaves), so it costs nothing in the
-  state, in checkpoints or under ``jit``."""
+  state, in checkpoints or under ``jit``.
+
+  It describes the plan, which the shapes and the captured layouts decide, and is no part of the state's
+  structure: any two summaries compare equal, so the state keeps its tree structure when an update adds a
+  note (a layer the capture cannot condition), as ``lax.scan`` carries, ``nnx.Optimizer`` and checkpoint
+  templates need. Compare ``items`` to compare the descriptions."""
 
   def __init__(self, items):
     self.items = tuple(items)
 
   def __eq__(self, other):
-    return isinstance(other, PlanSummary) and self.items == other.items
+    return isinstance(other, PlanSummary)
 
   def __hash__(self):
-    return hash(self.items)
+    return hash(PlanSummary)
 
   def __repr__(self):
     return f"PlanSummary({dict(self.items)})"
@@ -107,7 +112,14 @@ class PlanCache:
       return self._plans[key]
     key_captured = key + (tuple(sorted(captured.items())),)
     if key_captured not in self._plans:
-      self._plans[key_captured] = plan_lib.replan(self._plans[key], tree, self._spec, captured)
+      planned = self._plans[key]
+      plans = self._plans[key_captured] = plan_lib.replan(planned, tree, self._spec, captured)
+      changed = [p for p in plans if plans[p] != planned[p]]
+      if changed:  # once per tree of shapes and layouts
+        logging.getLogger("scsgd_jax").warning(
+            "kernels re-planned at the first update by their layers' layouts, which init cannot read from the "
+            "parameters (their state starts afresh and changes shape): %s. Pass input_axes="
+            "scsgd_jax.input_axes_nnx(model) (or input_axes_linen) to plan them at init.", ", ".join(changed))
     return self._plans[key_captured]
 
 
