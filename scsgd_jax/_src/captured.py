@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scsgd_jax._src import patches
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src.layers import LayerSpec
 
@@ -72,7 +73,8 @@ class Counter:
     self.i = itertools.count()
 
   def key(self):
-    return None if self.rng is None else jax.random.fold_in(self.rng, next(self.i))
+    """The next layer's sampling key: its own Philox stream of the capture's ``rng``."""
+    return None if self.rng is None else patches.stream_key(self.rng, next(self.i))
 
 
 def merge(rows_tuple):

@@ -34,8 +34,26 @@ def guard_rows(rows: jax.Array, reference: jax.Array, threshold) -> tuple[jax.Ar
   return rows * factor[:, None], jnp.sum(over).astype(jnp.int32)
 
 
+def stacked(trees, lone):
+  """``trees`` (one per kernel) as one tree of stacked slices: ``lone[i]`` marks a kernel of one slice kept without
+  a leading axis (it gets one); the others already lead with their slices."""
+  return jax.tree.map(lambda *xs: jnp.concatenate(xs), *[jax.tree.map(lambda a: a[None], t) if l else t
+                                                         for t, l in zip(trees, lone)])
+
+
+def unstacked(tree, sizes, lone):
+  """The inverse of :func:`stacked`: one tree per kernel of ``sizes`` slices."""
+  out, start = [], 0
+  for size, l in zip(sizes, lone):
+    part = jax.tree.map(lambda a, start=start, size=size: a[start:start + size], tree)
+    out.append(jax.tree.map(lambda a: a[0], part) if l else part)
+    start += size
+  return out
+
+
 def fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
-  """Each kernel's rows folded into its statistics (guarded; a non-finite result keeps the old ones).
+  """Each kernel's rows folded into its statistics (guarded; a non-finite result keeps the old ones); a stacked
+  or grouped kernel's slices each fold their own rows, as one ``vmap``.
 
   With ``axis_name`` (``pmap``/``shard_map``) the folded statistics are averaged over that axis: the
   statistics are an EMA, affine in the batch's moments, so the mean of the replicas' folds is the fold of
@@ -44,8 +62,8 @@ def fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
   new_stats, new_clipped = dict(stats), dict(clipped)  # kernels without a plan here keep theirs
   for path, plan in kernel_plans.items():
     x = rows[path]
-    if x.size == 0:
-      continue  # no rows this step (an empty micro-batch, a fully masked layer): nothing to fold
+    if x.size == 0:  # no rows this step (an empty micro-batch, a fully masked layer): nothing to fold
+      continue
 
     def one(state, x, plan=plan):
       n_clipped = jnp.zeros([], jnp.int32)
@@ -55,7 +73,7 @@ def fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
 
     if plan.slices is None:
       folded, n_clipped = one(stats[path], x)
-    else:  # a stack of layers or groups: each slice folds its own rows
+    else:
       folded, n_clipped = jax.vmap(one)(stats[path], x)
       n_clipped = jnp.sum(n_clipped)
     if axis_name is not None:

@@ -90,7 +90,7 @@ def output_conditioning(args: dict[str, Any], *, output_axes: plan_lib.InputAxes
     key = jax.random.fold_in(row_key, state.count)
 
     leaves, treedef = jax.tree_util.tree_flatten(output_grads)
-    sampled = [patches.sample_rows(r.reshape(-1, r.shape[-1]), max_rows, jax.random.fold_in(key, i))
+    sampled = [patches.sample_rows(r.reshape(-1, r.shape[-1]), max_rows, patches.stream_key(key, i))
                if getattr(r, "ndim", 0) >= 2 else r  # anything else: the inner transformation names the culprit
                for i, r in enumerate(leaves)]
     output_grads = jax.tree_util.tree_unflatten(treedef, sampled)

@@ -22,6 +22,26 @@ import numpy as np
 __all__ = ["conv_patch_rows", "dense_rows", "sample_rows"]
 
 
+def stream_key(key: jax.Array, index: int = 0) -> jax.Array:
+  """The ``uint32[4]`` Philox key of stream ``index`` of ``key`` (a typed or raw JAX key): distinct streams
+  for the layers of one capture, made by arithmetic, not a threefry hash per layer."""
+  data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+  data = jnp.ravel(data).astype(jnp.uint32)
+  data = jnp.concatenate([data, jnp.zeros((max(4 - data.shape[0], 0),), jnp.uint32)])[:4]
+  return data.at[2].add(jnp.uint32(index))
+
+
+def uniform_indices(key: jax.Array, count: int, total: int) -> jax.Array:
+  """``count`` indices drawn uniformly, with replacement, from ``range(total)`` (``total < 2**32``).
+
+  Philox bits (``lax.rng_bit_generator``), the same on every backend: per captured layer it compiles in a
+  fraction of the time of ``jax.random.randint``'s threefry rounds; the modulo's bias is below
+  ``total / 2**32``."""
+  bits = jax.lax.rng_bit_generator(stream_key(key), (count,), jnp.uint32,
+                                   algorithm=jax.lax.RandomAlgorithm.RNG_PHILOX)[1]
+  return (bits % jnp.uint32(total)).astype(jnp.int32)
+
+
 def sample_rows(rows: jax.Array, max_rows: int | None, key: jax.Array | None) -> jax.Array:
   """At most ``max_rows`` rows of ``rows`` (``(m, n)``), uniformly with replacement."""
   m = rows.shape[0]
@@ -29,7 +49,7 @@ def sample_rows(rows: jax.Array, max_rows: int | None, key: jax.Array | None) ->
     return rows
   if key is None:
     raise ValueError(f"sampling {max_rows} of {m} rows needs a PRNG key; pass rng=... to the capture helper.")
-  idx = jax.random.randint(key, (max_rows,), 0, m)
+  idx = uniform_indices(key, max_rows, m)
   return rows[idx]
 
 
@@ -101,7 +121,7 @@ def conv_patch_rows(
   else:
     if key is None:
       raise ValueError(f"sampling {max_rows} of {total} patches needs a PRNG key; pass rng=... to the capture helper.")
-    flat = jax.random.randint(key, (max_rows,), 0, total)
+    flat = uniform_indices(key, max_rows, total)
     pos = list(jnp.unravel_index(flat, (batch, *out)))
   b, centers = pos[0], pos[1:]
   offsets = np.array(list(itertools.product(*[range(w) for w in window])))  # (W, d), row-major

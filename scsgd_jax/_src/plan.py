@@ -52,7 +52,8 @@ class KernelPlan(NamedTuple):
     kind: ``'dense'``, ``'streaming'``, ``'diagonal'``, ``'embedding'`` or ``'custom'``.
     rank: the factor's rank; ``None`` for the full ``C^{1/2}``; ``0`` for diagonal kinds.
     statistics: the :class:`~scsgd_jax.CorrelationStatistics` kept for it.
-    phase: the step (mod ``update_every``) at which its periodic refresh falls.
+    phase: the step (mod ``update_every``) at which its periodic refresh falls (a stack's first slice's; its
+      other slices follow, :func:`slice_phases`).
     stack: the shape of the kernel's leading stack axes (``()``: one layer; see :class:`Layout`).
     groups: a grouped convolution's feature groups, each its own slice.
   """
@@ -361,13 +362,26 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
         decided[path] = (opts[path][i].kind, opts[path][i].rank)
   leaves = kernel_paths(tree, spec.kernel_filter)
   ordered = [p for p in layouts if p in decided]  # the tree's order
-  return {
+  plans = {
       path: KernelPlan(layouts[path].input_axes, dims[path], kind, k,
-                       spec.statistics if kind == "custom" else spec.choices.of(kind, k),
-                       (i * spec.update_every) // len(ordered) if spec.stagger else 0,
+                       spec.statistics if kind == "custom" else spec.choices.of(kind, k), 0,
                        tuple(leaves[path].shape[:layouts[path].stack]), layouts[path].groups)
-      for i, (path, (kind, k)) in enumerate((p, decided[p]) for p in ordered)
+      for path, (kind, k) in ((p, decided[p]) for p in ordered)
   }
+  phases = slice_phases(plans, spec.update_every, spec.stagger)
+  return {path: plan._replace(phase=int(phases[path][0])) for path, plan in plans.items()}
+
+
+def slice_phases(kernel_plans: Mapping[str, KernelPlan], update_every: int, stagger: bool) -> dict[str, np.ndarray]:
+  """Each kernel's slices' refresh phases: with ``stagger``, the slices of all kernels (a lone kernel is one)
+  spread evenly over the window in the plans' order, else all at phase 0."""
+  total = sum(plan.slices or 1 for plan in kernel_plans.values())
+  out, start = {}, 0
+  for path, plan in kernel_plans.items():
+    size = plan.slices or 1
+    out[path] = np.array([(i * update_every) // total if stagger else 0 for i in range(start, start + size)])
+    start += size
+  return out
 
 
 def unconditioned(tree, spec: Spec, plans: Mapping[str, KernelPlan]) -> dict[str, str]:

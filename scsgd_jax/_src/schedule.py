@@ -1,5 +1,5 @@
-"""When each kernel's conditioner is refreshed, and the refresh itself: one ``lax.cond`` per phase of
-the refresh window, the kernels of one phase and equal shapes refreshed as one ``vmap``."""
+"""When each kernel's conditioner is refreshed, and the refresh itself: kernels alike refreshed by one compiled
+computation (a bank), whichever of them is due."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from scsgd_jax._src import fold as fold_lib
 from scsgd_jax._src import plan as plan_lib
@@ -29,45 +30,45 @@ def refresh_due(count, phase: int, update_every: int, warm_start: bool, statisti
   return due
 
 
-def refresh(kernel_plans, stats, old_factors, key, count, refresh_due: Callable):
-  """New factors of the kernels whose refresh is due: one ``lax.cond`` per phase, equal shapes ``vmap``-ed."""
+def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: Callable):
+  """New factors of the kernels whose refresh is due (``phases``: :func:`plan.slice_phases`).
+
+  The kernels (and stacked slices) of one kind of statistics, ``n`` and rank form a bank, refreshed by one
+  compiled computation however many layers it holds: a loop over the members due at this step (one or a
+  few with ``stagger``; all of them at the warm start's early refreshes or with ``stagger=False``).
+  """
   keys = jax.random.split(key, len(kernel_plans) + 1)
   key_of = dict(zip(kernel_plans, keys[1:]))
-  by_phase = collections.defaultdict(list)
+  banks = collections.defaultdict(list)
   for path, plan in kernel_plans.items():
-    by_phase[plan.phase].append(path)
+    banks[(plan.kind, plan.n, plan.rank, id(plan.statistics))].append(path)
   factors = dict(old_factors)
-  for phase, paths in by_phase.items():
+  for paths in banks.values():
+    plan = kernel_plans[paths[0]]
+    make = lambda s, kk, plan=plan: kept_factor(plan, plan.statistics.factor(s, kk, plan.rank))
+    lone = [kernel_plans[p].slices is None for p in paths]
+    sizes = [kernel_plans[p].slices or 1 for p in paths]
+    member_phases = np.concatenate([phases[p] for p in paths])
+    members = len(member_phases)
+    member_keys = jnp.concatenate([jax.random.split(key_of[p], kernel_plans[p].slices) if kernel_plans[p].slices
+                                   else key_of[p][None] for p in paths])
+    due = refresh_due(count, jnp.asarray(member_phases))
 
-    def do_refresh(operand, paths=paths):
-      group_stats, group_factors = operand
-      groups = collections.defaultdict(list)
-      for p in paths:
-        plan = kernel_plans[p]
-        groups[(plan.kind, plan.n, plan.rank, id(plan.statistics))].append(p)
-      new = {}
-      for group in groups.values():
-        plan = kernel_plans[group[0]]
-        # each kernel's slices (one for a lone kernel), all slices of the group refreshed as one vmap
-        sizes = [kernel_plans[p].slices or 1 for p in group]
-        lead = lambda tree, p: tree if kernel_plans[p].slices else jax.tree.map(lambda a: a[None], tree)
-        stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[lead(group_stats[p], p) for p in group])
-        group_keys = jnp.concatenate([jax.random.split(key_of[p], kernel_plans[p].slices)
-                                      if kernel_plans[p].slices else key_of[p][None] for p in group])
-        out = jax.vmap(lambda s, kk, plan=plan: kept_factor(plan, plan.statistics.factor(s, kk, plan.rank)))(
-            stacked, group_keys)
-        start = 0
-        for p, size in zip(group, sizes):
-          mine = jax.tree.map(lambda a, start=start, size=size: a[start:start + size], out)
-          start += size
-          # never replace a good factor by a non-finite one (each slice its own)
-          if kernel_plans[p].slices:
-            new[p] = jax.vmap(fold_lib.keep_if_finite)(mine, group_factors[p])
-          else:
-            new[p] = fold_lib.keep_if_finite(jax.tree.map(lambda a: a[0], mine), group_factors[p])
-      return new
+    def refresh_due_members(operand):
+      # one compiled refresh for the whole bank: a loop over its members, each refreshed in place if due
+      s, f = (fold_lib.stacked(t, lone) for t in operand)
 
-    operand = ({p: stats[p] for p in paths}, {p: old_factors[p] for p in paths})
-    factors.update(jax.lax.cond(
-        refresh_due(count, phase), do_refresh, lambda o: dict(o[1]), operand))
+      def body(j, f):
+        pick = lambda tree: jax.tree.map(lambda a: a[j], tree)
+
+        def renew(f):
+          new = fold_lib.keep_if_finite(make(pick(s), member_keys[j]), pick(f))  # never a non-finite factor
+          return jax.tree.map(lambda a, b: a.at[j].set(b), f, new)
+
+        return jax.lax.cond(due[j], renew, lambda f: f, f)
+
+      return fold_lib.unstacked(jax.lax.fori_loop(0, members, body, f), sizes, lone)
+
+    operand = ([stats[p] for p in paths], [old_factors[p] for p in paths])
+    factors.update(zip(paths, jax.lax.cond(jnp.any(due), refresh_due_members, lambda o: list(o[1]), operand)))
   return factors, keys[0]

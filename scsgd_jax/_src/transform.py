@@ -229,6 +229,7 @@ def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_ax
     skipped = {p: f"not conditioned: {why}" for p, why in getattr(layer_inputs, "unconditioned", {}).items()
                if p in kernel_plans}
     state = state_lib.replanned(state, kernel_plans, a.seed, skipped)
+    phases = plan_lib.slice_phases(kernel_plans, static["update_every"], a.stagger)  # fixed by the plans
     if skipped:
       state_lib.log_unconditioned(skipped)  # once per trace
       kernel_plans = {p: plan for p, plan in kernel_plans.items() if p not in skipped}
@@ -241,7 +242,7 @@ def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_ax
       new_stats, clipped = jax.lax.cond(state.count % static["statistics_every"] == 0, fold, lambda o: o, operand)
     due = lambda count, phase: schedule.refresh_due(count, phase, static["update_every"], a.warm_start,
                                             static["statistics_every"])
-    factors, key = schedule.refresh(kernel_plans, new_stats, state.factors, state.key, state.count, due)
+    factors, key = schedule.refresh(kernel_plans, phases, new_stats, state.factors, state.key, state.count, due)
     return _condition(updates, kernel_plans, factors), state._replace(
         count=optax.safe_increment(state.count), key=key, statistics=new_stats, factors=factors,
         clipped_rows=clipped)
