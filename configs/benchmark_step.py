@@ -38,6 +38,9 @@ def get_config():
   })
   config.only = ""  # comma-separated models to run ("": all)
   config.compile_only = False  # True: each variant's first-step lowering + compilation (benchmark_compile.json)
-  # measured for compile time only, besides config.models: the TransformerLM at 6 blocks (the cost per layer)
-  config.compile_models = ml_collections.ConfigDict({"transformer_lm_6": {"shape": (64,), "classes": 65, "batch": 16}})
+  # measured for compile time only, besides config.models: the TransformerLM at 6 blocks (the cost per layer),
+  # and at 2 and 6 blocks scanned (one nnx.scan over a stack of blocks, as large Flax transformers run them)
+  lm = {"shape": (64,), "classes": 65, "batch": 16}
+  config.compile_models = ml_collections.ConfigDict(
+      {"transformer_lm_6": lm, "transformer_lm_scan_2": lm, "transformer_lm_scan_6": lm})
   return config

@@ -63,7 +63,8 @@ def _model(name: str, shape: tuple, classes: int) -> nnx.Module:
     return models.MODELS[name](rngs, classes, shape)
   if name.startswith("transformer_lm"):  # ~0.4M parameters at 2 layers, the Flax examples' layout
     layers = int(name.split("_")[-1]) if name[-1].isdigit() else 2  # transformer_lm_6: 6 blocks
-    return models.CharTransformer(rngs=rngs, vocab=classes, d=128, heads=4, layers=layers, context=shape[0])
+    return models.CharTransformer(rngs=rngs, vocab=classes, d=128, heads=4, layers=layers, context=shape[0],
+                                  scan="_scan" in name)  # transformer_lm_scan_6: 6 blocks in nnx.scan
   if name == "small_resnet":
     return models.SmallResNet(rngs=rngs, num_classes=classes, channels=shape[-1])
   if name.startswith("dense_"):  # one Dense layer (n, 1024)

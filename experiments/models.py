@@ -121,17 +121,30 @@ class CharTransformer(nnx.Module):
   """
 
   def __init__(self, *, rngs: nnx.Rngs, vocab: int, d: int = 64, heads: int = 4, layers: int = 2,
-               context: int = 64, dropout: float = 0.0, attention: str = "mha"):
+               context: int = 64, dropout: float = 0.0, attention: str = "mha", scan: bool = False):
     self.embed = nnx.Embed(vocab, d, rngs=rngs)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (context, d)))
-    self.blocks = nnx.List([TransformerBlock(d, heads, dropout, rngs, attention) for _ in range(layers)])
+    self.scan = scan
+    if scan:  # the blocks as one stack, made by nnx.vmap and run by nnx.scan (Flax's scan-over-layers)
+      @nnx.split_rngs(splits=layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return TransformerBlock(d, heads, dropout, rngs, attention)
+
+      self.blocks = make(rngs)
+    else:
+      self.blocks = nnx.List([TransformerBlock(d, heads, dropout, rngs, attention) for _ in range(layers)])
     self.ln, self.head = nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
 
   def __call__(self, ids, deterministic: bool = False):
     x = self.embed(ids) + self.pos[...][None, : ids.shape[-1]]
     mask = nnx.make_causal_mask(ids)
-    for block in self.blocks:
-      x = block(x, mask, deterministic)
+    if self.scan:
+      body = nnx.scan(lambda x, block: block(x, mask, deterministic), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      x = body(x, self.blocks)
+    else:
+      for block in self.blocks:
+        x = block(x, mask, deterministic)
     return self.head(self.ln(x))
 
 
