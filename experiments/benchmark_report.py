@@ -3,6 +3,8 @@ point) and the summary across tasks. Reads records; never runs anything (the pro
 
 from __future__ import annotations
 
+import collections
+
 import json
 import os
 from typing import Sequence
@@ -14,6 +16,9 @@ from experiments import registry
 from experiments import report
 from experiments import workdir as workdir_lib
 from experiments.report import plt
+
+
+UNRECORDED = "unrecorded"  # the code hash of a record written before runs recorded it
 
 
 def final(record: dict, key_: str = "test_loss") -> float:
@@ -49,6 +54,7 @@ def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
         "source": registry.recipe(name, config.benchmark.kind).source,
         "settings": recs[0]["config"][workdir_lib.RESOLVED_KEY],
         "seeds": sorted(o["seeds"]), "commits": sorted({r["commit"] for r in recs}),
+        "code_hashes": sorted({r.get("code_hash", UNRECORDED) for r in recs}),
         "reached": f"{len(its)}/{len(hits)}",
         "iterations_median": median(its) if len(its) == len(hits) else None,
         "iterations_range": [min(its), max(its)] if its else None,
@@ -65,6 +71,12 @@ def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
         "load_average_1min_max": max(max(r["load_average_1min"]) for r in recs),
         "grid": {p.tag(): v for p, v in sorted(o["tried"].items())},
     }
+  # the table compares like with like only if every row ran the same library and training code
+  counts = collections.Counter(h for o in out["optimizers"].values() for h in o["code_hashes"])
+  out["code_hashes"] = dict(counts)
+  common = counts.most_common(1)[0][0] if counts else None
+  for o in out["optimizers"].values():
+    o["other_code"] = len(counts) > 1 and o["code_hashes"] != [common]
   sgd_ms = step_ms.get("sgd")
   for s in out["optimizers"].values():
     s["step_time_vs_sgd"] = s["step_ms_median"] / sgd_ms if sgd_ms and s["step_ms_median"] else None
@@ -123,6 +135,10 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
       "Sanity anchors (a trivial model's loss): " + "; ".join(
           f"{split}: " + ", ".join(f"{k} {v:.4f}" for k, v in a.items()) for split, a in anchors.items()) + "\n",
       "Figures: " + report.figure_links(figs) + "\n",
+      *([f"**The rows ran {len(summary['code_hashes'])} versions of the library and training code** (code hash: "
+         "rows): " + ", ".join(f"{h} ({n})" for h, n in summary["code_hashes"].items()) + ". Rows marked * ran "
+         "another than the most common: the table does not compare them like with like; re-run them.\n"]
+        if len(summary["code_hashes"]) > 1 else []),
       f"| rank | optimizer | lr | reached | iterations to target (median [range]) | final {config.eval_split} loss | "
       f"final {b.report_split} loss | {b.report_split} error | ms/step | vs SGD | state bytes | seeds |",
       "|" + " --- |" * 12]
@@ -132,7 +148,7 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
     edge = " (edge)" if s["at_grid_edge"] else ""
     its = f"{report.fmt(s['iterations_median'], '.0f')} [{', '.join(map(str, s['iterations_range'] or []))}]"
     lines.append(
-        f"| {i} | {name} | {s['learning_rate']:g}{joint}{edge} | {s['reached']} | {its} | {s['final_loss_median']:.4f} | "
+        f"| {i} | {name}{' *' if s['other_code'] else ''} | {s['learning_rate']:g}{joint}{edge} | {s['reached']} | {its} | {s['final_loss_median']:.4f} | "
         f"{report.fmt(s['report_loss_median'], '.4f')} | {report.fmt(s['report_error_median'], '.2f', percent=True)} | "
         f"{report.fmt(s['step_ms_median'], '.1f')} | {report.fmt(s['step_time_vs_sgd'], '.2f')} | "
         f"{s['state_bytes']:,} | {len(s['seeds'])} |")
@@ -148,7 +164,8 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
     lines.append(f"| {name} | " + ", ".join(f"{p}: {v:.4f}" for p, v in s_[name]["grid"].items()) + " |")
   lines += ["", "Settings and their sources (`experiments/registry.py`):", ""]
   for name in rank(summary):
-    lines.append(f"- **{name}** ({', '.join(s_[name]['commits'])}): {s_[name]['source']}.")
+    lines.append(f"- **{name}** ({', '.join(s_[name]['commits'])}; code {', '.join(s_[name]['code_hashes'])}): "
+                 f"{s_[name]['source']}.")
   return report.write_markdown(results_dir, lines)
 
 

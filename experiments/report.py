@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import os
 import subprocess
@@ -55,6 +56,27 @@ def write_markdown(out_dir: str, lines: list[str]) -> str:
 PACKAGES = ("scsgd-jax", "jax", "jaxlib", "optax", "flax", "orbax-checkpoint", "tensorflow-datasets")
 
 
+# what decides a run's numbers: the library and the training code (not the reports, the harness or the CLI)
+TRAINING_CODE = ("scsgd_jax", *(f"experiments/{m}.py" for m in (
+    "build", "checkpoints", "data", "devices", "models", "optimizers", "peers", "registry", "step", "train",
+    "upstream", "warm_start")))
+
+
+def code_hash(root: str) -> str:
+  """SHA-256 (first 16 hex digits) of every file of :data:`TRAINING_CODE` under ``root``, names and contents:
+  two runs with the same hash ran the same library and training code, whatever their commits."""
+  digest = hashlib.sha256()
+  for entry in TRAINING_CODE:
+    path = os.path.join(root, entry)
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".py"))
+    for name in files:
+      digest.update(os.path.relpath(name, root).encode() + b"\0")
+      with open(name, "rb") as f:
+        digest.update(f.read() + b"\0")
+  return digest.hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=None)
 def provenance() -> dict[str, Any]:
   """The commit of the working tree (``+dirty`` if its code has uncommitted changes) and the package versions,
@@ -71,7 +93,7 @@ def provenance() -> dict[str, Any]:
     commit += "+dirty" if dirty else ""
   except (OSError, subprocess.CalledProcessError):
     commit = "unknown (not a git checkout)"
-  return {"commit": commit, "versions": machine_lib.package_versions(PACKAGES)}
+  return {"commit": commit, "code_hash": code_hash(root), "versions": machine_lib.package_versions(PACKAGES)}
 
 
 def write_results(out_dir: str, record: dict[str, Any], command: str, filename: str = "results.json",

@@ -69,13 +69,15 @@ def test_each_run_carries_its_authors_settings_and_the_schedule():
   assert benchmark.key("kfac", benchmark.Point(0.01, (("damping", 0.1),)), 1) == "kfac/lr0.01_damping0.1_seed1"
 
 
-def _record(losses, ms_per_step, report_loss=None, commit="abc", diverged=False):
+def _record(losses, ms_per_step, report_loss=None, commit="abc", diverged=False, code_hash=None):
   rows = [{"step": 100 * (i + 1), "train_time": ms_per_step * 0.1 * (i + 1), "test_loss": v, "test_error": v / 10}
           for i, v in enumerate(losses)]
   rec = {"rows": rows, "diverged": diverged, "state_bytes": 100, "commit": commit, "load_average_1min": [0.5, 1.0],
          "config": {"resolved": {"optimizer.x": {}}}}
   if report_loss is not None:
     rec["report"] = {"loss": report_loss, "error": report_loss / 10}
+  if code_hash is not None:
+    rec["code_hash"] = code_hash
   return rec
 
 
@@ -101,6 +103,42 @@ def test_target_iterations_ranking_and_ratios_by_hand():
   assert scsgd["step_ms_median"] == pytest.approx(20.0) and scsgd["step_time_vs_sgd"] == pytest.approx(2.0)
   assert scsgd["report_loss_median"] == pytest.approx(0.31) and not scsgd["at_grid_edge"]
   assert benchmark_report.rank(s) == ["scsgd", "adamw", "sgd"]  # 150 < 300 < not reached by every seed
+
+
+def test_rows_of_other_library_or_training_code_are_marked():
+  """A table compares like with like only if every row ran the same code: rows whose code hash is not the
+  most common one (or was never recorded) are marked, in the summary and the report."""
+  config = _config()
+  p = benchmark.Point
+
+  def opt(code_hashes):
+    return {"point": p(0.01), "tried": {p(0.01): 0.1},
+            "seeds": {i: _record([0.5, 0.4], 10, 0.41, code_hash=h) for i, h in enumerate(code_hashes)}}
+
+  same = benchmark_report.summarize(config, {"sgd": opt(["aa", "aa"]), "adamw": opt(["aa"])}, {})
+  assert same["code_hashes"] == {"aa": 2} and not any(o["other_code"] for o in same["optimizers"].values())
+  mixed = benchmark_report.summarize(config, {"sgd": opt(["aa", "aa"]), "adamw": opt(["aa"]),
+                                              "scsgd": opt(["bb"]), "muon": opt([None])}, {})
+  assert mixed["code_hashes"] == {"aa": 2, "bb": 1, benchmark_report.UNRECORDED: 1}
+  assert {n for n, o in mixed["optimizers"].items() if o["other_code"]} == {"scsgd", "muon"}
+  assert (mixed["optimizers"]["scsgd"]["code_hashes"], mixed["optimizers"]["sgd"]["code_hashes"]) == (["bb"], ["aa"])
+
+
+def test_records_carry_the_code_hash_of_library_and_training_code(tmp_path):
+  from experiments import report
+  root = tmp_path / "repo"
+  for entry in report.TRAINING_CODE:
+    target = root / entry / "m.py" if not entry.endswith(".py") else root / entry
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("x = 1\n")
+  (root / "experiments" / "benchmark_report.py").write_text("report = 1\n")
+  before = report.code_hash(str(root))
+  (root / "experiments" / "benchmark_report.py").write_text("report = 2\n")  # a report change is not the code's
+  assert report.code_hash(str(root)) == before
+  (root / "scsgd_jax" / "m.py").write_text("x = 2\n")
+  assert report.code_hash(str(root)) != before
+  assert report.provenance()["code_hash"] == report.code_hash(os.path.dirname(os.path.dirname(
+      os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_anchors_by_brute_force():
