@@ -155,9 +155,10 @@ def _variants(config, name: str, shape: tuple, classes: int) -> dict[str, list]:
   for vname, variant in config.variants.items():
     variant = dict(variant)
     capture = variant.pop("capture", None)
-    opt = optimizers.create(optimizers.variant(config.run, variant))
+    model = _model(name, shape, classes)
+    opt = optimizers.create(optimizers.variant(config.run, variant), input_axes=scsgd_jax.input_axes_nnx(model))
     tx, capture = opt.tx, capture or opt.capture
-    fn, params, rest, opt_state = jitted_step(_model(name, shape, classes), tx, capture, config.run.max_rows or None)
+    fn, params, rest, opt_state = jitted_step(model, tx, capture, config.run.max_rows or None)
     variants[vname] = [fn, [params, rest, opt_state]]
   return variants
 

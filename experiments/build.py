@@ -9,6 +9,8 @@ import jax
 import ml_collections
 from flax import nnx
 
+import scsgd_jax
+
 from experiments import data as data_lib
 from experiments import models
 from experiments import optimizers
@@ -36,7 +38,7 @@ def build(config: ml_collections.ConfigDict, *, abstract: bool = False) -> Built
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   forward = optimizers.Forward(lambda p, inputs: nnx.merge(graphdef, p)(inputs),
                                data_lib.example_batch(config.dataset, config.batch_size))
-  return Built(graphdef, params, optimizers.create(config, forward), forward)
+  return Built(graphdef, params, optimizers.create(config, forward, scsgd_jax.input_axes_nnx(module)), forward)
 
 
 def abstract_state(built: Built) -> dict:

@@ -101,6 +101,7 @@ def scsgd_two_sided(
     graft_decay: float = defaults.GRAFT_DECAY,
     graft_eps: float = defaults.GRAFT_EPS,
     seed: int = 0,
+    input_axes: plan_lib.InputAxes = None,
     **conditioning,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Two-sided sketched conditioning, grafted: :math:`C^{-1/2} G \Delta^{-1/2}` per kernel (input side from the
@@ -133,6 +134,8 @@ def scsgd_two_sided(
     split_budget: the two sides split the memory rule's budget, half each (``statistics='auto'``).
     graft_decay, graft_eps: normalized RMSprop's (``magnitude='rms'``).
     seed: seed of the sides' PRNG keys.
+    input_axes: the input side's layouts (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), so that it
+      plans every kernel at ``init`` (the output side reads each kernel along its output axes).
   """
   if not callable(learning_rate):
     checks.check_float("learning_rate", learning_rate, low=0.0)
@@ -149,7 +152,7 @@ def scsgd_two_sided(
                       f"{sorted(both)}); for one side only, build the chain above from "
                       "scale_by_sketched_conditioning and scale_by_output_conditioning.")
   args = transform.arguments("scsgd_two_sided", rank, seed=seed, **conditioning)
-  inputs = transform.conditioning(args, budget_share=share)
+  inputs = transform.conditioning({**args, "input_axes": input_axes}, budget_share=share)
   outputs = output.output_conditioning({**args, "seed": seed + 1}, budget_share=share)
   base = (graft.scale_by_normalized_rms(graft_decay, graft_eps) if magnitude == "rms" else optax.scale_by_sign())
   return optax.chain(

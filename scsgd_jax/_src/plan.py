@@ -421,8 +421,11 @@ def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[s
       k = min(plan.rank, n - 1)
     kind = "dense" if plan.kind == "custom" else plan.kind
     cost = lambda n, k: state_floats(kind, n, k, min((k or 0) + spec.oversample, n))
-    if k == 0 and plan.kind == "streaming" or (spec.statistics == "auto" and slices * cost(n, k) > max(
-        (plan.slices or 1) * cost(plan.n, plan.rank), math.floor(spec.share * leaf.size))):
+    budget = max((plan.slices or 1) * cost(plan.n, plan.rank), math.floor(spec.share * leaf.size))
+    if spec.statistics == "auto" and plan.kind == "streaming":
+      while k > 1 and slices * cost(n, k) > budget:  # the same kind of statistics at the rank that fits
+        k -= 1
+    if k == 0 and plan.kind == "streaming" or (spec.statistics == "auto" and slices * cost(n, k) > budget):
       raise ValueError(
           f"kernel '{path}' {tuple(leaf.shape)}: its layer reads it as {layout} (n={n}), but init, which sees "
           f"only the parameters, planned it as {plan.layout()} (n={plan.n}) with '{plan.describe()}', a "

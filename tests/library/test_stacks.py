@@ -313,3 +313,26 @@ def test_linen_scan_without_the_collection_is_a_clear_error():
   params = model.init(jax.random.PRNGKey(0), IDS)["params"]
   with pytest.raises(ValueError, match=r"layer 'blocks/.*nn.scan.*'layer_inputs': 0"):
     sk.capture_linen(model, {"params": params}, IDS)
+
+
+def test_stack_replanned_without_input_axes_keeps_its_kind_at_a_rank_that_fits():
+  """init reads a scanned out-projection (6, 4, 32, 128) as one kernel of n = 768 (streaming); the
+  capture says six layers of n = 128. Re-planned within half the memory budget (a two-sided side's share),
+  the streaming statistics keep their kind at the rank six slices can afford, instead of failing."""
+  from scsgd_jax._src import transform
+  shape = (6, 4, 32, 128)
+  # the model's other leaves leave floats over, which the memory rule gives the kernel at init (rank 32)
+  params = {"blocks": {"out": {"kernel": jnp.ones(shape)}}, "norm": {"scale": jnp.ones((400_000,))}}
+  tx = transform.conditioning(transform.arguments("test"), budget_share=0.5)
+  state = tx.init(params)
+  init_rank = int(state.summary()["blocks/out/kernel"].split("rank ")[1].split(",")[0])
+  assert state.summary()["blocks/out/kernel"].endswith(f"rank {init_rank}, n=768")
+  rows = sk.CapturedInputs({"blocks": {"out": {"kernel": jax.random.normal(jax.random.PRNGKey(0), (6, 64, 128))}}},
+                           {"blocks/out/kernel": sk.Layout((0, 1), 1)})
+  updates, new = tx.update(params, state, params, layer_inputs=rows)
+  described = new.summary()["blocks/out/kernel"]
+  rank = int(described.split("rank ")[1].split(",")[0])
+  assert described.endswith("n=128, per layer of a stack (6,)") and 1 <= rank < init_rank
+  floats = sum(np.size(x) for x in jax.tree.leaves((new.statistics["blocks/out/kernel"], new.factors["blocks/out/kernel"])))
+  assert floats <= sum(np.size(x) for x in jax.tree.leaves((state.statistics, state.factors)))  # within init's
+  assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))

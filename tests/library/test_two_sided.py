@@ -252,8 +252,13 @@ def test_sign_magnitude_gives_an_unconditioned_leaf_its_normalized_gradient():
 
 
 def test_scsgd_two_sided_refuses_an_argument_one_side_would_take_alone():
-  for bad in ({"input_axes": {"kernel": (0,)}}, {"max_rows": 8}, {"budget_share": 0.3}):
+  for bad in ({"output_axes": {"kernel": (1,)}}, {"max_rows": 8}, {"budget_share": 0.3}):
     with pytest.raises(TypeError, match=f"neither side takes alike: {next(iter(bad))}="):
       sk.scsgd_two_sided(LR, **bad)
+  # input_axes (the model's layouts) plans the input side at init
+  tx = sk.scsgd_two_sided(LR, input_axes={"kernel": sk.Layout((0,), 1)})
+  sides = [s for s in jax.tree.leaves(tx.init({"kernel": jnp.ones((3, 4, 5))}), is_leaf=lambda x: hasattr(x, "summary"))
+           if hasattr(s, "summary")]
+  assert sides[0].summary()["kernel"].endswith("per layer of a stack (3,)") and "stack" not in sides[1].summary()["kernel"]
   with pytest.raises(ValueError, match="magnitude must be 'rms' or 'sign', got 'adam'"):
     sk.scsgd_two_sided(LR, magnitude="adam")
