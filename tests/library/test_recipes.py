@@ -45,7 +45,8 @@ def test_linen_resnet_with_batchnorm_trains_with_the_readme_recipe():
   model = ResNet()
   x0, _ = _data(0)
   variables = model.init(jax.random.PRNGKey(0), x0)
-  state = TrainState.create(apply_fn=model.apply, params=variables["params"], tx=scsgd_jax.scsgd(0.05),
+  tx = scsgd_jax.scsgd(0.05, input_axes=scsgd_jax.input_axes_linen(model, variables, x0))
+  state = TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
                             batch_stats=variables["batch_stats"])
 
   @jax.jit
@@ -107,7 +108,7 @@ def _nnx_train_step(model, optimizer, x, y, key):  # the README's NNX recipe (al
 
 def test_nnx_model_with_batchnorm_trains_with_the_readme_recipe():
   model = NNXNet(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, scsgd_jax.scsgd(0.05), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, scsgd_jax.scsgd(0.05, input_axes=scsgd_jax.input_axes_nnx(model)), wrt=nnx.Param)
   train_step = lambda *a: _nnx_train_step(*a)[0]
 
   mean0 = np.asarray(model.bn.mean[...])
