@@ -74,16 +74,11 @@ def test_linen_rows_reproduce_layer_output(name, _, module, x, axes):
   assert sk.input_axes_linen(module, variables, x) == {param: sk.Layout(axes)}
 
 
-@pytest.mark.parametrize("told", [False, True], ids=["captured_axes", "input_axes_given"])
-@pytest.mark.parametrize("name,make,_,x,axes", CASES, ids=[c[0] for c in CASES])
-def test_one_conditioned_step_equals_dense_oracle(name, make, _, x, axes, told):
-  """C from this batch alone (ema_rate = 1), A = C^{1/2}: the update is -lr A^{-1} G in the kernel's layout,
-  with the axes the capture read from the layer, or told up front."""
-  layer = _nnx_layer(make)
-  param = "embedding" if name == "embed" else "kernel"
-  tx = optax.chain(sk.scale_by_sketched_conditioning(
-      conditioner="full", statistics="dense", ema_rate=1.0, update_every=1,
-      input_axes={param: axes} if told else None), optax.sgd(LR))
+def _one_dense_step(layer, x, input_axes=None):
+  """One step of the full conditioner from this batch alone (ema_rate = 1) on the loss sum(layer(x) * target):
+  the gradients, the captured rows, the updates and the new state."""
+  tx = optax.chain(sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense", ema_rate=1.0,
+                                                     update_every=1, input_axes=input_axes), optax.sgd(LR))
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
   target = jnp.asarray(RNG.standard_normal(layer(x).shape), jnp.float32)
 
@@ -93,7 +88,18 @@ def test_one_conditioned_step_equals_dense_oracle(name, make, _, x, axes, told):
 
   (_, li), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
   grads = nnx.as_pure(grads)
-  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params, layer_inputs=li)
+  updates, new = jax.jit(lambda g, s, li: tx.update(g, s, params, layer_inputs=li))(grads, tx.init(params), li)
+  return grads, li, updates, new
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["captured_axes", "input_axes_given"])
+@pytest.mark.parametrize("name,make,_,x,axes", CASES, ids=[c[0] for c in CASES])
+def test_one_conditioned_step_equals_dense_oracle(name, make, _, x, axes, told):
+  """C from this batch alone (ema_rate = 1), A = C^{1/2}: the update is -lr A^{-1} G in the kernel's layout,
+  with the axes the capture read from the layer, or told up front."""
+  layer = _nnx_layer(make)
+  param = "embedding" if name == "embed" else "kernel"
+  grads, li, updates, _ = _one_dense_step(layer, x, {param: axes} if told else None)
   g_mat, moved_shape = _kernel_matrix(grads[param], axes)
   if name == "embed":
     counts = np.bincount(np.asarray(IDS).reshape(-1), minlength=11) / IDS.size
@@ -204,21 +210,10 @@ def test_grouped_conv_step_equals_per_group_dense_oracle(groups, cin, cout):
   each block of the kernel gets ``C_g^{-1/2} G_g`` with ``C_g`` from the explicit im2col of its channels."""
   layer = nnx.Conv(cin, cout, (3, 3), feature_group_count=groups, use_bias=False, rngs=nnx.Rngs(0))
   x = jnp.asarray(RNG.standard_normal((2, 6, 6, cin)), jnp.float32)
-  tx = optax.chain(sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense", ema_rate=1.0,
-                                                     update_every=1), optax.sgd(LR))
-  params = nnx.as_pure(nnx.state(layer, nnx.Param))
-  target = jnp.asarray(RNG.standard_normal(layer(x).shape), jnp.float32)
-
-  def loss(m):
-    out, li = sk.capture_nnx(m, x, max_rows=None)
-    return jnp.sum(out * target), li
-
-  (_, li), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
+  grads, li, updates, new = _one_dense_step(layer, x)
   assert li.input_axes == {"kernel": sk.Layout((0, 1, 2), 0, groups)}
-  state = tx.init(params)
-  updates, new = jax.jit(lambda g, s, li: tx.update(g, s, params, layer_inputs=li))(nnx.as_pure(grads), state, li)
   assert new[0].summary()["kernel"] == f"dense C, full C^(1/2), n={9 * cin // groups}, per group of {groups}"
-  g, got = np.asarray(nnx.as_pure(grads)["kernel"]), np.asarray(updates["kernel"])
+  g, got = np.asarray(grads["kernel"]), np.asarray(updates["kernel"])
   ci, co = cin // groups, cout // groups
   for i in range(groups):
     rows = helpers.im2col(np.asarray(x)[..., i * ci:(i + 1) * ci], (3, 3), pads=((1, 1), (1, 1)))
