@@ -158,8 +158,8 @@ def develop(config: ml_collections.ConfigDict, results_dir: str, command: str) -
     losses = [tried[chosen]] + [r["heldout_loss"] for r in seeds]
     best[name] = {"learning_rate": chosen, "heldout_losses": losses, "median": float(np.median(losses)),
                   "at_grid_end": chosen in (min(tried), max(tried))}
-  runs = [{k: v for k, v in r.items() if k not in ("develop_config", "command", "machine", "commit", "versions")}
-          for r in runs]
+  written = {"develop_config", "command", "machine", *report.provenance()}  # what each run's own file adds
+  runs = [{k: v for k, v in r.items() if k not in written} for r in runs]
   record = {"anchors": anchors, "config": config.to_dict(), "runs": runs, "best": best}
   path = report.write_results(results_dir, record, command, filename="develop.json")
   print(f"source {anchors['source']:.4f}, unigram {anchors['unigram']:.4f} (held-out, positions >= 1)")

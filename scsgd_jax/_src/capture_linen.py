@@ -120,7 +120,7 @@ def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str,
   def run(variables, *a):
     with nn.intercept_methods(_linen_interceptor(None, captured_lib.Counter(None), record, {},
                                                  _param_ndims(variables), sow=False)):
-      return module.apply(variables, *a, **kwargs)
+      return module.apply(variables, *a, mutable=True, **kwargs)  # e.g. BatchNorm in training mode
 
   jax.eval_shape(run, variables, *args)
   return record
