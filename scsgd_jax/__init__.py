@@ -40,6 +40,7 @@ from scsgd_jax._src.statistics import ema_correlation as ema_correlation
 from scsgd_jax._src.statistics import nystrom_correlation as nystrom_correlation
 from scsgd_jax._src.plan import KernelPlan as KernelPlan
 from scsgd_jax._src.plan import Layout as Layout
+from scsgd_jax._src.plan import Plain as Plain
 from scsgd_jax._src.plan import default_input_axes as default_input_axes
 from scsgd_jax._src.plan import default_kernel_filter as default_kernel_filter
 from scsgd_jax._src.transform import STATIC_ARGS as STATIC_ARGS

@@ -17,6 +17,7 @@ from scsgd_jax._src.layers import einsum_arg
 from scsgd_jax._src.layers import layer_spec
 from scsgd_jax._src.layers import own_ndim
 from scsgd_jax._src.plan import Layout
+from scsgd_jax._src.plan import Plain
 
 __all__ = ["apply_gradients", "capture_linen", "input_axes_linen", "output_perturbations_linen"]
 
@@ -115,15 +116,15 @@ def output_perturbations_linen(module: nn.Module, variables, *args, **kwargs) ->
 def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str, Layout]:
   """``{param path: Layout}`` of every captured layer of a Linen model (see :func:`input_axes_nnx`), traced
   once (no compute) on ``args``: pass it as ``input_axes=`` to fix every plan at ``init``."""
-  record = {}
+  record, plain = {}, {}
 
   def run(variables, *a):
-    with nn.intercept_methods(_linen_interceptor(None, captured_lib.Counter(None), record, {},
+    with nn.intercept_methods(_linen_interceptor(None, captured_lib.Counter(None), record, plain,
                                                  _param_ndims(variables), sow=False)):
       return module.apply(variables, *a, mutable=True, **kwargs)  # e.g. BatchNorm in training mode
 
   jax.eval_shape(run, variables, *args)
-  return record
+  return {**record, **{path: Plain(why) for path, why in plain.items()}}
 
 
 def apply_gradients(state, *, grads, layer_inputs, **kwargs):

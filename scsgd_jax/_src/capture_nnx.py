@@ -20,6 +20,7 @@ from scsgd_jax._src.layers import einsum_arg
 from scsgd_jax._src.layers import layer_spec
 from scsgd_jax._src.layers import own_ndim
 from scsgd_jax._src.plan import Layout
+from scsgd_jax._src.plan import Plain
 
 __all__ = ["LayerInput", "capture_nnx", "input_axes_nnx", "output_perturbations_nnx"]
 
@@ -160,7 +161,8 @@ def output_perturbations_nnx(model: nnx.Module, *args, **kwargs) -> CapturedInpu
 
 def input_axes_nnx(model: nnx.Module) -> dict[str, Layout]:
   """``{param path: Layout}`` of every captured layer of an NNX model, read from the layers themselves: the
-  kernel's input axes, its stack axes (a layer inside ``nnx.scan``/``nnx.vmap``) and feature groups.
+  kernel's input axes, its stack axes (a layer inside ``nnx.scan``/``nnx.vmap``) and feature groups; a layer
+  the conditioning cannot read (a transposed conv, ...) maps to ``Plain(why)``, planned plain at ``init``.
 
   The captured :class:`CapturedInputs` already carry these layouts (the transformation reads them); pass this
   as ``scsgd(..., input_axes=input_axes_nnx(model))`` to fix every plan at ``init``, so that the state never
@@ -172,7 +174,8 @@ def input_axes_nnx(model: nnx.Module) -> dict[str, Layout]:
       name = "/".join(map(str, path))
       try:
         spec = layer_spec(node, name)
-      except NotImplementedError:  # a layer kind left unconditioned (the capture says why)
+      except NotImplementedError as e:  # a layer kind left unconditioned: init plans it plain, saying why
+        out[captured_lib.param_path(name, "kernel")] = Plain(str(e))
         continue
       if spec.input_axes is None:
         raise ValueError(

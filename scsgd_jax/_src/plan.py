@@ -40,7 +40,20 @@ class Layout(NamedTuple):
   groups: int = 1
 
 
-InputAxes = Union[None, Mapping[str, Union[Sequence[int], Layout]], Callable[[str, Any], Sequence[int]]]
+class Plain(NamedTuple):
+  """An ``input_axes`` entry for a kernel whose layer the conditioning cannot read (a transposed conv, ...):
+  ``init`` plans it plain (no statistics) and the summary says ``why`` (:func:`scsgd_jax.input_axes_nnx`)."""
+
+  why: str
+
+
+InputAxes = Union[None, Mapping[str, Union[Sequence[int], Layout, Plain]], Callable[[str, Any], Sequence[int]]]
+
+
+def _plain(input_axes: InputAxes, path: str) -> Optional[str]:
+  """Why ``input_axes`` leaves kernel ``path`` plain, or ``None``."""
+  entry = input_axes.get(path) if isinstance(input_axes, Mapping) else None
+  return entry.why if isinstance(entry, Plain) else None
 
 
 class KernelPlan(NamedTuple):
@@ -337,6 +350,8 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
   decided: dict[str, tuple[str, Optional[int]]] = {}
   layouts, dims, shapes, opts, count = {}, {}, {}, {}, {}
   for path, leaf in kernel_paths(tree, spec.kernel_filter).items():
+    if _plain(spec.input_axes, path) is not None:
+      continue
     layout = layouts[path] = axes_of(path, leaf, spec.input_axes, captured, spec.default_axes)
     n = dims[path] = _input_dim(leaf, layout)
     count[path] = _slices(leaf, layout)
@@ -386,12 +401,14 @@ def slice_phases(kernel_plans: Mapping[str, KernelPlan], update_every: int, stag
 
 def unconditioned(tree, spec: Spec, plans: Mapping[str, KernelPlan]) -> dict[str, str]:
   """``{path: why}`` of every Flax kernel or embedding of ``tree`` (:func:`default_kernel_filter`'s) that
-  gets no conditioning: excluded by ``kernel_filter``, or left plain by the memory rule (no statistics fit
-  its budget under ``statistics='auto'``)."""
+  gets no conditioning: excluded by ``kernel_filter``, a layer ``input_axes`` says is :class:`Plain`, or left
+  plain by the memory rule (no statistics fit its budget under ``statistics='auto'``)."""
   out = {}
   for path, leaf in kernel_paths(tree).items():
     if path not in plans:
+      why = _plain(spec.input_axes, path)
       out[path] = ("not conditioned: excluded by kernel_filter" if not spec.kernel_filter(path, leaf) else
+                   f"not conditioned: {why}" if why is not None else
                    "not conditioned: no statistics fit its memory budget (statistics='auto')")
   return out
 
