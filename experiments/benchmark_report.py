@@ -4,7 +4,6 @@ point) and the summary across tasks. Reads records; never runs anything (the pro
 from __future__ import annotations
 
 import collections
-
 import json
 import os
 from typing import Sequence

@@ -15,7 +15,6 @@ from scsgd_jax._src.captured import CapturedInputs
 from scsgd_jax._src.layers import LINEN_LAYERS
 from scsgd_jax._src.layers import einsum_arg
 from scsgd_jax._src.layers import layer_spec
-from scsgd_jax._src.layers import own_ndim
 from scsgd_jax._src.plan import Layout
 from scsgd_jax._src.plan import Plain
 
@@ -37,7 +36,7 @@ def _linen_interceptor(max_rows, counter, record, unconditioned, full_ndim, sow=
           where[captured_lib.param_path("/".join(map(str, mod.path)), "kernel")] = str(e)
         return next_fun(*a, **k)
       param_path = "/".join((*map(str, mod.path), spec.param))
-      layout = captured_lib.layout(spec, full_ndim.get(param_path), own_ndim(mod))
+      layout = captured_lib.layout(spec, mod, full_ndim.get(param_path))
       record[param_path] = layout
       if sow and not mod.sow(LINEN_COLLECTION, spec.param, rows):
         raise ValueError(

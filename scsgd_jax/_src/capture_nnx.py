@@ -18,7 +18,6 @@ from scsgd_jax._src.captured import CapturedInputs
 from scsgd_jax._src.layers import NNX_LAYERS
 from scsgd_jax._src.layers import einsum_arg
 from scsgd_jax._src.layers import layer_spec
-from scsgd_jax._src.layers import own_ndim
 from scsgd_jax._src.plan import Layout
 from scsgd_jax._src.plan import Plain
 
@@ -41,25 +40,22 @@ def _layer_path(layer, default: str) -> str:
 def _patched_nnx(model, max_rows, counter, layouts, unconditioned, outputs=None):
   originals = {cls: cls.__call__ for cls in NNX_LAYERS}
   # a layer inside nnx.scan/nnx.vmap runs as a copy holding one slice of each parameter: it finds its path in
-  # an attribute (kept by the transforms' graph copy) and its stack axes from its parameter's full rank here
+  # an attribute (kept by the transforms' graph copy), and its stack axes from its original's full parameter
   layers = {"/".join(map(str, path)): node for path, node in nnx.iter_graph(model) if isinstance(node, NNX_LAYERS)}
-  full_ndim = {}
-  for name, node in layers.items():
-    param = getattr(node, "embedding" if isinstance(node, nnx.Embed) else "kernel", None)
-    full_ndim[name] = getattr(param, "ndim", None)
 
   def make(orig):
     def call(self, inputs, *args, **kwargs):
       path = _layer_path(self, type(self).__name__)
+      name = path if path in layers else ""  # a layer outside the model's graph: the model itself
       try:
         spec = layer_spec(self, path, einsum_arg(self, args, kwargs))
         rows = spec.rows(jax.lax.stop_gradient(inputs), max_rows, counter.key())
       except NotImplementedError as e:  # a layer kind the conditioning cannot read: plain updates, said
         for where in (unconditioned, outputs.unconditioned if outputs is not None else {}):
-          where[captured_lib.param_path(path if path in layers else "", "kernel")] = str(e)
+          where[captured_lib.param_path(name, "kernel")] = str(e)
         return orig(self, inputs, *args, **kwargs)
-      param_path = captured_lib.param_path(path if path in layers else "", spec.param)
-      layout = captured_lib.layout(spec, full_ndim.get(path), own_ndim(self))
+      param_path = captured_lib.param_path(name, spec.param)
+      layout = captured_lib.layout(spec, self, getattr(getattr(layers.get(path), spec.param, None), "ndim", None))
       layouts[param_path] = layout
       self.sow(LayerInput, spec.param, rows)
       y = orig(self, inputs, *args, **kwargs)
@@ -182,5 +178,5 @@ def input_axes_nnx(model: nnx.Module) -> dict[str, Layout]:
             f"layer '{name}' is an Einsum whose equation is given only at call time; name its kernel's "
             f"input axes yourself, e.g. input_axes={{'{name}/kernel': (0,)}}.")
       full = getattr(getattr(node, spec.param), "ndim", None)
-      out[captured_lib.param_path(name, spec.param)] = captured_lib.layout(spec, full, own_ndim(node))
+      out[captured_lib.param_path(name, spec.param)] = captured_lib.layout(spec, node, full)
   return out

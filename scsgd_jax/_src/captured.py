@@ -14,6 +14,7 @@ import numpy as np
 from scsgd_jax._src import patches
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src.layers import LayerSpec
+from scsgd_jax._src.layers import own_ndim
 
 __all__ = ["CapturedInputs"]
 
@@ -86,10 +87,10 @@ def merge(rows_tuple):
   return jnp.concatenate(rows, axis=-1 if jnp.issubdtype(rows[0].dtype, jnp.integer) else -2)
 
 
-def layout(spec: LayerSpec, full_ndim, own: int) -> plan_lib.Layout:
-  """The :class:`~scsgd_jax._src.plan.Layout` of a layer's kernel whose parameter has ``full_ndim`` axes
-  (``None``: unknown) where the layer declares ``own``: the extra leading axes are a stack of layers."""
-  stack = max(full_ndim - own, 0) if full_ndim is not None else 0
+def layout(spec: LayerSpec, layer, full_ndim) -> plan_lib.Layout:
+  """The :class:`~scsgd_jax._src.plan.Layout` of ``layer``'s kernel whose parameter has ``full_ndim`` axes
+  (``None``: unknown): the axes beyond those the layer declares (:func:`own_ndim`) are a stack of layers."""
+  stack = max(full_ndim - own_ndim(layer), 0) if full_ndim is not None else 0
   return plan_lib.Layout(spec.input_axes, stack, spec.groups)
 
 

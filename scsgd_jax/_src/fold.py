@@ -34,23 +34,6 @@ def guard_rows(rows: jax.Array, reference: jax.Array, threshold) -> tuple[jax.Ar
   return rows * factor[:, None], jnp.sum(over).astype(jnp.int32)
 
 
-def stacked(trees, lone):
-  """``trees`` (one per kernel) as one tree of stacked slices: ``lone[i]`` marks a kernel of one slice kept without
-  a leading axis (it gets one); the others already lead with their slices."""
-  return jax.tree.map(lambda *xs: jnp.concatenate(xs), *[jax.tree.map(lambda a: a[None], t) if l else t
-                                                         for t, l in zip(trees, lone)])
-
-
-def unstacked(tree, sizes, lone):
-  """The inverse of :func:`stacked`: one tree per kernel of ``sizes`` slices."""
-  out, start = [], 0
-  for size, l in zip(sizes, lone):
-    part = jax.tree.map(lambda a, start=start, size=size: a[start:start + size], tree)
-    out.append(jax.tree.map(lambda a: a[0], part) if l else part)
-    start += size
-  return out
-
-
 def fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
   """Each kernel's rows folded into its statistics (guarded; a non-finite result keeps the old ones); a stacked
   or grouped kernel's slices each fold their own rows, as one ``vmap``.

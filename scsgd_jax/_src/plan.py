@@ -23,7 +23,6 @@ import numpy as np
 from scsgd_jax._src import statistics as stats_lib
 
 
-
 class Layout(NamedTuple):
   """How a kernel parameter reads as matrices ``(n, p)``: one, or a stack of them.
 
@@ -348,11 +347,12 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
   grouped kernel is planned per slice, its memory that of all its slices."""
   custom = isinstance(spec.statistics, stats_lib.CorrelationStatistics)
   decided: dict[str, tuple[str, Optional[int]]] = {}
-  layouts, dims, shapes, opts, count = {}, {}, {}, {}, {}
+  layouts, dims, shapes, opts, count, stacks = {}, {}, {}, {}, {}, {}
   for path, leaf in kernel_paths(tree, spec.kernel_filter).items():
     if _plain(spec.input_axes, path) is not None:
       continue
     layout = layouts[path] = axes_of(path, leaf, spec.input_axes, captured, spec.default_axes)
+    stacks[path] = tuple(leaf.shape[:layout.stack])
     n = dims[path] = _input_dim(leaf, layout)
     count[path] = _slices(leaf, layout)
     if path.rsplit("/", 1)[-1] == "embedding" and not custom:
@@ -375,12 +375,11 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
     for path, i in allot(shapes, opts, floats, spec.budget, spec.share).items():
       if i < len(opts[path]):  # else nothing fits: plain SGD
         decided[path] = (opts[path][i].kind, opts[path][i].rank)
-  leaves = kernel_paths(tree, spec.kernel_filter)
   ordered = [p for p in layouts if p in decided]  # the tree's order
   plans = {
       path: KernelPlan(layouts[path].input_axes, dims[path], kind, k,
                        spec.statistics if kind == "custom" else spec.choices.of(kind, k), 0,
-                       tuple(leaves[path].shape[:layouts[path].stack]), layouts[path].groups)
+                       stacks[path], layouts[path].groups)
       for path, (kind, k) in ((p, decided[p]) for p in ordered)
   }
   phases = slice_phases(plans, spec.update_every, spec.stagger)

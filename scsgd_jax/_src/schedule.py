@@ -30,6 +30,23 @@ def refresh_due(count, phase: int, update_every: int, warm_start: bool, statisti
   return due
 
 
+def _stacked(trees, lone):
+  """``trees`` (one per kernel) as one tree of stacked slices: ``lone[i]`` marks a kernel of one slice kept without
+  a leading axis (it gets one); the others already lead with their slices."""
+  return jax.tree.map(lambda *xs: jnp.concatenate(xs), *[jax.tree.map(lambda a: a[None], t) if l else t
+                                                         for t, l in zip(trees, lone)])
+
+
+def _unstacked(tree, sizes, lone):
+  """The inverse of :func:`_stacked`: one tree per kernel of ``sizes`` slices."""
+  out, start = [], 0
+  for size, l in zip(sizes, lone):
+    part = jax.tree.map(lambda a, start=start, size=size: a[start:start + size], tree)
+    out.append(jax.tree.map(lambda a: a[0], part) if l else part)
+    start += size
+  return out
+
+
 def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: Callable):
   """New factors of the kernels whose refresh is due (``phases``: :func:`plan.slice_phases`).
 
@@ -56,7 +73,7 @@ def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: C
 
     def refresh_due_members(operand):
       # one compiled refresh for the whole bank: a loop over its members, each refreshed in place if due
-      s, f = (fold_lib.stacked(t, lone) for t in operand)
+      s, f = (_stacked(t, lone) for t in operand)
 
       def body(j, f):
         pick = lambda tree: jax.tree.map(lambda a: a[j], tree)
@@ -67,7 +84,7 @@ def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: C
 
         return jax.lax.cond(due[j], renew, lambda f: f, f)
 
-      return fold_lib.unstacked(jax.lax.fori_loop(0, members, body, f), sizes, lone)
+      return _unstacked(jax.lax.fori_loop(0, members, body, f), sizes, lone)
 
     operand = ([stats[p] for p in paths], [old_factors[p] for p in paths])
     factors.update(zip(paths, jax.lax.cond(jnp.any(due), refresh_due_members, lambda o: list(o[1]), operand)))
