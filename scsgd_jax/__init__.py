@@ -1,6 +1,11 @@
 """scsgd-jax: Faster SGD Using Sketched Conditioning (Gonen & Shalev-Shwartz, 2015) for JAX, Optax and Flax."""
 
 from scsgd_jax._src.alias import scsgd as scsgd
+from scsgd_jax._src.alias import scsgd_eigen as scsgd_eigen
+from scsgd_jax._src.eigenbasis import EigenMoments as EigenMoments
+from scsgd_jax._src.eigenbasis import ScaleByEigenbasisAdamState as ScaleByEigenbasisAdamState
+from scsgd_jax._src.eigenbasis import eigenbasis as eigenbasis
+from scsgd_jax._src.eigenbasis import scale_by_eigenbasis_adam as scale_by_eigenbasis_adam
 from scsgd_jax._src.alias import scsgd_two_sided as scsgd_two_sided
 from scsgd_jax._src.captured import CapturedInputs as CapturedInputs
 from scsgd_jax._src.capture_nnx import LayerInput as LayerInput

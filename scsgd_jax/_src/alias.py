@@ -9,12 +9,13 @@ import optax
 
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
+from scsgd_jax._src import eigenbasis
 from scsgd_jax._src import graft
 from scsgd_jax._src import output
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import transform
 
-__all__ = ["scsgd", "scsgd_two_sided"]
+__all__ = ["scsgd", "scsgd_eigen", "scsgd_two_sided"]
 
 
 def scsgd(
@@ -158,3 +159,37 @@ def scsgd_two_sided(
   return optax.chain(
       graft.scale_by_grafting(base, optax.chain(inputs, outputs)),
       optax.sgd(learning_rate, momentum=momentum, nesterov=True))
+
+
+def scsgd_eigen(
+    learning_rate: optax.ScalarOrSchedule,
+    rank: Optional[int] = None,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    mask: Optional[Any] = None,
+    tail: eigenbasis.Tail = "factored",
+    **conditioning,
+) -> optax.GradientTransformationExtraArgs:
+  r"""AdamW in each kernel's sketched input eigenbasis (one-sided, sketched EKFAC/SOAP)::
+
+    optax.chain(scale_by_eigenbasis_adam(rank, b1=b1, b2=b2, eps=eps, nesterov=nesterov, tail=tail, **conditioning),
+                optax.add_decayed_weights(weight_decay, mask),
+                optax.scale_by_learning_rate(learning_rate))
+
+  Rates on Adam's scale. ``update`` takes ``layer_inputs=`` (the captured inputs, as :func:`scsgd`).
+  :func:`scale_by_eigenbasis_adam` describes the update, its state and its cost; ``**conditioning`` goes to the
+  conditioning (:func:`scale_by_sketched_conditioning`'s arguments; ``rank`` ``k = n``, e.g.
+  ``conditioner='full', statistics='dense'``, gives Adam in the full eigenbasis).
+  """
+  if not callable(learning_rate):
+    checks.check_float("learning_rate", learning_rate, low=0.0)
+  checks.check_float("weight_decay", weight_decay, low=0.0)
+  return optax.chain(
+      eigenbasis.scale_by_eigenbasis_adam(rank, b1=b1, b2=b2, eps=eps, nesterov=nesterov, tail=tail,
+                                          **conditioning),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate))

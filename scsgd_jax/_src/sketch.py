@@ -22,6 +22,7 @@ by more than ``1 / sqrt(eigenvalue_floor)`` relative to the average scale
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -394,21 +395,28 @@ def precondition_kernel(
   (updateGeneric), :math:`W \leftarrow W - \eta\, \delta (A^{-1} x)^\top`.
   Computed in ``float32`` (or wider) and cast back to the gradient's dtype.
   """
-  n = factor.dim
-  if input_axes is None:
-    input_axes = tuple(range(grad.ndim - 1))
-  axes = tuple(a % grad.ndim for a in input_axes)
-  rest = tuple(a for a in range(grad.ndim) if a not in axes)
-  perm = axes + rest
-  g = jnp.transpose(grad, perm) if perm != tuple(range(grad.ndim)) else grad
-  moved_shape = g.shape
   dtype = jnp.promote_types(grad.dtype, jnp.float32)
+  g, restore = kernel_matrix(grad, input_axes)
   cast = Factor(*(None if a is None else a.astype(dtype) for a in factor))
-  out = apply_inverse(cast, g.reshape(n, -1).astype(dtype))
-  out = out.reshape(moved_shape)
-  if perm != tuple(range(grad.ndim)):
-    out = jnp.transpose(out, tuple(perm.index(a) for a in range(grad.ndim)))
-  return out.astype(grad.dtype)
+  return restore(apply_inverse(cast, g.astype(dtype))).astype(grad.dtype)
+
+
+def kernel_matrix(kernel: jax.Array, input_axes: Optional[Sequence[int]] = None):
+  """``kernel`` as the matrix ``(n, p)`` over its ``input_axes`` (default: all but the last; ``n`` their product,
+  in kernel order), and ``restore(matrix) -> array`` that puts a matrix of that shape back in the kernel's layout."""
+  if input_axes is None:
+    input_axes = tuple(range(kernel.ndim - 1))
+  axes = tuple(a % kernel.ndim for a in input_axes)
+  perm = axes + tuple(a for a in range(kernel.ndim) if a not in axes)
+  identity = perm == tuple(range(kernel.ndim))
+  moved = kernel if identity else jnp.transpose(kernel, perm)
+  n = math.prod(moved.shape[:len(axes)])
+
+  def restore(matrix):
+    out = matrix.reshape(moved.shape)
+    return out if identity else jnp.transpose(out, tuple(perm.index(a) for a in range(kernel.ndim)))
+
+  return moved.reshape(n, -1), restore
 
 
 def inverse_matrix(factor: Factor) -> jax.Array:

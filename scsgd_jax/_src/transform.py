@@ -188,6 +188,14 @@ def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_ax
   along ``default_axes`` unless told otherwise (the output side passes the kernel's output axes), its
   statistics within ``budget_share`` of the memory rule's budget under ``statistics='auto'`` (the two sides
   of :func:`scsgd_jax.scsgd_two_sided` splitting it)."""
+  tx, _ = conditioning_and_plans(args, default_axes=default_axes, budget_share=budget_share)
+  return tx
+
+
+def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.default_input_axes,
+                           budget_share: float = 1.0):
+  """:func:`conditioning` and its plans: ``plans(tree, captured_axes=None) -> {path: KernelPlan}``, the plans its
+  ``init`` and ``update`` use for a tree of that structure (cached), for a transformation built on it."""
   a = types.SimpleNamespace(**args)
   static = resolve_static_args(rank=a.rank, update_every=a.update_every, full_max_dim=a.full_max_dim,
                                oversample=a.oversample, power_iterations=a.power_iterations,
@@ -247,7 +255,7 @@ def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_ax
         count=optax.safe_increment(state.count), key=key, statistics=new_stats, factors=factors,
         clipped_rows=clipped)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn), plans
 
 
 def _check_choices(conditioner, statistics, budget, warm_start, stagger) -> None:

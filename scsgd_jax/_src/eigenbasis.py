@@ -1,0 +1,309 @@
+r"""Adam in the sketched conditioner's eigenbasis (EKFAC's input side; SOAP's rotation, sketched).
+
+For a kernel read as ``(n, p)`` whose input correlation ``C`` the conditioning keeps, the refresh gives an
+orthonormal ``U`` (``n x k``): the eigenvectors of ``C``'s sketch (``Q V`` with ``Q^T C Q = V \Lambda V^T``), or of
+the full ``C`` (``k = n``). Adam's second moment is kept for the rotated gradient ``U^T G`` (``k x p``), and a
+cheap one for the tail ``G - U U^T G`` that the sketch leaves out (Adafactor's factored row and column moments,
+or one scalar as Sketchy); the update is Adam's, taken in those coordinates and rotated back. Leaves the
+conditioning does not read (biases, norms, and the diagonal kinds: embeddings, whose eigenbasis is the
+coordinate one) get Adam itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from scsgd_jax._src import checks
+from scsgd_jax._src import plan as plan_lib
+from scsgd_jax._src import sketch
+from scsgd_jax._src import transform
+from scsgd_jax._src.state import ScaleBySketchedConditioningState
+
+__all__ = ["EigenMoments", "ScaleByEigenbasisAdamState", "eigenbasis", "scale_by_eigenbasis_adam"]
+
+Tail = Literal["factored", "scalar"]
+_TINY = 1e-30
+
+
+class EigenMoments(NamedTuple):
+  """Adam's second moment of one conditioned kernel, in its eigenbasis (a leading stack axis per slice).
+
+  Attributes:
+    lead: ``(k, p)``, the second moment of ``U^T G``; ``(n, p)`` of ``G`` itself for a diagonal kind.
+    row: ``(n,)``, the tail's row second moments (Adafactor), or ``None`` (scalar tail, or no tail: ``k = n``).
+    col: ``(p,)``, the tail's column second moments; ``()`` for a scalar tail; ``None`` with no tail.
+  """
+
+  lead: jax.Array
+  row: Optional[jax.Array]
+  col: Optional[jax.Array]
+
+
+class ScaleByEigenbasisAdamState(NamedTuple):
+  """State of :func:`scale_by_eigenbasis_adam`.
+
+  Attributes:
+    count: updates applied so far (``int32``), Adam's bias correction.
+    conditioning: the conditioning's state (statistics and factors; :class:`ScaleBySketchedConditioningState`).
+    mu: Adam's first moment, in the parameters' own coordinates (a tree like the parameters).
+    nu: Adam's second moment: a tree like the parameters with an :class:`EigenMoments` at each conditioned
+      kernel (its rotated coordinates) and Adam's own elsewhere.
+    bases: ``{kernel path: U}``, the eigenbasis in use (``(n, k)``, a leading axis per slice of a stack); none
+      for a diagonal kind (the coordinate basis).
+  """
+
+  count: jax.Array
+  conditioning: ScaleBySketchedConditioningState
+  mu: optax.Updates
+  nu: Any
+  bases: dict[str, jax.Array]
+
+  def summary(self) -> dict[str, str]:
+    """How each kernel is conditioned (the conditioning's :meth:`~ScaleBySketchedConditioningState.summary`)."""
+    return self.conditioning.summary()
+
+
+def eigenbasis(factor: sketch.Factor) -> Optional[jax.Array]:
+  r"""The orthonormal eigenbasis ``U`` of a conditioner ``factor``: ``Q V`` where ``B^{-1} = V D V^\top``
+  (``n x k``), or the eigenvectors of a dense ``A^{-1}`` (``n x n``); ``None`` for a diagonal factor (the
+  coordinate basis). ``A^{-1} = U D U^\top + a^{-1}(I - U U^\top)``: the same conditioner, rotated to be diagonal."""
+  q, b_inv, _ = factor
+  if b_inv is None:
+    return None
+  _, v = jnp.linalg.eigh(0.5 * (b_inv + b_inv.T))
+  return v if q is None else q @ v
+
+
+def _rank(plan: plan_lib.KernelPlan) -> Optional[int]:
+  """The basis' width ``k`` (``n`` for the full conditioner), or ``None`` for a diagonal kind."""
+  if plan.kind in ("diagonal", "embedding"):
+    return None
+  return plan.n if plan.rank is None else plan.rank
+
+
+def _fresh_moments(plan: plan_lib.KernelPlan, p: int, tail: Tail) -> EigenMoments:
+  k = _rank(plan)
+  lead = jnp.zeros((plan.n if k is None else k, p), jnp.float32)
+  if k is None or k == plan.n:
+    moments = EigenMoments(lead, None, None)
+  elif tail == "factored":
+    moments = EigenMoments(lead, jnp.zeros((plan.n,), jnp.float32), jnp.zeros((p,), jnp.float32))
+  else:
+    moments = EigenMoments(lead, None, jnp.zeros((), jnp.float32))
+  if plan.slices is None:
+    return moments
+  return jax.tree.map(lambda a: jnp.broadcast_to(a, (plan.slices,) + a.shape), moments)
+
+
+def _tail_moment(moments: EigenMoments) -> jax.Array:
+  """The tail's second moment per coordinate ``(n, p)`` (Adafactor's ``r c^T / mean(r)``), or a scalar."""
+  if moments.row is None:
+    return moments.col
+  return moments.row[:, None] * moments.col[None, :] / jnp.maximum(jnp.mean(moments.row), _TINY)
+
+
+def _carried(moments: EigenMoments, new: jax.Array, old: jax.Array) -> EigenMoments:
+  r"""``moments`` carried from basis ``old`` to ``new``: with ``P = (U_new^\top U_old)^{\circ 2}``, each new
+  direction's second moment is ``P`` times the old ones, plus the tail's share it takes from outside the old
+  span (``1 - `` its row of ``P``) at the tail's average second moment per column: exact when the rotated
+  coordinates are uncorrelated."""
+  if new is None:
+    return moments
+  p = jnp.square(new.T @ old)
+  lead = p @ moments.lead
+  if moments.col is not None:  # the tail's mean second moment per column: Adafactor's column moment (or the scalar)
+    col = moments.col[None, :] if moments.col.ndim else moments.col
+    lead = lead + jnp.clip(1.0 - jnp.sum(p, axis=1), 0.0, 1.0)[:, None] * col
+  return moments._replace(lead=lead)
+
+
+def _direction(u, m, g, moments: EigenMoments, b2, correction, eps):
+  """One ``(n, p)`` matrix: its second moments updated with ``g`` and Adam's direction of the bias-corrected
+  first moment ``m``, in the basis ``u`` (``None``: the coordinate basis) and rotated back; ``correction`` is
+  the second moment's bias correction ``1 - b2^t``."""
+  ema = lambda v, x: b2 * v + (1.0 - b2) * x
+  if u is None:
+    lead = ema(moments.lead, jnp.square(g))
+    return m / (jnp.sqrt(lead / correction) + eps), moments._replace(lead=lead)
+  g_lead, m_lead = u.T @ g, u.T @ m
+  lead = ema(moments.lead, jnp.square(g_lead))
+  out = u @ (m_lead / (jnp.sqrt(lead / correction) + eps))
+  if moments.col is None:  # k = n: no tail
+    return out, moments._replace(lead=lead)
+  g_tail, m_tail = g - u @ g_lead, m - u @ m_lead
+  sq = jnp.square(g_tail)
+  if moments.row is None:
+    new = EigenMoments(lead, None, ema(moments.col, jnp.mean(sq)))
+  else:
+    new = EigenMoments(lead, ema(moments.row, jnp.mean(sq, axis=1)), ema(moments.col, jnp.mean(sq, axis=0)))
+  return out + m_tail / (jnp.sqrt(_tail_moment(new) / correction) + eps), new
+
+
+def scale_by_eigenbasis_adam(
+    rank: Optional[int] = None,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    nesterov: bool = False,
+    tail: Tail = "factored",
+    budget_share: float = 0.5,
+    seed: int = 0,
+    **conditioning,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Adam in the eigenbasis of each kernel's sketched input conditioner (one-sided EKFAC / SOAP, sketched).
+
+  The conditioning (:func:`scale_by_sketched_conditioning`, whose arguments ``**conditioning`` takes) keeps each
+  kernel's input statistics and refreshes its factor ``A^{-1} = Q B^{-1} Q^\top + a^{-1}(I - QQ^\top)``; at each
+  refresh the kernel's basis becomes ``U = Q V`` (:func:`eigenbasis`) and Adam's second moment is carried into it
+  (:func:`_carried`: SOAP re-projects its moments likewise). Every step, with ``G`` the gradient read as
+  ``(n, p)`` and ``M`` Adam's first moment (kept in the parameters' coordinates, bias-corrected):
+
+  .. math::
+
+    \text{update} = U \frac{U^\top M}{\sqrt{v} + \epsilon} + \frac{M - U U^\top M}{\sqrt{v_\perp} + \epsilon},
+    \quad v \leftarrow \beta_2 v + (1 - \beta_2) (U^\top G)^{\circ 2}
+
+  (bias-corrected), with ``v_perp`` the tail's second moment: ``'factored'`` (Adafactor's row and column moments of
+  ``(G - U U^\top G)^{\circ 2}``, ``O(n + p)`` floats) or ``'scalar'`` (one float, as Sketchy). With the full
+  conditioner (``k = n``) there is no tail: Adam in the full eigenbasis of ``C`` (EKFAC's input side). Other
+  leaves, and the diagonal kinds (embeddings: token frequencies), get Adam.
+
+  Cost: three ``(k x n) (n x p)`` products a step per kernel (``O(n k p)``, the conditioning's own order), and
+  an ``eigh`` of ``k x k`` per refresh. State: Adam's first moment (``n p``), the rotated second moment
+  (``k p``), the tail (``n + p``), the basis (``n k``), and the conditioning's statistics, which take
+  ``budget_share`` of its memory rule's budget under ``statistics='auto'`` (default half: one float per
+  parameter in all for the statistics, basis and rotated moment when ``k <= n / 4``).
+
+  ``update`` takes ``layer_inputs=`` as :func:`scale_by_sketched_conditioning` does.
+
+  Args:
+    rank: sketch rank ``k`` (default 32).
+    b1, b2, eps: Adam's.
+    nesterov: Nesterov's form of Adam's first moment (NAdam's).
+    tail: the tail's second moment: ``'factored'`` or ``'scalar'``.
+    budget_share: the statistics' share of the memory rule's budget (``statistics='auto'``).
+    seed: seed of the conditioning's PRNG key.
+    **conditioning: :func:`scale_by_sketched_conditioning`'s other arguments.
+
+  References:
+    George et al., Fast Approximate Natural Gradient Descent in a Kronecker-factored Eigenbasis (EKFAC), 2018.
+    Vyas et al., SOAP: Improving and Stabilizing Shampoo using Adam, 2024.
+    Gonen & Shalev-Shwartz, Faster SGD Using Sketched Conditioning, 2015.
+  """
+  if tail not in ("factored", "scalar"):
+    raise ValueError(f"tail must be 'factored' or 'scalar', got {tail!r}.")
+  if not isinstance(nesterov, bool):
+    raise ValueError(f"nesterov must be a bool, got {nesterov!r}.")
+  for name, value in (("b1", b1), ("b2", b2)):
+    if not isinstance(value, jax.Array):
+      checks.check_float(name, value, low=0.0, high=1.0, high_open=True)
+  if not isinstance(eps, jax.Array):
+    checks.check_float("eps", eps, low=0.0)
+  args = transform.arguments("scale_by_eigenbasis_adam", rank, seed=seed, **conditioning)
+  inner, plans = transform.conditioning_and_plans(args, budget_share=budget_share)
+
+  def moments_tree(params, kernel_plans):
+    def one(path, leaf):
+      plan = kernel_plans.get(plan_lib.path_to_str(path))
+      if plan is None:
+        return jnp.zeros_like(leaf)
+      width = leaf.size // (plan.n * (plan.slices or 1))
+      return _fresh_moments(plan, width, tail)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+  def bases_of(factors, kernel_plans):
+    out = {}
+    for path, plan in kernel_plans.items():
+      if _rank(plan) is not None:
+        out[path] = eigenbasis(factors[path]) if plan.slices is None else jax.vmap(eigenbasis)(factors[path])
+    return out
+
+  def init_fn(params):
+    kernel_plans = plans(params)
+    conditioning_state = inner.init(params)
+    return ScaleByEigenbasisAdamState(
+        count=jnp.zeros([], jnp.int32),
+        conditioning=conditioning_state,
+        mu=jax.tree.map(jnp.zeros_like, params),
+        nu=moments_tree(params, kernel_plans),
+        bases=bases_of(conditioning_state.factors, kernel_plans))
+
+  def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
+    # the conditioned gradients are not used (compiled away under jit): the refreshed factors are
+    _, conditioning_state = inner.update(updates, state.conditioning, params, layer_inputs=layer_inputs,
+                                         **extra_args)
+    kernel_plans = plans(updates, getattr(layer_inputs, "input_axes", None))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    paths = [plan_lib.path_to_str(p) for p, _ in flat]
+    nus = treedef.flatten_up_to(state.nu)
+    shapes = treedef.flatten_up_to(jax.eval_shape(lambda: moments_tree(updates, kernel_plans)))
+    # a kernel re-planned at the first update (a layout init could not read): its moments and basis start afresh
+    restart = {p for p, f, v in zip(paths, shapes, nus) if not _same_shapes(f, v)}
+    if restart:
+      fresh = treedef.flatten_up_to(moments_tree(updates, kernel_plans))
+      nus = [f if p in restart else v for p, f, v in zip(paths, fresh, nus)]
+    bases = {**state.bases, **{p: u for p, u in bases_of(conditioning_state.factors, kernel_plans).items()
+                               if p in restart or p not in state.bases}}
+    count = optax.safe_increment(state.count)
+    first_corr, second_corr = 1.0 - b1 ** count, 1.0 - b2 ** count
+    mus = [(b1 * m + (1.0 - b1) * g).astype(m.dtype) for m, (_, g) in zip(treedef.flatten_up_to(state.mu), flat)]
+
+    out, new_nus, new_bases = [], [], {}
+    for path, (_, g), m, v in zip(paths, flat, mus, nus):
+      g32 = g.astype(jnp.float32)
+      m_hat = m.astype(jnp.float32) / first_corr
+      if nesterov:
+        m_hat = b1 * m.astype(jnp.float32) / (1.0 - b1 ** (count + 1)) + (1.0 - b1) * g32 / first_corr
+      plan = kernel_plans.get(path)
+      if plan is None:  # Adam
+        v = (b2 * v + (1.0 - b2) * jnp.square(g32)).astype(v.dtype)
+        out.append((m_hat / (jnp.sqrt(v / second_corr) + eps)).astype(g.dtype))
+        new_nus.append(v)
+        continue
+      u = bases.get(path)
+      if u is not None and path not in restart:  # a refreshed factor: a new basis, the moments carried into it
+        old, new = state.conditioning.factors[path], conditioning_state.factors[path]
+        changed = jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))]))
+
+        def rebase(operand, plan=plan, new=new):
+          u, v = operand
+          if plan.slices is None:
+            fresh_u = eigenbasis(new)
+            return fresh_u, _carried(v, fresh_u, u)
+          fresh_u = jax.vmap(eigenbasis)(new)
+          return fresh_u, jax.vmap(_carried)(v, fresh_u, u)
+
+        u, v = jax.lax.cond(changed, rebase, lambda o: o, (u, v))
+      if u is not None:
+        new_bases[path] = u
+
+      def one(u, m_slice, g_slice, moments, plan=plan):
+        mm, restore = sketch.kernel_matrix(m_slice, plan.input_axes)
+        gm, _ = sketch.kernel_matrix(g_slice, plan.input_axes)
+        direction, moments = _direction(u, mm, gm, moments, b2, second_corr, eps)
+        return restore(direction), moments
+
+      if plan.slices is None:
+        direction, v = one(u, m_hat, g32, v)
+      else:
+        direction, v = jax.vmap(one, in_axes=(None if u is None else 0, 0, 0, 0))(
+            u, plan.to_slices(m_hat), plan.to_slices(g32), v)
+        direction = plan.from_slices(direction, g.shape)
+      out.append(direction.astype(g.dtype))
+      new_nus.append(v)
+    return treedef.unflatten(out), ScaleByEigenbasisAdamState(
+        count=count, conditioning=conditioning_state, mu=treedef.unflatten(mus),
+        nu=treedef.unflatten(new_nus), bases=new_bases)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _same_shapes(a, b) -> bool:
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(
+      jnp.shape(x) == jnp.shape(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

@@ -1,0 +1,158 @@
+"""Adam in the sketched conditioner's eigenbasis (scale_by_eigenbasis_adam / scsgd_eigen) against dense numpy:
+the full eigenbasis (k = n), the sketched one with its tail, the carry at a refresh, Adam on the other leaves."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import serialization
+
+import scsgd_jax as sk
+
+B1, B2, EPS = 0.9, 0.99, 1e-8
+# C of the latest batch alone (rate 1), folded and refreshed at every step from step 0, no floor, no guard
+EXACT = dict(statistics="dense", ema_rate=1.0, statistics_every=1, update_every=1, warm_start=False,
+             eigenvalue_floor=0.0, outlier_threshold=float("inf"))
+
+
+def _batches(rng, steps, n=6, p=3, m=40):
+  scales = np.linspace(0.5, 3.0, n)
+  return [(rng.standard_normal((m, n)) * scales, rng.standard_normal((n, p))) for _ in range(steps)]
+
+
+def _run(tx, batches, n=6, p=3):
+  params = {"dense": {"kernel": jnp.zeros((n, p)), "bias": jnp.zeros(p)}}
+  state, outs = tx.init(params), []
+  for x, g in batches:
+    grads = {"dense": {"kernel": jnp.asarray(g, jnp.float32), "bias": jnp.asarray(g[0], jnp.float32)}}
+    u, state = jax.jit(tx.update)(grads, state, params, layer_inputs={"dense": {"kernel": jnp.asarray(x, jnp.float32)}})
+    outs.append(jax.tree.map(np.asarray, u))
+  return outs, state
+
+
+def _carry(v, new, old, tail_col=None):
+  p = (new.T @ old) ** 2
+  v = p @ v
+  if tail_col is not None:
+    v = v + np.clip(1 - p.sum(1), 0, 1)[:, None] * tail_col
+  return v
+
+
+def test_full_rank_equals_adam_in_the_full_eigenbasis_of_c():
+  """k = n: Adam's second moment kept for U^T G with U the eigenvectors of each step's C (numpy eigh), carried
+  into each new basis by (U_new^T U_old)^2, the first moment rotated: three steps, every update equal."""
+  rng = np.random.default_rng(0)
+  batches = _batches(rng, 3)
+  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, conditioner="full", **EXACT)
+  outs, _ = _run(tx, batches)
+  m = v = np.zeros((6, 3))
+  u_old = np.eye(6)
+  for t, ((x, g), out) in enumerate(zip(batches, outs), start=1):
+    _, u = np.linalg.eigh(x.T @ x / len(x))
+    v = _carry(v, u, u_old)
+    m = B1 * m + (1 - B1) * g
+    v = B2 * v + (1 - B2) * (u.T @ g) ** 2
+    want = u @ ((u.T @ m / (1 - B1 ** t)) / (np.sqrt(v / (1 - B2 ** t)) + EPS))
+    np.testing.assert_allclose(out["dense"]["kernel"], want, rtol=2e-4, atol=1e-6)
+    u_old = u
+
+
+@pytest.mark.parametrize("tail", ["factored", "scalar"])
+def test_sketched_basis_with_its_tail_equals_numpy(tail):
+  """k < n: U = Q V from the state's factor, Adam in U's coordinates, the tail G - U U^T G scaled by Adafactor's
+  factored moments (or one scalar), the moments carried at each refresh with the tail's share."""
+  rng = np.random.default_rng(1)
+  batches = _batches(rng, 3)
+  tx = sk.scale_by_eigenbasis_adam(2, b1=B1, b2=B2, eps=EPS, conditioner="sketched", tail=tail, **EXACT)
+  params = {"dense": {"kernel": jnp.zeros((6, 3)), "bias": jnp.zeros(3)}}
+  state = tx.init(params)
+  m = np.zeros((6, 3))
+  lead, row, col = np.zeros((2, 3)), np.zeros(6), np.zeros(3) if tail == "factored" else 0.0
+  u_old = np.eye(6, 2)
+  for t, (x, g) in enumerate(batches, start=1):
+    grads = {"dense": {"kernel": jnp.asarray(g, jnp.float32), "bias": jnp.zeros(3)}}
+    out, state = jax.jit(tx.update)(grads, state, params,
+                                    layer_inputs={"dense": {"kernel": jnp.asarray(x, jnp.float32)}})
+    q, b_inv, _ = (np.asarray(a, np.float64) for a in state.conditioning.factors["dense/kernel"])
+    u = q @ np.linalg.eigh(b_inv)[1]
+    np.testing.assert_allclose(np.abs(u.T @ np.asarray(state.bases["dense/kernel"])), np.eye(2), atol=1e-4)
+    lead = _carry(lead, u, u_old, col)
+    m = B1 * m + (1 - B1) * g
+    gl = u.T @ g
+    gt = g - u @ gl
+    lead = B2 * lead + (1 - B2) * gl ** 2
+    if tail == "factored":
+      row, col = B2 * row + (1 - B2) * (gt ** 2).mean(1), B2 * col + (1 - B2) * (gt ** 2).mean(0)
+      v_tail = np.outer(row, col) / row.mean()
+    else:
+      col = B2 * col + (1 - B2) * (gt ** 2).mean()
+      v_tail = col
+    m_hat, c2 = m / (1 - B1 ** t), 1 - B2 ** t
+    ml = u.T @ m_hat
+    want = u @ (ml / (np.sqrt(lead / c2) + EPS)) + (m_hat - u @ ml) / (np.sqrt(v_tail / c2) + EPS)
+    np.testing.assert_allclose(out["dense"]["kernel"], want, rtol=2e-3, atol=1e-5)
+    u_old = u
+
+
+def test_other_leaves_and_embeddings_get_adam_itself():
+  """A bias and an embedding (a diagonal kind: the coordinate basis) are updated exactly as optax.adam's."""
+  rng = np.random.default_rng(2)
+  params = {"embed": {"embedding": jnp.zeros((7, 4))}, "dense": {"kernel": jnp.zeros((4, 3)), "bias": jnp.zeros(3)}}
+  tx = sk.scsgd_eigen(1e-2, b1=B1, b2=B2, eps=EPS)
+  ref = optax.adam(1e-2, b1=B1, b2=B2, eps=EPS)
+  state, ref_state = tx.init(params), ref.init(params)
+  for _ in range(3):
+    grads = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), jnp.float32), params)
+    inputs = {"embed": {"embedding": jnp.asarray(rng.integers(0, 7, (5,)))},
+              "dense": {"kernel": jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)}}
+    out, state = tx.update(grads, state, params, layer_inputs=inputs)
+    want, ref_state = ref.update(grads, ref_state, params)
+    for path in (("embed", "embedding"), ("dense", "bias")):
+      np.testing.assert_allclose(out[path[0]][path[1]], want[path[0]][path[1]], rtol=1e-5, atol=1e-8)
+  assert "token frequencies" in state[0].summary()["embed/embedding"]
+
+
+def test_stacked_kernel_equals_each_slice_alone():
+  """A stack of two kernels (leading layer axis, Layout(stack=1)): each slice's update equals the same
+  transformation on that slice alone."""
+  rng = np.random.default_rng(3)
+  n, p = 6, 3
+  xs = [rng.standard_normal((2, 20, n)) * np.linspace(0.5, 3, n) for _ in range(2)]
+  gs = [rng.standard_normal((2, n, p)) for _ in range(2)]
+  make = lambda axes: sk.scale_by_eigenbasis_adam(2, conditioner="sketched", input_axes=axes, **EXACT)
+  stacked = make({"dense/kernel": sk.Layout((0,), stack=1)})
+  params = {"dense": {"kernel": jnp.zeros((2, n, p))}}
+  state = stacked.init(params)
+  alone = [make(None) for _ in range(2)]
+  alone_states = [tx.init({"dense": {"kernel": jnp.zeros((n, p))}}) for tx in alone]
+  for x, g in zip(xs, gs):
+    out, state = stacked.update({"dense": {"kernel": jnp.asarray(g, jnp.float32)}}, state, params,
+                                layer_inputs={"dense": {"kernel": jnp.asarray(x, jnp.float32)}})
+    for i in range(2):
+      want, alone_states[i] = alone[i].update({"dense": {"kernel": jnp.asarray(g[i], jnp.float32)}}, alone_states[i],
+                                              layer_inputs={"dense": {"kernel": jnp.asarray(x[i], jnp.float32)}})
+      np.testing.assert_allclose(out["dense"]["kernel"][i], want["dense"]["kernel"], rtol=1e-4, atol=1e-6)
+
+
+def test_state_serializes_and_stays_within_adams_floats():
+  """flax.serialization round trip into a fresh init; with the default half budget the state of a wide layer
+  holds fewer floats than Adam's two per parameter."""
+  rng = np.random.default_rng(4)
+  params = {"dense": {"kernel": jnp.zeros((256, 128)), "bias": jnp.zeros(128)}}
+  tx = sk.scsgd_eigen(1e-3)
+  state = tx.init(params)
+  grads = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), jnp.float32), params)
+  _, state = jax.jit(tx.update)(grads, state, params,
+                                layer_inputs={"dense": {"kernel": jnp.asarray(rng.standard_normal((32, 256)), jnp.float32)}})
+  restored = serialization.from_bytes(tx.init(params), serialization.to_bytes(state))
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
+  floats = sum(a.size for a in jax.tree.leaves(state) if jnp.issubdtype(a.dtype, jnp.floating))
+  assert floats <= 2 * sum(a.size for a in jax.tree.leaves(params)), floats
+
+
+def test_bad_tail_is_refused():
+  with pytest.raises(ValueError, match="tail must be 'factored' or 'scalar'"):
+    sk.scale_by_eigenbasis_adam(tail="adafactor")
+  with pytest.raises(TypeError, match="scale_by_eigenbasis_adam"):
+    sk.scale_by_eigenbasis_adam(momentum=0.9)
