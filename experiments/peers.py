@@ -55,7 +55,7 @@ def _muon():
   return optax.contrib.muon
 
 
-def _decay_matrices(params):
+def decay_matrices(params):
   """nanoGPT's weight-decay mask: kernels and embeddings (ndim >= 2) decay, biases and norms do not."""
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
@@ -63,13 +63,13 @@ def _decay_matrices(params):
 @_extends(lambda: optax.adamw)
 def adamw(learning_rate, decay_matrices_only: bool = False, **kwargs):
   """``optax.adamw``; ``decay_matrices_only``: weight decay on matrices only (nanoGPT's ``configure_optimizers``)."""
-  return optax.adamw(learning_rate, **({"mask": _decay_matrices} if decay_matrices_only else {}), **kwargs)
+  return optax.adamw(learning_rate, **({"mask": decay_matrices} if decay_matrices_only else {}), **kwargs)
 
 
 @_extends(lambda: optax.nadamw)
 def nadamw(learning_rate, decay_matrices_only: bool = False, **kwargs):
   """``optax.nadamw``, with :func:`adamw`'s mask option."""
-  return optax.nadamw(learning_rate, **({"mask": _decay_matrices} if decay_matrices_only else {}), **kwargs)
+  return optax.nadamw(learning_rate, **({"mask": decay_matrices} if decay_matrices_only else {}), **kwargs)
 
 
 SIDES = {"all": "ALL", "input": "INPUT"}

@@ -211,6 +211,23 @@ def _scsgd_two_sided(lr, kwargs, config, forward):
                      scsgd_jax.scsgd_two_sided(lr, momentum=0.0, seed=config.seed, **kwargs))
 
 
+def _scsgd_eigen(lr, kwargs, config, forward):
+  """``scsgd_jax.scsgd_eigen``; ``decay_matrices_only`` as :func:`peers.adamw`'s (nanoGPT's weight decay mask)."""
+  kwargs = dict(kwargs)
+  if kwargs.pop("decay_matrices_only", False):
+    kwargs["mask"] = peers.decay_matrices
+  return scsgd_jax.scsgd_eigen(lr, seed=config.seed, **kwargs)
+
+
+def _eigen_recipe(full: bool) -> Callable[[str], Recipe]:
+  what = ("at full rank (conditioner='full', statistics='dense': Adam in the full eigenbasis of each kernel's input "
+          "correlation, EKFAC's input side; George et al. 2018)" if full else "at its defaults")
+  return lambda kind: Recipe(1e-3, adam_settings(kind),
+                             f"scsgd_jax.scsgd_eigen {what}: Adam in the conditioner's eigenbasis, so Adam's recipe "
+                             f"(SOAP's authors, Vyas et al. 2024, run SOAP at AdamW's settings): {adam_source(kind)}")
+
+
+EIGEN_FULL = {"conditioner": "full", "statistics": "dense"}
 LEAN = {"magnitude": "sign", "split_budget": True}  # scsgd_two_sided at Adam's memory
 CONDITIONING = scsgd_jax.scale_by_sketched_conditioning
 SHAMPOO_PACKAGE = ("precondition-opt",)
@@ -246,6 +263,10 @@ REGISTRY: dict[str, Entry] = {
             3.16e-4, {}, "scsgd_jax.scsgd_two_sided at Adam's memory (magnitude='sign', split_budget=True): both "
             "sides' conditioning at the per-layer norm of sign(g), distributed Shampoo's SQRT_N grafting (Anil et "
             "al. 2020), Nesterov 0.9; " + DEVELOPED), fixed=LEAN),
+    "scsgd_eigen": Entry(_scsgd_eigen, scsgd_jax.scsgd_eigen, "inputs", _eigen_recipe(False)),
+    "scsgd_eigen_full": Entry(
+        lambda lr, kwargs, config, forward: _scsgd_eigen(lr, {**kwargs, **EIGEN_FULL}, config, forward),
+        scsgd_jax.scsgd_eigen, "inputs", _eigen_recipe(True), fixed=EIGEN_FULL),
     "muon": Entry(_muon, peers.muon, "none",
                   lambda kind: Recipe(0.02, _muon_settings(kind), MUON + _muon_note(kind)),
                   adam_rate="adam_learning_rate"),
