@@ -206,8 +206,12 @@ class Harness:
     return rec
 
   def choose(self, name: str) -> tuple[Point, dict[Point, float]]:
-    """The tuned point of ``name`` (running its seed-0 grid as needed) and every grid point's loss."""
+    """The tuned point of ``name`` (running its seed-0 grid as needed) and every grid point's loss; with
+    ``benchmark.points_from``, the point that task's committed seed-0 grid chose, where it has one."""
     b = self.config.benchmark
+    earlier = earlier_grid(b.get("points_from", ""), name)
+    if earlier:
+      return min(earlier, key=lambda p: (earlier[p], p.learning_rate, p.joint)), earlier
     tried: dict[Point, float] = {}
     for joint in joint_points(self.config, name):
       losses = tune(lambda lr, j=joint: benchmark_report.final(self.run(name, Point(lr, j), 0)),
@@ -224,6 +228,21 @@ class Harness:
       seeds = seeds[:1]
     records = {seed: self.run(name, best, seed) for seed in seeds}
     return {"point": best, "tried": tried, "seeds": records}
+
+
+def earlier_grid(results_dir: str, name: str) -> dict[Point, float]:
+  """``{point: final validation loss}`` of the seed-0 grid of ``name`` committed under ``results_dir`` (a task
+  of an earlier protocol whose tuning stands: the same task, budget and schedule, a coarser evaluation
+  cadence), or ``{}`` without one. A diverged run counts as ``inf``, as in :func:`tune`."""
+  folder = os.path.join(results_dir, RUNS, name) if results_dir else ""
+  if not folder or not os.path.isdir(folder):
+    return {}
+  out = {}
+  for file in sorted(os.listdir(folder)):
+    rec = read_record(os.path.join(folder, file)) if file.endswith("_seed0.json") else None
+    if rec is not None:
+      out[Point(rec["learning_rate"], tuple(sorted(rec["joint"].items())))] = benchmark_report.final(rec)
+  return out
 
 
 def train_one(cfg, workdir: str, report_split: str) -> dict:

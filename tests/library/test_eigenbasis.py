@@ -156,3 +156,24 @@ def test_bad_tail_is_refused():
     sk.scale_by_eigenbasis_adam(tail="adafactor")
   with pytest.raises(TypeError, match="scale_by_eigenbasis_adam"):
     sk.scale_by_eigenbasis_adam(momentum=0.9)
+
+
+@pytest.mark.parametrize("kw", [dict(conditioner="full"), dict(conditioner="sketched", rank=2),
+                                dict(statistics="diagonal")])
+def test_kernel_diagnostics_equal_the_dense_inverse_spectrum(kw):
+  """kernel_diagnostics' extreme eigenvalues and tail are those of the dense A^{-1} (inverse_matrix) of the state's
+  factor, for the full, sketched and diagonal conditioners, read through the scsgd_eigen state too."""
+  kw = {**EXACT, **kw}
+  rank = kw.pop("rank", None)
+  rng = np.random.default_rng(5)
+  outs = []
+  for tx in (sk.scsgd(0.1, rank, **kw), sk.scsgd_eigen(1e-3, rank, **kw)):
+    _, state = _run(tx, _batches(rng, 2))
+    diag = sk.kernel_diagnostics(state)["dense/kernel"]
+    factor = (state[0].conditioning if hasattr(state[0], "conditioning") else state[0]).factors["dense/kernel"]
+    evals = np.linalg.eigvalsh(np.asarray(sk.inverse_matrix(factor), np.float64))
+    np.testing.assert_allclose([diag["inverse_max"], diag["inverse_min"]], [evals[-1], evals[0]], rtol=1e-4)
+    np.testing.assert_allclose(diag["spread"], evals[-1] / evals[0], rtol=1e-3)
+    assert (float(diag["tail_inverse"]) > 0) == (rank is not None)
+    outs.append(evals)
+  assert outs[0][-1] / outs[0][0] > 2.0  # the data's scales spread the conditioner: not the identity's 1

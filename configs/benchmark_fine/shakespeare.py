@@ -1,0 +1,8 @@
+"""configs/benchmark/shakespeare.py at the finer yardstick (configs/benchmark_fine/common.py): validation every 10 iterations."""
+
+from configs.benchmark import shakespeare
+from configs.benchmark_fine import common
+
+
+def get_config():
+  return common.finer(shakespeare.get_config(), "shakespeare", 10)

@@ -1,0 +1,65 @@
+r"""Per-kernel diagnostics of the conditioning: what each conditioner amplifies and what the outlier guard clipped,
+as arrays a training loop logs and plots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from scsgd_jax._src import sketch
+
+__all__ = ["kernel_diagnostics"]
+
+
+def _spectrum(factor: sketch.Factor) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The largest and smallest eigenvalue of ``A^{-1}`` and the tail's ``a^{-1}`` (0 for a full-rank factor)."""
+  q, b_inv, a_inv = factor
+  if b_inv is None:  # diagonal
+    return jnp.max(a_inv), jnp.min(a_inv), jnp.zeros((), a_inv.dtype)
+  evals = jnp.linalg.eigvalsh(0.5 * (b_inv + b_inv.T))
+  if q is None or q.shape[-1] == q.shape[-2]:  # dense, or k = n: no tail
+    return evals[-1], evals[0], jnp.zeros((), evals.dtype)
+  return jnp.maximum(evals[-1], a_inv), jnp.minimum(evals[0], a_inv), a_inv
+
+
+def kernel_diagnostics(state: Any) -> dict[str, dict[str, jax.Array]]:
+  r"""Each conditioned kernel's conditioner, summarized for logging (works under ``jit``).
+
+  ``state`` is the state of :func:`scale_by_sketched_conditioning` (or one holding it: a chain's tuple,
+  :func:`scsgd_jax.scsgd`'s, :func:`scsgd_jax.scsgd_eigen`'s; the first one found is read). For each kernel path:
+
+  - ``inverse_max``, ``inverse_min``: the largest and smallest eigenvalue of ``A^{-1}`` (the most and least a
+    direction of the gradient is amplified; ``A = I`` before the first refresh gives 1 and 1);
+  - ``spread``: their ratio, the conditioner's own condition number (at most ``1 / sqrt(eigenvalue_floor)``
+    for the floored conditioners);
+  - ``tail_inverse``: ``a^{-1}``, applied to the directions the sketch leaves out (0 without a tail);
+  - ``clipped_rows``: input rows the outlier guard clipped so far.
+
+  A stacked or grouped kernel gives arrays with one entry per slice.
+
+  >>> import jax.numpy as jnp, scsgd_jax
+  >>> tx = scsgd_jax.scsgd(0.1, rank=1, conditioner='full')
+  >>> state = tx.init({'dense': {'kernel': jnp.zeros((3, 2))}})
+  >>> float(scsgd_jax.kernel_diagnostics(state)['dense/kernel']['spread'])
+  1.0
+  """
+  from scsgd_jax._src.state import ScaleBySketchedConditioningState
+
+  found = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ScaleBySketchedConditioningState))
+           if isinstance(s, ScaleBySketchedConditioningState)]
+  if not found:
+    raise ValueError("kernel_diagnostics needs the state of scale_by_sketched_conditioning (or of an optimizer "
+                     f"built on it: scsgd, scsgd_eigen, a chain holding one); got {type(state).__name__}.")
+  inner = found[0]
+  out = {}
+  for path, factor in inner.factors.items():
+    lead = factor.a_inv.ndim - (1 if factor.q is None and factor.b_inv is None else 0)
+    spectrum = _spectrum
+    for _ in range(lead):  # one entry per slice of a stack or group
+      spectrum = jax.vmap(spectrum)
+    high, low, tail = spectrum(factor)
+    out[path] = {"inverse_max": high, "inverse_min": low, "spread": high / jnp.maximum(low, 1e-30),
+                 "tail_inverse": tail, "clipped_rows": inner.clipped_rows[path]}
+  return out
