@@ -55,6 +55,19 @@ def _muon():
   return optax.contrib.muon
 
 
+def _kron():
+  upstream.patch_psgd()
+  from psgd_jax import kron
+
+  return kron.kron
+
+
+@_extends(_kron, replaced=("weight_decay_mask",))
+def psgd_kron(learning_rate, decay_matrices_only: bool = False, **kwargs):
+  """PSGD Kron (Li; psgd-jax, Evan Walters' JAX implementation), with :func:`adamw`'s weight-decay mask option."""
+  return _kron()(learning_rate, **({"weight_decay_mask": decay_matrices} if decay_matrices_only else {}), **kwargs)
+
+
 def decay_matrices(params):
   """nanoGPT's weight-decay mask: kernels and embeddings (ndim >= 2) decay, biases and norms do not."""
   return jax.tree.map(lambda p: p.ndim >= 2, params)

@@ -87,6 +87,11 @@ KFAC = ("kfac-jax (Botev & Martens): its optax interface (OptaxPreconditioner) c
         "curvature_ema 0.95 and inverse_update_period 5 (upstream's defaults); conv layers' input factors by "
         "upstream's patches_moments_explicit, 'the exact same functionality' as its default 4-D convolution loop "
         "(14x faster on LeNet's second conv here: 68 vs 963 ms)")
+PSGD = ("Li (2018, 2024), PSGD Kron, as psgd-jax 0.2.9 (Evan Walters) runs it: its README, 'Learning rate and "
+        "weight decay act similarly to adam's, start with adam-like settings and go from there. Maybe use slightly "
+        "lower learning rate (like /2)': rate centre half AdamW's, AdamW's weight decay (and nanoGPT's mask on a "
+        "transformer), upstream's defaults otherwise (b1 0.9, preconditioner updated with probability 1 for 500 "
+        "steps, then annealed to 0.03)")
 DEVELOPED = ("rate centre 3.16e-4, chosen on the development task (experiments/results/develop/, synthetic data; "
              "its grid centred on Adam's 1e-3), frozen before any benchmark task ran it")
 
@@ -267,6 +272,8 @@ REGISTRY: dict[str, Entry] = {
     "scsgd_eigen_full": Entry(
         lambda lr, kwargs, config, forward: _scsgd_eigen(lr, {**kwargs, **EIGEN_FULL}, config, forward),
         scsgd_jax.scsgd_eigen, "inputs", _eigen_recipe(True), fixed=EIGEN_FULL),
+    "psgd_kron": Entry(_plain(peers.psgd_kron), peers.psgd_kron, "none", lambda kind: Recipe(
+        5e-4, {k: v for k, v in adam_settings(kind).items() if k != "b2"}, PSGD), packages=("psgd-jax",)),
     "muon": Entry(_muon, peers.muon, "none",
                   lambda kind: Recipe(0.02, _muon_settings(kind), MUON + _muon_note(kind)),
                   adam_rate="adam_learning_rate"),

@@ -10,6 +10,8 @@ has a test that fails once it no longer does, so a patch is removed as soon as i
   ``(subfuns, params)``; JAX >= 0.9.2 returns the params dict alone, so the first step fails with
   "too many values to unpack": :func:`patch_kfac` accepts both forms.
 - kfac-jax's conv input factor: :func:`use_explicit_conv_patches` picks its explicit-patches implementation.
+- ``psgd-jax`` 0.2.9 (PSGD Kron) imports ``optax._src.clipping``, which optax moved to
+  ``optax.transforms._clipping`` (it uses nothing from it): :func:`patch_psgd` makes the old name importable.
 """
 
 from __future__ import annotations
@@ -27,6 +29,21 @@ def patch_precondition() -> list[str]:
   for name in added:
     setattr(jax, name, PRECONDITION_ALIASES[name])
   return added
+
+
+def patch_psgd() -> bool:
+  """Makes ``optax._src.clipping`` importable for psgd-jax 0.2.9; True if it had to."""
+  import importlib
+  import sys
+
+  try:
+    importlib.import_module("optax._src.clipping")
+    return False
+  except ImportError:
+    from optax.transforms import _clipping
+
+    sys.modules["optax._src.clipping"] = _clipping
+    return True
 
 
 def patch_kfac() -> bool:

@@ -11,6 +11,7 @@ import pytest
 import scsgd_jax
 from configs import default
 from experiments import optimizers
+from experiments import registry
 from experiments import peers
 from tests import helpers
 
@@ -86,7 +87,7 @@ def test_adam_takes_its_own_learning_rate_from_its_sub_config():
 
 
 @pytest.mark.parametrize("name", ["adamw", "nadamw", "scsgd_adamw", "scsgd_graft", "scsgd_muon", "muon", "shampoo",
-                                  "shampoo_input", "sketchy"])
+                                  "shampoo_input", "sketchy", "scsgd_eigen", "scsgd_eigen_full", "psgd_kron"])
 def test_every_benchmark_optimizer_builds_from_its_sub_config_and_steps(name):
   pytest.importorskip("precondition")
   config = helpers.smoke_config()
@@ -102,6 +103,22 @@ def test_every_benchmark_optimizer_builds_from_its_sub_config_and_steps(name):
   with jax.numpy_rank_promotion("allow"):
     updates, _ = opt.tx.update(grads, opt.tx.init(params), params, **extra)
   assert all(np.all(np.isfinite(u)) and np.abs(u).max() > 0 for u in jax.tree.leaves(updates))
+
+
+def test_eigen_rows_are_the_library_alias_at_adamws_recipe_and_full_rank():
+  """scsgd_eigen_full keeps Adam's second moment for all n eigen-directions (no tail); scsgd_eigen's sketch keeps
+  k of them and a tail; both on AdamW's transformer recipe (weight decay on matrices only)."""
+  params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
+  shapes = {}
+  for name in ("scsgd_eigen", "scsgd_eigen_full"):
+    config = helpers.smoke_config()
+    config.optimizer.name = name
+    config.optimizer[name] = optimizers.sub_config(name, rank=2, statistics="dense", conditioner="sketched")
+    nu = optimizers.create(config).tx.init(params)[0].nu["dense"]["kernel"]
+    shapes[name] = (nu.lead.shape, nu.col is None)
+  assert shapes == {"scsgd_eigen": ((2, 3), False), "scsgd_eigen_full": ((6, 3), True)}
+  settings = registry.recipe("scsgd_eigen", "transformer").settings
+  assert settings == registry.adam_settings("transformer")
 
 
 def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():

@@ -67,6 +67,23 @@ def test_precondition_still_needs_the_jax_aliases():
   assert patched.returncode == 0, patched.stderr[-2000:]
 
 
+PSGD_STEP = """
+import jax, jax.numpy as jnp
+from psgd_jax.kron import kron
+params = {"w": jnp.ones((8, 4))}
+tx = kron(0.01)
+u, _ = tx.update(params, tx.init(params), params)
+print("FINITE", bool(jnp.all(jnp.isfinite(u["w"]))))
+"""
+
+
+def test_psgd_still_needs_the_clipping_module_and_then_steps():
+  out = _python(PSGD_STEP)  # a fresh process, unpatched
+  assert out.returncode != 0 and "clipping" in out.stderr, out.stderr[-500:]
+  patched = _python("from experiments import upstream; upstream.patch_psgd()\n" + PSGD_STEP)
+  assert patched.returncode == 0 and "FINITE True" in patched.stdout, patched.stderr[-2000:]
+
+
 def test_kfac_still_needs_the_bind_params_patch_and_then_learns():
   out = _python(KFAC_STEP)
   assert out.returncode != 0 and "too many values to unpack" in out.stderr, out.stderr[-500:]
