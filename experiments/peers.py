@@ -136,6 +136,12 @@ def sketchy(learning_rate, compression_rank: int = 32, frequent_directions: bool
                  preconditioning_compute_steps=preconditioning_compute_steps, **kwargs)
 
 
+def muon_hidden(name: str, leaf, output_layer: str = "") -> bool:
+  """Whether Muon takes the leaf at path ``name`` (:func:`muon_dimension_numbers`' rule): a hidden kernel."""
+  name = name.lower()
+  return not (leaf.ndim < 2 or "embed" in name or "pos" in name or (output_layer and output_layer in name))
+
+
 def muon_dimension_numbers(params, output_layer: str = ""):
   """Muon for every hidden kernel (conv kernels flattened as (kh, kw, cin) x cout), AdamW for the rest:
   vectors, embedding and positional tables (a path containing "embed" or "pos") and the output layer
@@ -144,8 +150,7 @@ def muon_dimension_numbers(params, output_layer: str = ""):
   import optax.contrib
 
   def numbers(path, leaf):
-    name = jax.tree_util.keystr(path).lower()
-    if leaf.ndim < 2 or "embed" in name or "pos" in name or (output_layer and output_layer in name):
+    if not muon_hidden(jax.tree_util.keystr(path), leaf, output_layer):
       return None
     return optax.contrib.MuonDimensionNumbers(reduction_axis=tuple(range(leaf.ndim - 1)), output_axis=(leaf.ndim - 1,))
 

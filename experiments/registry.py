@@ -233,6 +233,27 @@ def _eigen_recipe(full: bool) -> Callable[[str], Recipe]:
 
 
 EIGEN_FULL = {"conditioner": "full", "statistics": "dense"}
+
+
+def _scsgd_eigen_muon(lr, kwargs, config, forward):
+  """Muon's momentum scaled by Adam in each hidden kernel's sketched eigenbasis, then orthogonalized by Muon
+  (``muon_*``: Muon's arguments; its momentum ``muon_beta`` becomes the eigenbasis Adam's Nesterov first
+  moment, Muon's own set to 0); Muon's AdamW part takes the other leaves' raw gradients."""
+  muon_args = _pop_prefixed(kwargs, "muon_")
+  beta = muon_args.pop("beta", inspect.signature(_muon_function()).parameters["beta"].default)
+  output_layer = muon_args.get("output_layer", "")
+  hidden = lambda path, leaf: (scsgd_jax.default_kernel_filter(path, leaf)
+                               and peers.muon_hidden(path, leaf, output_layer))
+  return optax.chain(
+      scsgd_jax.scale_by_eigenbasis_adam(b1=beta, nesterov=True, others="identity", kernel_filter=hidden,
+                                         seed=config.seed, **kwargs),
+      _muon(lr, {**muon_args, "beta": 0.0}, config, forward))
+
+
+def _muon_function():
+  import optax.contrib
+
+  return optax.contrib.muon
 LEAN = {"magnitude": "sign", "split_budget": True}  # scsgd_two_sided at Adam's memory
 CONDITIONING = scsgd_jax.scale_by_sketched_conditioning
 SHAMPOO_PACKAGE = ("precondition-opt",)
@@ -272,6 +293,12 @@ REGISTRY: dict[str, Entry] = {
     "scsgd_eigen_full": Entry(
         lambda lr, kwargs, config, forward: _scsgd_eigen(lr, {**kwargs, **EIGEN_FULL}, config, forward),
         scsgd_jax.scsgd_eigen, "inputs", _eigen_recipe(True), fixed=EIGEN_FULL),
+    "scsgd_eigen_muon": Entry(_scsgd_eigen_muon, scsgd_jax.scale_by_eigenbasis_adam, "inputs", lambda kind: Recipe(
+        0.02, {**{f"muon_{k}": v for k, v in _muon_settings(kind).items()},
+               **{k: v for k, v in adam_settings(kind).items() if k == "b2"}},
+        "Adam's scaling in scsgd_jax's sketched eigenbasis of Muon's momentum, in front of Muon's "
+        "orthogonalization (the SOAP-Muon layout), b2 AdamW's, as Muon's recipe: " + MUON + _muon_note(kind)),
+        prefixed=("muon_", peers.muon), adam_rate="muon_adam_learning_rate"),
     "psgd_kron": Entry(_plain(peers.psgd_kron), peers.psgd_kron, "none", lambda kind: Recipe(
         5e-4, {k: v for k, v in adam_settings(kind).items() if k != "b2"}, PSGD), packages=("psgd-jax",)),
     "muon": Entry(_muon, peers.muon, "none",

@@ -151,6 +151,7 @@ def scale_by_eigenbasis_adam(
     eps: float = 1e-8,
     nesterov: bool = False,
     tail: Tail = "factored",
+    others: Literal["adam", "identity"] = "adam",
     budget_share: float = 0.5,
     seed: int = 0,
     **conditioning,
@@ -186,6 +187,9 @@ def scale_by_eigenbasis_adam(
     b1, b2, eps: Adam's.
     nesterov: Nesterov's form of Adam's first moment (NAdam's).
     tail: the tail's second moment: ``'factored'`` or ``'scalar'``.
+    others: what the leaves it does not condition get: ``'adam'``, or ``'identity'`` (passed through, no state:
+      for a chain whose next transformation treats them, e.g. Muon's orthogonalization of the conditioned
+      kernels, the kernels chosen by ``kernel_filter``, with its AdamW part for the rest).
     budget_share: the statistics' share of the memory rule's budget (``statistics='auto'``).
     seed: seed of the conditioning's PRNG key.
     **conditioning: :func:`scale_by_sketched_conditioning`'s other arguments.
@@ -197,6 +201,8 @@ def scale_by_eigenbasis_adam(
   """
   if tail not in ("factored", "scalar"):
     raise ValueError(f"tail must be 'factored' or 'scalar', got {tail!r}.")
+  if others not in ("adam", "identity"):
+    raise ValueError(f"others must be 'adam' or 'identity', got {others!r}.")
   if not isinstance(nesterov, bool):
     raise ValueError(f"nesterov must be a bool, got {nesterov!r}.")
   for name, value in (("b1", b1), ("b2", b2)):
@@ -211,7 +217,7 @@ def scale_by_eigenbasis_adam(
     def one(path, leaf):
       plan = kernel_plans.get(plan_lib.path_to_str(path))
       if plan is None:
-        return jnp.zeros_like(leaf)
+        return jnp.zeros_like(leaf) if others == "adam" else optax.MaskedNode()
       width = leaf.size // (plan.n * (plan.slices or 1))
       return _fresh_moments(plan, width, tail)
 
@@ -230,7 +236,9 @@ def scale_by_eigenbasis_adam(
     return ScaleByEigenbasisAdamState(
         count=jnp.zeros([], jnp.int32),
         conditioning=conditioning_state,
-        mu=jax.tree.map(jnp.zeros_like, params),
+        mu=jax.tree_util.tree_map_with_path(
+            lambda p, x: jnp.zeros_like(x) if others == "adam" or plan_lib.path_to_str(p) in kernel_plans
+            else optax.MaskedNode(), params),
         nu=moments_tree(params, kernel_plans),
         bases=bases_of(conditioning_state.factors, kernel_plans))
 
@@ -252,10 +260,15 @@ def scale_by_eigenbasis_adam(
                                if p in restart or p not in state.bases}}
     count = optax.safe_increment(state.count)
     first_corr, second_corr = 1.0 - b1 ** count, 1.0 - b2 ** count
-    mus = [(b1 * m + (1.0 - b1) * g).astype(m.dtype) for m, (_, g) in zip(treedef.flatten_up_to(state.mu), flat)]
+    mus = [m if isinstance(m, optax.MaskedNode) else (b1 * m + (1.0 - b1) * g).astype(m.dtype)
+           for m, (_, g) in zip(treedef.flatten_up_to(state.mu), flat)]
 
     out, new_nus, new_bases = [], [], {}
     for path, (_, g), m, v in zip(paths, flat, mus, nus):
+      if isinstance(m, optax.MaskedNode):  # others="identity"
+        out.append(g)
+        new_nus.append(v)
+        continue
       g32 = g.astype(jnp.float32)
       m_hat = m.astype(jnp.float32) / first_corr
       if nesterov:

@@ -87,7 +87,7 @@ def test_adam_takes_its_own_learning_rate_from_its_sub_config():
 
 
 @pytest.mark.parametrize("name", ["adamw", "nadamw", "scsgd_adamw", "scsgd_graft", "scsgd_muon", "muon", "shampoo",
-                                  "shampoo_input", "sketchy", "scsgd_eigen", "scsgd_eigen_full", "psgd_kron"])
+                                  "shampoo_input", "sketchy", "scsgd_eigen", "scsgd_eigen_full", "scsgd_eigen_muon", "psgd_kron"])
 def test_every_benchmark_optimizer_builds_from_its_sub_config_and_steps(name):
   pytest.importorskip("precondition")
   config = helpers.smoke_config()
@@ -243,3 +243,28 @@ def test_two_sided_probes_momentum_first_and_unconditioned_embeddings():
   for path in (("dense", "kernel"), ("dense", "bias")):  # only the embedding's step changes
     np.testing.assert_allclose(steps["condition_embeddings"][path[0]][path[1]], steps[""][path[0]][path[1]], rtol=1e-6)
   assert not np.allclose(steps["condition_embeddings"]["embed"]["embedding"], steps[""]["embed"]["embedding"])
+
+
+def test_scsgd_eigen_muon_sends_raw_gradients_to_muons_adamw_part_and_scaled_ones_to_its_kernels():
+  """The tables, head and biases get exactly Muon's AdamW step (raw gradients); a hidden kernel gets Muon's
+  orthogonalization of the eigenbasis-Adam direction: not Muon's own step, and near-orthogonal columns."""
+  config = helpers.smoke_config()
+  rng = np.random.default_rng(0)
+  params = {"embed": {"embedding": jnp.ones((5, 4))}, "dense": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)},
+            "head": {"kernel": jnp.ones((8, 5))}}
+  grads = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), jnp.float32), params)
+  inputs = {"embed": {"embedding": jnp.arange(5)}, "dense": {"kernel": jnp.asarray(rng.standard_normal((16, 4)),
+                                                                                    jnp.float32)},
+            "head": {"kernel": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)}}
+  out = {}
+  for name in ("scsgd_eigen_muon", "muon"):
+    config.optimizer.name = name
+    config.optimizer[name] = optimizers.sub_config(name, **{("muon_" if name != "muon" else "") + "output_layer": "head"})
+    tx = optimizers.create(config).tx
+    extra = {"layer_inputs": inputs} if name != "muon" else {}
+    out[name], _ = tx.update(grads, tx.init(params), params, **extra)
+  for path in (("embed", "embedding"), ("dense", "bias"), ("head", "kernel")):
+    np.testing.assert_allclose(out["scsgd_eigen_muon"][path[0]][path[1]], out["muon"][path[0]][path[1]], rtol=1e-5)
+  assert not np.allclose(out["scsgd_eigen_muon"]["dense"]["kernel"], out["muon"]["dense"]["kernel"], rtol=1e-2)
+  s = np.linalg.svd(np.asarray(out["scsgd_eigen_muon"]["dense"]["kernel"]), compute_uv=False)
+  assert s.min() > 0.5 * s.max(), s

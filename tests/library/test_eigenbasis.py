@@ -177,3 +177,18 @@ def test_kernel_diagnostics_equal_the_dense_inverse_spectrum(kw):
     assert (float(diag["tail_inverse"]) > 0) == (rank is not None)
     outs.append(evals)
   assert outs[0][-1] / outs[0][0] > 2.0  # the data's scales spread the conditioner: not the identity's 1
+
+
+def test_others_identity_passes_unconditioned_leaves_through_without_state():
+  """others='identity': the bias leaves unchanged and holds no moments; the kernel's update is the default's."""
+  rng = np.random.default_rng(6)
+  batches = _batches(rng, 2)
+  kw = dict(conditioner="sketched", **EXACT)
+  ident, _ = _run(sk.scale_by_eigenbasis_adam(2, others="identity", **kw), batches)
+  adam, _ = _run(sk.scale_by_eigenbasis_adam(2, **kw), batches)
+  for (x, g), a, b in zip(batches, ident, adam):
+    np.testing.assert_array_equal(a["dense"]["bias"], np.asarray(g[0], np.float32))
+    np.testing.assert_allclose(a["dense"]["kernel"], b["dense"]["kernel"], rtol=1e-5, atol=1e-7)
+  state = sk.scale_by_eigenbasis_adam(2, others="identity", **kw).init({"dense": {"kernel": jnp.zeros((6, 3)),
+                                                                            "bias": jnp.zeros(3)}})
+  assert jax.tree.leaves(state.mu["dense"]["bias"]) == [] and jax.tree.leaves(state.nu["dense"]["bias"]) == []
