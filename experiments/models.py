@@ -200,6 +200,10 @@ MODELS = {
     "char_transformer": lambda rngs, classes, shape: CharTransformer(rngs=rngs, vocab=classes, d=128, heads=4,
                                                                      layers=3, context=shape[0],
                                                                      attention="linear"),
+    # the larger transformer task: ~4x the parameters (d = 256, 8 heads), the same depth and attention
+    "char_transformer_large": lambda rngs, classes, shape: CharTransformer(rngs=rngs, vocab=classes, d=256,
+                                                                           heads=8, layers=3, context=shape[0],
+                                                                           attention="linear"),
 }
 
 
