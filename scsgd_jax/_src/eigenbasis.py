@@ -52,15 +52,16 @@ class ScaleByEigenbasisAdamState(NamedTuple):
     mu: Adam's first moment, in the parameters' own coordinates (a tree like the parameters).
     nu: Adam's second moment: a tree like the parameters with an :class:`EigenMoments` at each conditioned
       kernel (its rotated coordinates) and Adam's own elsewhere.
-    bases: ``{kernel path: U}``, the eigenbasis in use (``(n, k)``, a leading axis per slice of a stack); none
-      for a diagonal kind (the coordinate basis).
+    rotations: ``{kernel path: V}``, the eigenbasis in use as a rotation of the conditioning's factor: ``U = Q V``
+      (``V`` is ``k x k``; for a dense factor ``U = V``, ``n x n``), a leading axis per slice of a stack; none for a
+      diagonal kind (the coordinate basis). Kept instead of ``U`` so the state does not hold ``Q`` twice.
   """
 
   count: jax.Array
   conditioning: ScaleBySketchedConditioningState
   mu: optax.Updates
   nu: Any
-  bases: dict[str, jax.Array]
+  rotations: dict[str, jax.Array]
 
   def summary(self) -> dict[str, str]:
     """How each kernel is conditioned (the conditioning's :meth:`~ScaleBySketchedConditioningState.summary`)."""
@@ -71,10 +72,18 @@ def eigenbasis(factor: sketch.Factor) -> Optional[jax.Array]:
   r"""The orthonormal eigenbasis ``U`` of a conditioner ``factor``: ``Q V`` where ``B^{-1} = V D V^\top``
   (``n x k``), or the eigenvectors of a dense ``A^{-1}`` (``n x n``); ``None`` for a diagonal factor (the
   coordinate basis). ``A^{-1} = U D U^\top + a^{-1}(I - U U^\top)``: the same conditioner, rotated to be diagonal."""
-  q, b_inv, _ = factor
-  if b_inv is None:
+  v = _rotation(factor)
+  return None if v is None else _basis(factor.q, v)
+
+
+def _rotation(factor: sketch.Factor) -> Optional[jax.Array]:
+  """``V``, the eigenvectors of ``B^{-1}`` (of ``A^{-1}`` for a dense factor); ``None`` for a diagonal one."""
+  if factor.b_inv is None:
     return None
-  _, v = jnp.linalg.eigh(0.5 * (b_inv + b_inv.T))
+  return jnp.linalg.eigh(0.5 * (factor.b_inv + factor.b_inv.T))[1]
+
+
+def _basis(q: Optional[jax.Array], v: jax.Array) -> jax.Array:
   return v if q is None else q @ v
 
 
@@ -121,20 +130,23 @@ def _carried(moments: EigenMoments, new: jax.Array, old: jax.Array) -> EigenMome
   return moments._replace(lead=lead)
 
 
-def _direction(u, m, g, moments: EigenMoments, b2, correction, eps):
+def _direction(q, v, m, g, moments: EigenMoments, b2, correction, eps):
   """One ``(n, p)`` matrix: its second moments updated with ``g`` and Adam's direction of the bias-corrected
-  first moment ``m``, in the basis ``u`` (``None``: the coordinate basis) and rotated back; ``correction`` is
-  the second moment's bias correction ``1 - b2^t``."""
+  first moment ``m``, in the basis ``U = Q V`` (``q=None``: ``U = V``; ``v=None``: the coordinate basis) and rotated
+  back; ``correction`` is the second moment's bias correction ``1 - b2^t``. ``U`` is applied as two products
+  (``V^T (Q^T x)``), never formed."""
   ema = lambda v, x: b2 * v + (1.0 - b2) * x
-  if u is None:
+  if v is None:
     lead = ema(moments.lead, jnp.square(g))
     return m / (jnp.sqrt(lead / correction) + eps), moments._replace(lead=lead)
-  g_lead, m_lead = u.T @ g, u.T @ m
+  rotate = lambda x: v.T @ (x if q is None else q.T @ x)
+  back = lambda y: v @ y if q is None else q @ (v @ y)
+  g_lead, m_lead = rotate(g), rotate(m)
   lead = ema(moments.lead, jnp.square(g_lead))
-  out = u @ (m_lead / (jnp.sqrt(lead / correction) + eps))
+  out = back(m_lead / (jnp.sqrt(lead / correction) + eps))
   if moments.col is None:  # k = n: no tail
     return out, moments._replace(lead=lead)
-  g_tail, m_tail = g - u @ g_lead, m - u @ m_lead
+  g_tail, m_tail = g - back(g_lead), m - back(m_lead)
   sq = jnp.square(g_tail)
   if moments.row is None:
     new = EigenMoments(lead, None, ema(moments.col, jnp.mean(sq)))
@@ -176,9 +188,9 @@ def scale_by_eigenbasis_adam(
 
   Cost: three ``(k x n) (n x p)`` products a step per kernel (``O(n k p)``, the conditioning's own order), and
   an ``eigh`` of ``k x k`` per refresh. State: Adam's first moment (``n p``), the rotated second moment
-  (``k p``), the tail (``n + p``), the basis (``n k``), and the conditioning's statistics, which take
-  ``budget_share`` of its memory rule's budget under ``statistics='auto'`` (default half: one float per
-  parameter in all for the statistics, basis and rotated moment when ``k <= n / 4``).
+  (``k p``), the tail (``n + p``), the basis as a rotation of the factor's ``Q`` (``k^2``), the conditioning's
+  factor and statistics, which take ``budget_share`` of its memory rule's budget under ``statistics='auto'``
+  (default half).
 
   ``update`` takes ``layer_inputs=`` as :func:`scale_by_sketched_conditioning` does.
 
@@ -223,11 +235,11 @@ def scale_by_eigenbasis_adam(
 
     return jax.tree_util.tree_map_with_path(one, params)
 
-  def bases_of(factors, kernel_plans):
+  def rotations_of(factors, kernel_plans):
     out = {}
     for path, plan in kernel_plans.items():
       if _rank(plan) is not None:
-        out[path] = eigenbasis(factors[path]) if plan.slices is None else jax.vmap(eigenbasis)(factors[path])
+        out[path] = _rotation(factors[path]) if plan.slices is None else jax.vmap(_rotation)(factors[path])
     return out
 
   def init_fn(params):
@@ -240,7 +252,7 @@ def scale_by_eigenbasis_adam(
             lambda p, x: jnp.zeros_like(x) if others == "adam" or plan_lib.path_to_str(p) in kernel_plans
             else optax.MaskedNode(), params),
         nu=moments_tree(params, kernel_plans),
-        bases=bases_of(conditioning_state.factors, kernel_plans))
+        rotations=rotations_of(conditioning_state.factors, kernel_plans))
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
     # the conditioned gradients are not used (compiled away under jit): the refreshed factors are
@@ -256,14 +268,14 @@ def scale_by_eigenbasis_adam(
     if restart:
       fresh = treedef.flatten_up_to(moments_tree(updates, kernel_plans))
       nus = [f if p in restart else v for p, f, v in zip(paths, fresh, nus)]
-    bases = {**state.bases, **{p: u for p, u in bases_of(conditioning_state.factors, kernel_plans).items()
-                               if p in restart or p not in state.bases}}
+    rotations = {**state.rotations, **{p: r for p, r in rotations_of(conditioning_state.factors, kernel_plans).items()
+                                       if p in restart or p not in state.rotations}}
     count = optax.safe_increment(state.count)
     first_corr, second_corr = 1.0 - b1 ** count, 1.0 - b2 ** count
     mus = [m if isinstance(m, optax.MaskedNode) else (b1 * m + (1.0 - b1) * g).astype(m.dtype)
            for m, (_, g) in zip(treedef.flatten_up_to(state.mu), flat)]
 
-    out, new_nus, new_bases = [], [], {}
+    out, new_nus, new_rotations = [], [], {}
     for path, (_, g), m, v in zip(paths, flat, mus, nus):
       if isinstance(m, optax.MaskedNode):  # others="identity"
         out.append(g)
@@ -279,40 +291,42 @@ def scale_by_eigenbasis_adam(
         out.append((m_hat / (jnp.sqrt(v / second_corr) + eps)).astype(g.dtype))
         new_nus.append(v)
         continue
-      u = bases.get(path)
-      if u is not None and path not in restart:  # a refreshed factor: a new basis, the moments carried into it
-        old, new = state.conditioning.factors[path], conditioning_state.factors[path]
+      r = rotations.get(path)
+      new = conditioning_state.factors[path]
+      if r is not None and path not in restart:  # a refreshed factor: a new basis, the moments carried into it
+        old = state.conditioning.factors[path]
         changed = jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))]))
 
-        def rebase(operand, plan=plan, new=new):
-          u, v = operand
-          if plan.slices is None:
-            fresh_u = eigenbasis(new)
-            return fresh_u, _carried(v, fresh_u, u)
-          fresh_u = jax.vmap(eigenbasis)(new)
-          return fresh_u, jax.vmap(_carried)(v, fresh_u, u)
+        def rebase(operand, old=old, new=new):
+          def one_slice(r, v, old, new):
+            fresh = _rotation(new)
+            return fresh, _carried(v, _basis(new.q, fresh), _basis(old.q, r))
 
-        u, v = jax.lax.cond(changed, rebase, lambda o: o, (u, v))
-      if u is not None:
-        new_bases[path] = u
+          return (one_slice if plan.slices is None else jax.vmap(one_slice))(*operand, old, new)
 
-      def one(u, m_slice, g_slice, moments, plan=plan):
+        r, v = jax.lax.cond(changed, rebase, lambda o: o, (r, v))
+      if r is not None:
+        new_rotations[path] = r
+
+      def one(q, r, m_slice, g_slice, moments, plan=plan):
         mm, restore = sketch.kernel_matrix(m_slice, plan.input_axes)
         gm, _ = sketch.kernel_matrix(g_slice, plan.input_axes)
-        direction, moments = _direction(u, mm, gm, moments, b2, second_corr, eps)
+        direction, moments = _direction(q, r, mm, gm, moments, b2, second_corr, eps)
         return restore(direction), moments
 
+      q = new.q if r is not None else None
       if plan.slices is None:
-        direction, v = one(u, m_hat, g32, v)
+        direction, v = one(q, r, m_hat, g32, v)
       else:
-        direction, v = jax.vmap(one, in_axes=(None if u is None else 0, 0, 0, 0))(
-            u, plan.to_slices(m_hat), plan.to_slices(g32), v)
+        axis = lambda x: None if x is None else 0
+        direction, v = jax.vmap(one, in_axes=(axis(q), axis(r), 0, 0, 0))(
+            q, r, plan.to_slices(m_hat), plan.to_slices(g32), v)
         direction = plan.from_slices(direction, g.shape)
       out.append(direction.astype(g.dtype))
       new_nus.append(v)
     return treedef.unflatten(out), ScaleByEigenbasisAdamState(
         count=count, conditioning=conditioning_state, mu=treedef.unflatten(mus),
-        nu=treedef.unflatten(new_nus), bases=new_bases)
+        nu=treedef.unflatten(new_nus), rotations=new_rotations)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
