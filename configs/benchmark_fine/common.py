@@ -4,8 +4,10 @@ coarser protocol chose standing (same budget and schedule) and the rows that wer
 (the far ones keep their coarse rows)."""
 
 # the rows re-run: the target (AdamW), the rows within 20% of the first, the library's own rows, the new ones
-OPTIMIZERS = ("adamw", "muon", "scsgd_eigen", "scsgd_eigen_full", "kfac", "nadamw", "scsgd_muon", "scsgd_muon_fresh",
-              "scsgd_two_sided", "scsgd_adamw", "scsgd_two_sided_lean", "scsgd_graft", "scsgd", "sgd")
+# (in the order they run: AdamW first, as Muon's AdamW part takes its rate)
+OPTIMIZERS = ("adamw", "muon", "scsgd_eigen", "kfac", "scsgd_eigen_muon", "scsgd_muon", "nadamw", "scsgd_eigen_full",
+              "psgd_kron", "scsgd_two_sided", "scsgd_muon_fresh", "scsgd_adamw", "scsgd_two_sided_lean", "scsgd_graft",
+              "scsgd", "sgd")
 
 
 def finer(config, task: str, cadence: int):
