@@ -257,3 +257,37 @@ def test_every_optimizer_takes_steps_on_every_task(task, tmp_path):
       cfg = benchmark.run_config(config, name, benchmark.Point(lr, joint), 0, extra)
       last = train.train_and_evaluate(cfg, str(tmp_path / name))
       assert last["step"] == 2 and np.isfinite(last["test_loss"]) and np.isfinite(last["train_loss"]), name
+
+
+def test_points_from_an_earlier_protocol_stand_and_no_grid_runs(tmp_path):
+  """With benchmark.points_from, an optimizer with a committed seed-0 grid there takes the rate it chose (a
+  diverged point loses), without training; one without such a grid tunes as before (the loss function runs)."""
+  earlier = tmp_path / "earlier"
+  for lr, losses, diverged in ((0.01, [0.5, 0.4], False), (0.1, [0.5, 0.3], False), (1.0, [0.5, 0.1], True)):
+    rec = _record(losses, 10.0, diverged=diverged)
+    rec.update(optimizer="sgd", learning_rate=lr, joint={}, seed=0)
+    path = earlier / "runs" / "sgd" / f"{benchmark.Point(lr).tag()}_seed0.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec))
+  grid = benchmark.earlier_grid(str(earlier), "sgd")
+  assert grid[benchmark.Point(0.1)] == pytest.approx(0.3) and grid[benchmark.Point(1.0)] == float("inf")
+  assert benchmark.earlier_grid(str(earlier), "adamw") == {} and benchmark.earlier_grid("", "sgd") == {}
+  config = _config()
+  config.benchmark.points_from = str(earlier)
+  harness = benchmark.Harness(config, str(tmp_path / "work"), str(tmp_path / "results"), "cmd")
+  harness.run = lambda *a: pytest.fail(f"no run expected: {a}")
+  best, tried = harness.choose("sgd")
+  assert best == benchmark.Point(0.1) and set(tried) == set(grid)
+
+
+def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
+  assert benchmark.task_names("configs/benchmark_fine/shakespeare.py") == [
+      "convex", "mnist", "shakespeare", "shakespeare_large"]
+  for task, cadence in (("shakespeare", 10), ("mnist", 25), ("convex", 25), ("shakespeare_large", 10)):
+    config = importlib.import_module(f"configs.benchmark_fine.{task}").get_config()
+    assert config.eval_every == cadence and len(config.benchmark.seeds) >= 3, task
+    with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
+      benchmark.validate(config)  # every seed-0 grid config of every row, before any run
+  coarse = importlib.import_module("configs.benchmark.shakespeare").get_config()
+  fine = importlib.import_module("configs.benchmark_fine.shakespeare").get_config()
+  assert fine.num_steps == coarse.num_steps and fine.schedule == coarse.schedule  # so the chosen rates stand
