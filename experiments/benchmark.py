@@ -72,6 +72,11 @@ class Point(NamedTuple):
     return f"lr{self.learning_rate:g}" + "".join(f"_{k}{v:g}" for k, v in self.joint)
 
 
+def record_point(rec: dict) -> Point:
+  """The point a run's record ran at."""
+  return Point(rec["learning_rate"], tuple(sorted(rec["joint"].items())))
+
+
 def key(name: str, point: Point, seed: int) -> str:
   return f"{name}/{point.tag()}_seed{seed}"
 
@@ -209,11 +214,8 @@ class Harness:
     """The tuned point of ``name`` (running its seed-0 grid as needed) and every grid point's loss; with
     ``benchmark.points_from``, the point that task's committed seed-0 grid chose, where it has one."""
     b = self.config.benchmark
-    earlier = earlier_grid(b.get("points_from", ""), name)
-    if earlier:
-      return min(earlier, key=lambda p: (earlier[p], p.learning_rate, p.joint)), earlier
-    tried: dict[Point, float] = {}
-    for joint in joint_points(self.config, name):
+    tried = earlier_grid(b.get("points_from", ""), name)
+    for joint in joint_points(self.config, name) if not tried else ():
       losses = tune(lambda lr, j=joint: benchmark_report.final(self.run(name, Point(lr, j), 0)),
                     learning_rates(self.config, name),
                     b.extend_edge)
@@ -241,7 +243,7 @@ def earlier_grid(results_dir: str, name: str) -> dict[Point, float]:
   for file in sorted(os.listdir(folder)):
     rec = read_record(os.path.join(folder, file)) if file.endswith("_seed0.json") else None
     if rec is not None:
-      out[Point(rec["learning_rate"], tuple(sorted(rec["joint"].items())))] = benchmark_report.final(rec)
+      out[record_point(rec)] = benchmark_report.final(rec)
   return out
 
 
@@ -293,7 +295,7 @@ def rerun(config, workdir: str, results_dir: str, key_: str) -> dict[str, Any]:
   rec = read_record(path)
   if rec is None:
     raise errors.ConfigError(f"config.benchmark.rerun: the committed run {key_!r} ({path}) is damaged")
-  point = Point(rec["learning_rate"], tuple(sorted(rec["joint"].items())))
+  point = record_point(rec)
   harness = Harness(config, workdir, results_dir, "")
   cfg = run_config(config, rec["optimizer"], point, rec["seed"], harness.extra(rec["optimizer"]))
   scratch = os.path.join(workdir, "rerun", key_)

@@ -14,7 +14,7 @@ def get_config():
   config.num_steps = 2000
   config.checkpoint_every = 500
   config.benchmark.points_from = ""
-  config.benchmark.seeds = (0, 1, 2)  # sized to the CPU: experiments/results/benchmark_sizing/shakespeare_large
+  config.benchmark.seeds = (0, 1, 2)  # 3 seeds until a sizing run (not made yet) says 5 fit the CPU
   config.benchmark.all_optimizers = ROWS
   config.benchmark.optimizers = ROWS
   return config

@@ -39,7 +39,7 @@ def test_the_harness_finds_no_committed_row_to_rerun(protocol, task, tmp_path, c
     with open(path) as f:
       rec = json.load(f)
     assert rec["optimizer"] in optimizers.OPTIMIZERS, path
-    point = benchmark.Point(rec["learning_rate"], tuple(sorted(rec["joint"].items())))
+    point = benchmark.record_point(rec)
     if harness.committed(rec["optimizer"], point, rec["seed"]) is None:
       stale.append(rec["key"])
   assert not stale, f"{task}: rows the harness would run again: {stale}\n{capsys.readouterr().out}"
