@@ -20,6 +20,14 @@ def kept_factor(plan: plan_lib.KernelPlan, factor: sketch.Factor) -> sketch.Fact
   return sketch.dense_factor(factor) if plan.rank is None and factor.q is not None else factor
 
 
+def normalized(factor: sketch.Factor, trace: jax.Array, n: int) -> sketch.Factor:
+  """``factor`` of ``C`` as the factor of ``C / (tr C / n)``: ``A^{-1}`` times ``sqrt(tr C / n)`` (unchanged while
+  ``tr C`` is 0 or not finite, i.e. before any data without a prior, when the factor is the identity's)."""
+  ok = jnp.isfinite(trace) & (trace > 0)
+  scale = jnp.where(ok, jnp.sqrt(jnp.where(ok, trace, 1.0) / n), 1.0)
+  return factor._replace(b_inv=None if factor.b_inv is None else factor.b_inv * scale, a_inv=factor.a_inv * scale)
+
+
 def refresh_due(count, phase: int, update_every: int, warm_start: bool, statistics_every: int):
   """Whether a kernel of ``phase`` refreshes at step ``count`` (and, warm, after 1, 2, 4, ... folds)."""
   due = (count >= phase) & ((count - phase) % update_every == 0)
@@ -47,8 +55,9 @@ def _unstacked(tree, sizes, lone):
   return out
 
 
-def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: Callable):
-  """New factors of the kernels whose refresh is due (``phases``: :func:`plan.slice_phases`).
+def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: Callable, normalize: bool = False):
+  """New factors of the kernels whose refresh is due (``phases``: :func:`plan.slice_phases`), of ``C / (tr C / n)``
+  with ``normalize`` (:func:`normalized`).
 
   The kernels (and stacked slices) of one kind of statistics, ``n`` and rank form a bank, refreshed by one
   compiled computation however many layers it holds: a loop over the members due at this step (one or a
@@ -62,7 +71,11 @@ def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: C
   factors = dict(old_factors)
   for paths in banks.values():
     plan = kernel_plans[paths[0]]
-    make = lambda s, kk, plan=plan: kept_factor(plan, plan.statistics.factor(s, kk, plan.rank))
+
+    def make(s, kk, plan=plan):
+      factor = plan.statistics.factor(s, kk, plan.rank)
+      return kept_factor(plan, normalized(factor, plan.statistics.trace(s), plan.n) if normalize else factor)
+
     lone = [kernel_plans[p].slices is None for p in paths]
     sizes = [kernel_plans[p].slices or 1 for p in paths]
     member_phases = np.concatenate([phases[p] for p in paths])

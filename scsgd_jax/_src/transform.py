@@ -90,6 +90,7 @@ def scale_by_sketched_conditioning(
     conditioner: ConditionerKind = "auto",
     statistics: StatisticsKind = "auto",
     warm_start: bool = True,
+    normalize: bool = False,
     stagger: bool = True,
     budget: Literal["kernel", "model"] = defaults.BUDGET,
     outlier_threshold: float = defaults.OUTLIER_THRESHOLD,
@@ -131,6 +132,10 @@ def scale_by_sketched_conditioning(
     statistics: ``'auto'``, ``'dense'``, ``'streaming'``, ``'diagonal'`` or a :class:`CorrelationStatistics`.
     warm_start: bias-corrected statistics and refreshes after 1, 2, 4, ... folds (else the paper's
       ``C_0 = I`` and refreshes every ``update_every`` steps from step 0).
+    normalize: condition by ``C / (tr C / n)``, i.e. ``A^{-1}`` times ``sqrt(tr C / n)``: the direction of ``C``'s
+      mean eigenvalue keeps its gradient's scale, so a kernel's conditioned step scales with its inputs as
+      SGD's does and one rate that fits SGD fits every layer (``False``: ``A = C^{1/2}`` itself, the paper's,
+      whose step scales inversely with the inputs).
     stagger: spread the kernels' periodic refreshes over the window.
     budget: memory rule of ``'auto'``: ``'model'`` (the model's leftover floats too) or ``'kernel'``.
     outlier_threshold: rows above this multiple (``>= 1``) of the running ``tr C`` (squared norm) are
@@ -200,7 +205,7 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
   static = resolve_static_args(rank=a.rank, update_every=a.update_every, full_max_dim=a.full_max_dim,
                                oversample=a.oversample, power_iterations=a.power_iterations,
                                statistics_every=a.statistics_every)
-  _check_choices(a.conditioner, a.statistics, a.budget, a.warm_start, a.stagger)
+  _check_choices(a.conditioner, a.statistics, a.budget, a.warm_start, a.stagger, a.normalize)
   checks.check_float("outlier_threshold", a.outlier_threshold, low=1.0, allow_inf=True)
   checks.check_float("ema_rate", a.ema_rate, low=0.0, high=1.0, low_open=True)
   checks.check_float("budget_share", budget_share, low=0.0, high=1.0, low_open=True)
@@ -250,7 +255,8 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
       new_stats, clipped = jax.lax.cond(state.count % static["statistics_every"] == 0, fold, lambda o: o, operand)
     due = lambda count, phase: schedule.refresh_due(count, phase, static["update_every"], a.warm_start,
                                             static["statistics_every"])
-    factors, key = schedule.refresh(kernel_plans, phases, new_stats, state.factors, state.key, state.count, due)
+    factors, key = schedule.refresh(kernel_plans, phases, new_stats, state.factors, state.key, state.count, due,
+                                    a.normalize)
     return _condition(updates, kernel_plans, factors), state._replace(
         count=optax.safe_increment(state.count), key=key, statistics=new_stats, factors=factors,
         clipped_rows=clipped)
@@ -258,7 +264,7 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
   return optax.GradientTransformationExtraArgs(init_fn, update_fn), plans
 
 
-def _check_choices(conditioner, statistics, budget, warm_start, stagger) -> None:
+def _check_choices(conditioner, statistics, budget, warm_start, stagger, normalize) -> None:
   if conditioner not in ("auto", "sketched", "full"):
     raise ValueError(f"conditioner must be 'auto', 'sketched' or 'full', got {conditioner!r}.")
   if not isinstance(statistics, stats_lib.CorrelationStatistics) and statistics not in (
@@ -270,8 +276,9 @@ def _check_choices(conditioner, statistics, budget, warm_start, stagger) -> None
     raise ValueError("conditioner='full' needs the dense C: it cannot be combined with statistics='streaming'.")
   if budget not in ("kernel", "model"):
     raise ValueError(f"budget must be 'kernel' or 'model', got {budget!r}.")
-  if not isinstance(warm_start, bool) or not isinstance(stagger, bool):
-    raise ValueError(f"warm_start and stagger must be bools, got {warm_start!r} and {stagger!r}.")
+  for name, value in (("warm_start", warm_start), ("stagger", stagger), ("normalize", normalize)):
+    if not isinstance(value, bool):
+      raise ValueError(f"{name} must be a bool, got {value!r}.")
 
 
 def _condition(updates, kernel_plans, factors):

@@ -45,6 +45,29 @@ def test_dense_step_equals_hand_computed_full_conditioner():
   np.testing.assert_allclose(state[0].statistics["dense/kernel"].moments, c, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("conditioner,rank", [("full", None), ("sketched", 3)])
+def test_normalized_step_is_the_conditioner_of_c_over_its_mean_eigenvalue(conditioner, rank):
+  """normalize=True: -lr (C / (tr C / n))^{-1/2} G, i.e. the plain step times sqrt(tr C / n), for the full and the
+  sketched conditioner."""
+  rng = np.random.default_rng(4)
+  params = _params(rng, n=8, p=2)
+  x = rng.standard_normal((32, 8)) * np.linspace(0.2, 3, 8)
+  g = rng.standard_normal((8, 2))
+  grads = {"dense": {"kernel": jnp.asarray(g, jnp.float32), "bias": jnp.zeros(2, jnp.float32)}}
+
+  def step(normalize, scale=1.0):
+    tx = _plain(rank=rank, conditioner=conditioner, oversample=8, normalize=normalize)
+    updates, _ = tx.update(grads, tx.init(params), params,
+                           layer_inputs={"dense": {"kernel": jnp.asarray(scale * x, jnp.float32)}})
+    return np.asarray(updates["dense"]["kernel"], np.float64)
+
+  c = (1 - NU) * np.eye(8) + NU * x.T @ x / 32
+  np.testing.assert_allclose(step(True), np.sqrt(np.trace(c) / 8) * step(False), rtol=1e-4, atol=1e-6)
+  if rank is None:
+    np.testing.assert_allclose(step(True), -LR * helpers.psd_power(c / (np.trace(c) / 8), -0.5) @ g, rtol=1e-3,
+                               atol=1e-5)
+
+
 def test_dense_step_equals_hand_computed_rank_k_conditioner():
   """With r = k + oversample >= n the sketch spans R^n: the factor is the exact rank-k one (Section 2.2)."""
   rng = np.random.default_rng(1)

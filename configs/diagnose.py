@@ -1,0 +1,20 @@
+"""Plain SCSGD against Nesterov SGD, kernel by kernel, on the development source: experiments/diagnose.py."""
+
+import ml_collections
+
+from configs import develop
+
+
+def get_config():
+  config = develop.get_config()  # the development source, schedule and recipes
+  config.seed = 0
+  config.diagnose = ml_collections.ConfigDict(dict(
+      # name -> the optimizer and its settings over its recipe
+      variants={"sgd": {"name": "sgd"}, "scsgd": {"name": "scsgd"},
+                "scsgd_unnormalized": {"name": "scsgd", "normalize": False}},
+      rates=(0.0316, 0.1, 0.316),  # SGD's authors' rate 0.1 and the head to head's neighbours
+      # the Flax examples' layout (3-D attention kernels), 2 blocks: the step benchmark's TransformerLM
+      model=dict(d=128, heads=4, layers=2, attention="mha"),
+      record_every=10,
+      plot_rate=0.1))
+  return config
