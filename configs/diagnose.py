@@ -10,8 +10,8 @@ def get_config():
   config.seed = 0
   config.diagnose = ml_collections.ConfigDict(dict(
       # name -> the optimizer and its settings over its recipe
-      variants={"sgd": {"name": "sgd"}, "scsgd": {"name": "scsgd"},
-                "scsgd_unnormalized": {"name": "scsgd", "normalize": False}},
+      variants={"sgd": {"name": "sgd"}, "scsgd_paper_scale": {"name": "scsgd", "normalize": False},
+                "scsgd_normalized": {"name": "scsgd", "normalize": True}},
       rates=(0.0316, 0.1, 0.316),  # SGD's authors' rate 0.1 and the head to head's neighbours
       # the Flax examples' layout (3-D attention kernels), 2 blocks: the step benchmark's TransformerLM
       model=dict(d=128, heads=4, layers=2, attention="mha"),
