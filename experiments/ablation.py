@@ -37,7 +37,7 @@ VARIANTS = {
     "every_200": ("refresh every 200 steps", {"optimizer.scsgd.update_every": 200}),
     "rows_64": ("64 sampled rows per layer", {"max_rows": 64}),
     "rows_all": ("all rows (4,096 conv2 patches)", {"max_rows": 0}),
-    "paper": ("the paper's recipe: dense EMA from C = I, no warm start, A = C^(1/2)", {"optimizer.scsgd.statistics": "dense", "optimizer.scsgd.warm_start": False, "optimizer.scsgd.normalize": False}),
+    "paper": ("the paper's recipe: dense EMA from C = I, no warm start", {"optimizer.scsgd.statistics": "dense", "optimizer.scsgd.warm_start": False}),
     "full": ("full C^(1/2) for every layer", {"optimizer.scsgd.conditioner": "full", "optimizer.scsgd.statistics": "dense"}),
 }
 

@@ -67,9 +67,9 @@ def convex_part(convex_config, data_dir: str, steps: int = 500, batch: int = 64)
   methods = {
       "sgd": lambda lr: optax.sgd(lr),
       "scsgd_paper_start": lambda lr: optax.chain(scsgd_jax.scale_by_sketched_conditioning(
-          conditioner="full", statistics="dense", warm_start=False, normalize=False), optax.sgd(lr)),
+          conditioner="full", statistics="dense", warm_start=False), optax.sgd(lr)),
       "scsgd_warm_start": lambda lr: optax.chain(scsgd_jax.scale_by_sketched_conditioning(
-          conditioner="full", statistics="dense", normalize=False), optax.sgd(lr)),
+          conditioner="full", statistics="dense"), optax.sgd(lr)),
   }
   out = {}
   for name, make in methods.items():
@@ -89,7 +89,7 @@ def convex_part(convex_config, data_dir: str, steps: int = 500, batch: int = 64)
 def lenet_part(lenet_config, data_dir: str, workdir: str, steps: int = 500) -> dict:
   variants = {
       "sgd": ("sgd", {}),
-      "scsgd_paper_start": ("scsgd", {"warm_start": False, "normalize": False}),
+      "scsgd_paper_start": ("scsgd", {"warm_start": False}),
       "scsgd_warm_start": ("scsgd", {}),
   }
   out = {}

@@ -3,12 +3,6 @@
 import numpy as np
 
 
-def normalized(c):
-  """``C / (tr C / n)``: the matrix the library's default ``normalize=True`` conditions by."""
-  c = np.asarray(c, np.float64)
-  return c / (np.trace(c) / c.shape[-1])
-
-
 def psd_power(c, power):
   """``C^power`` of a symmetric PSD matrix by eigendecomposition (negative eigenvalues clipped to 0)."""
   w, v = np.linalg.eigh(np.asarray(c, np.float64))

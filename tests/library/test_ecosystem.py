@@ -203,12 +203,11 @@ def test_transformer_lm_trains_faster_than_nesterov_sgd_at_defaults(api):
   assert any(p.endswith("embedding") for p in state.factors)
   assert sum("query/kernel" in p for p in state.factors) == 2
   assert np.isfinite(sc_losses).all()
-  # (Both approach the chain's entropy.) In every 10-step window after the first scsgd's mean loss is below
-  # SGD's (in the first, its conditioner has seen one or two batches: within 1%), and scsgd reaches SGD's
-  # final loss (mean of its last 20 steps) within 90 of the 120 steps.
+  # (Both approach the chain's entropy.) In every 10-step window scsgd's mean loss is below SGD's, and
+  # scsgd reaches SGD's final loss (mean of its last 20 steps) within 90 of the 120 steps.
   sc_windows = sc_losses.reshape(12, 10).mean(1)
   sgd_windows = sgd_losses.reshape(12, 10).mean(1)
-  assert np.all(sc_windows[1:] < sgd_windows[1:]) and sc_windows[0] < 1.01 * sgd_windows[0], (sc_windows, sgd_windows)
+  assert np.all(sc_windows < sgd_windows), (sc_windows, sgd_windows)
   reached = np.flatnonzero(sc_windows <= sgd_losses[-20:].mean())
   assert reached.size and 10 * (reached[0] + 1) <= 90, (sc_windows, sgd_losses[-20:].mean())
 

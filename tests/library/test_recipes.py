@@ -72,11 +72,10 @@ def test_linen_resnet_with_batchnorm_trains_with_the_readme_recipe():
   # 1e-2 tr(C)/n
   x_head = np.asarray(rows["Dense_0"]["kernel"], np.float64)
   c = x_head.T @ x_head / x_head.shape[0]
-  scale = np.sqrt(np.trace(c) / 8)  # the default normalize=True: A^{-1} times sqrt(tr C / n), the data's trace
   c = c + (1 - 0.05) ** 2 * np.trace(c) / 8 * np.eye(8)
   w, v = np.linalg.eigh(c)
   w = np.maximum(w, 1e-2 * np.trace(c) / 8)
-  a_inv = scale * (v / np.sqrt(w)) @ v.T
+  a_inv = (v / np.sqrt(w)) @ v.T
   expected = np.asarray(first.params["Dense_0"]["kernel"]) - 0.05 * 1.9 * a_inv @ np.asarray(grads["Dense_0"]["kernel"])
   np.testing.assert_allclose(state.params["Dense_0"]["kernel"], expected, rtol=2e-4, atol=2e-5)
   assert not np.allclose(state.batch_stats["BatchNorm_0"]["mean"], first.batch_stats["BatchNorm_0"]["mean"])
@@ -109,8 +108,7 @@ def _nnx_train_step(model, optimizer, x, y, key):  # the README's NNX recipe (al
 
 def test_nnx_model_with_batchnorm_trains_with_the_readme_recipe():
   model = NNXNet(nnx.Rngs(0))
-  # at 0.1: the default scale's step has SGD's size (at 0.05 neither it nor Nesterov SGD falls 20% in 40 steps)
-  optimizer = nnx.Optimizer(model, scsgd_jax.scsgd(0.1, input_axes=scsgd_jax.input_axes_nnx(model)), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, scsgd_jax.scsgd(0.05, input_axes=scsgd_jax.input_axes_nnx(model)), wrt=nnx.Param)
   train_step = lambda *a: _nnx_train_step(*a)[0]
 
   mean0 = np.asarray(model.bn.mean[...])
@@ -182,10 +180,9 @@ def test_gemma_style_nnx_model_trains_with_no_input_axes_argument():
   _, grads, rows = out[0]
   x = np.asarray(rows["q"]["kernel"], np.float64)
   c = x.T @ x / x.shape[0]
-  scale = np.sqrt(np.trace(c) / D)  # the default normalize=True: A^{-1} times sqrt(tr C / n), the data's trace
   c = c + (1 - 0.05) ** 2 * np.trace(c) / D * np.eye(D)  # the first fold weighs 1 - (1 - nu)^2 (every 2nd step)
   w, v = np.linalg.eigh(c)
-  a_inv = scale * (v / np.sqrt(np.maximum(w, 1e-2 * np.trace(c) / D))) @ v.T
+  a_inv = (v / np.sqrt(np.maximum(w, 1e-2 * np.trace(c) / D))) @ v.T
   g = np.moveaxis(np.asarray(grads["q"]["kernel"]), 1, 0).reshape(D, -1)
   expected = np.moveaxis(-0.05 * 1.9 * (a_inv @ g).reshape(D, N, H), 0, 1)  # the update, in q's layout
   got = np.asarray(_train_gemma(tx, 1)[0].q.kernel[...], np.float64) - first["q"]["kernel"]

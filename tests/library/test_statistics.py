@@ -229,7 +229,7 @@ def test_warm_start_refreshes_after_1_2_4_8_folds_then_every_period():
 
 def test_warm_start_conditions_the_first_step_with_the_first_batch():
   """Step 0 uses C = B + (1 - w) (tr B / n) I from the first batch B (the paper's: (1 - w) I + w B), w the
-  first fold's weight: 1 - (1 - nu)^2 at the default fold every other step; normalized by tr B / n."""
+  first fold's weight: 1 - (1 - nu)^2 at the default fold every other step."""
   rng = np.random.default_rng(4)
   n = 5
   x = rng.standard_normal((32, n)) * np.linspace(0.2, 4, n)
@@ -240,8 +240,7 @@ def test_warm_start_conditions_the_first_step_with_the_first_batch():
                    layer_inputs={"d": {"kernel": jnp.asarray(x, jnp.float32)}})
   b = x.T @ x / 32
   w, v = np.linalg.eigh(b + 0.95 ** 2 * np.trace(b) / n * np.eye(n))
-  scale = np.sqrt(np.trace(b) / n)  # normalize=True: the statistics' trace (the data's, not the fill's)
-  np.testing.assert_allclose(u["d"]["kernel"], scale * (v / np.sqrt(w)) @ v.T @ g, rtol=1e-3, atol=1e-5)
+  np.testing.assert_allclose(u["d"]["kernel"], (v / np.sqrt(w)) @ v.T @ g, rtol=1e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("warm_start,kernels,update_every,statistics_every,expected", [
