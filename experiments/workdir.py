@@ -33,6 +33,10 @@ LOCK_FILE = "lock"
 RUNTIME_KEYS = ("data_dir", "download", "progress_bar", "stop_after_steps")
 RESOLVED_KEY = "resolved"  # in config.json: the optimizer's settings with the library's defaults written out
 VERSIONS_KEY = "versions"  # in config.json: the packages the run was made with
+#: optimizer arguments added after runs were recorded, each with the value that reproduces the behaviour from
+#: before it: a record without the key ran with that value (adding an argument leaves old rows valid; a later
+#: change of its default does not)
+ADDED_ARGUMENTS = {"normalize": False}
 
 
 def check_path(workdir: str, flag: str = "--workdir") -> str:
@@ -79,8 +83,12 @@ def config_differences(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
 
   a, b = _flat(used(old)), _flat(used(new))
   keys = sorted(set(a) | set(b), key=lambda k: (k not in a, k))
-  diff = [(k, a.get(k, "<absent>"), b.get(k, "<absent>")) for k in keys
-          if k not in RUNTIME_KEYS and a.get(k, "<absent>") != b.get(k, "<absent>")]
+
+  def value(d, k):
+    added = k.startswith(("optimizer.", f"{RESOLVED_KEY}.")) and k.rsplit(".", 1)[-1] in ADDED_ARGUMENTS
+    return d.get(k, ADDED_ARGUMENTS[k.rsplit(".", 1)[-1]] if added else "<absent>")
+
+  diff = [(k, value(a, k), value(b, k)) for k in keys if k not in RUNTIME_KEYS and value(a, k) != value(b, k)]
   # resolved settings follow the config's keys (full_max_dim from rank): said only when no key differs,
   # i.e. when a library default changed
   prefix = f"{RESOLVED_KEY}."

@@ -96,6 +96,19 @@ def test_only_the_used_optimizers_sub_config_is_part_of_a_run():
       "optimizer.adamw.b1", "optimizer.name", "optimizer.sgd.momentum", "optimizer.weight_decay"]
 
 
+def test_an_argument_added_since_a_record_reads_as_the_behaviour_before_it():
+  """A record made before `normalize` existed ran at the paper's scale: it equals today's run with
+  normalize=False, and differs from one with normalize=True (a later default included)."""
+  old = {"optimizer": {"name": "scsgd", "scsgd": {"rank": None}}, "resolved": {"rank": 32}}
+  new = json.loads(json.dumps(old))
+  new["resolved"]["normalize"] = False
+  assert workdir_lib.config_differences(old, new) == []
+  new["resolved"]["normalize"] = True
+  assert workdir_lib.config_differences(old, new) == [("normalize (library default)", False, True)]
+  new["optimizer"]["scsgd"]["normalize"] = True
+  assert workdir_lib.config_differences(old, new) == [("optimizer.scsgd.normalize", False, True)]
+
+
 def test_configs_are_data_that_import_nothing_from_experiments():
   """configs/ and experiments/ once imported each other; a config file now imports only configs/."""
   import glob
