@@ -29,7 +29,7 @@ def scsgd(
     conditioner: transform.ConditionerKind = "auto",
     statistics: transform.StatisticsKind = "auto",
     warm_start: bool = True,
-    normalize: bool = False,
+    normalize: bool = defaults.NORMALIZE,
     stagger: bool = True,
     budget: str = defaults.BUDGET,
     outlier_threshold: float = defaults.OUTLIER_THRESHOLD,

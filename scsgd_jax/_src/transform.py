@@ -90,7 +90,7 @@ def scale_by_sketched_conditioning(
     conditioner: ConditionerKind = "auto",
     statistics: StatisticsKind = "auto",
     warm_start: bool = True,
-    normalize: bool = False,
+    normalize: bool = defaults.NORMALIZE,
     stagger: bool = True,
     budget: Literal["kernel", "model"] = defaults.BUDGET,
     outlier_threshold: float = defaults.OUTLIER_THRESHOLD,

@@ -66,6 +66,8 @@ def test_normalized_step_is_the_conditioner_of_c_over_its_mean_eigenvalue(condit
   if rank is None:
     np.testing.assert_allclose(step(True), -LR * helpers.psd_power(c / (np.trace(c) / 8), -0.5) @ g, rtol=1e-3,
                                atol=1e-5)
+  with pytest.raises(ValueError, match="^normalize must be a bool, got 1"):
+    sk.scsgd(0.1, normalize=1)
 
 
 def test_dense_step_equals_hand_computed_rank_k_conditioner():
