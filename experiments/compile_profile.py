@@ -39,7 +39,7 @@ FLAGS = flags.FLAGS
 # part -> (module, function, stub with the same signature that does nothing)
 PARTS = {
     "fold": (fold_lib, "fold", lambda plans, rows, stats, clipped, *a, **k: (stats, clipped)),
-    "refresh": (schedule, "refresh", lambda plans, phases, stats, old, key, count, due: (old, key)),
+    "refresh": (schedule, "refresh", lambda plans, phases, stats, old, key, count, due, *a: (old, key)),
     "condition": (transform, "_condition", lambda updates, plans, factors: updates),
 }
 _SKIP = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all")
