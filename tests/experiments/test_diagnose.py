@@ -1,0 +1,48 @@
+"""The kernel-by-kernel diagnosis and the compile profile: what they record, on tiny runs."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import diagnose as diagnose_config
+from experiments import compile_profile
+from experiments import develop
+from experiments import diagnose
+
+
+def test_a_diagnosis_run_records_every_kernel_and_the_scales_differ():
+  config = diagnose_config.get_config()
+  config.num_steps = 3
+  config.diagnose.record_every = 1
+  config.diagnose.model = dict(d=16, heads=2, layers=1, attention="mha")
+  config.develop.heldout_windows = 4
+  d = config.develop
+  table = develop.markov_source(d.vocab, d.concentration, d.source_seed)
+  heldout = develop.sample_windows(table, 4, d.context + 1, np.random.default_rng(0))
+  runs = {label: diagnose.run(config, label, 0.1, table, heldout) for label in config.diagnose.variants}
+  for r in runs.values():
+    assert [row["step"] for row in r["records"]] == [0, 1, 2] and np.isfinite(r["heldout_loss"])
+    assert {"embed/embedding", "head/kernel", "blocks/0/attn/query/kernel"} <= set(r["records"][0]["kernels"])
+  kernel = runs["scsgd_normalized"]["records"][2]["kernels"]["head/kernel"]
+  assert {"grad", "rel_step", "inverse_max", "spread", "tail_inverse"} <= set(kernel)
+  assert "inverse_max" not in runs["sgd"]["records"][2]["kernels"]["head/kernel"]
+  # the same run but for the scale: the conditioned steps differ once a factor is refreshed
+  step = lambda label: runs[label]["records"][2]["kernels"]["head/kernel"]["rel_step"]
+  assert not np.isclose(step("scsgd_normalized"), step("scsgd_paper_scale"), rtol=1e-3)
+
+
+def test_compile_profile_counts_kernels_by_part_and_its_stubs_fit_the_parts():
+  def f(x):
+    with jax.named_scope("PART_fold"):
+      y = jnp.sort(x) * 2.0
+    return jnp.tanh(y) + x
+
+  counts = compile_profile.kernels(jax.jit(f).lower(jnp.ones(8)).compile().as_text())
+  assert counts["fold"] >= 1 and counts["other"] >= 1 and not counts["refresh"]
+  for part, (module, name, stub) in compile_profile.PARTS.items():  # a stub takes what the part takes
+    real = inspect.signature(getattr(module, name)).parameters
+    stub_params = inspect.signature(stub).parameters.values()
+    takes_more = any(p.kind == p.VAR_POSITIONAL for p in stub_params)
+    assert takes_more or len(stub_params) >= len(real), part
