@@ -8,8 +8,12 @@ with each part stubbed out (the fold of the captured rows into the statistics, t
 the conditioning of the gradients) and once with all three stubbed (what is left: the Nesterov chain). For
 each it records the seconds to lower and compile and the XLA kernels of the compiled program (the
 instructions of its non-fused computations; XLA's CPU backend emits code per kernel, and the compile time
-follows their number), the whole update's kernels also by part (named scopes). Writes
-``compile_profile.json``. Run it alone on the machine: the seconds are timings.
+follows their number), the whole update's kernels also by part (named scopes). It also compiles the fold
+alone in three forms that compute the same statistics (``fold_alone``): the library's (one computation per
+kernel), and two banked forms that fold the kernels of one kind of statistics, ``n`` and row count together
+(:func:`fold_vmapped`: one ``vmap``; :func:`fold_looped`: one ``fori_loop`` over the bank's members), the
+forms that would make the fold's compile time independent of depth. Writes ``compile_profile.json``. Run it
+alone on the machine: the seconds are timings.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import flags
 from flax import nnx
 
@@ -83,6 +89,71 @@ def kernels(hlo_text: str) -> collections.Counter:
   return out
 
 
+def _banks(kernel_plans, rows) -> list[list[str]]:
+  """The kernels that can fold together: one kind of statistics, ``n``, slice layout and row shape."""
+  banks = collections.defaultdict(list)
+  for path, plan in kernel_plans.items():
+    x = rows[path]
+    if x.size:
+      banks[(id(plan.statistics), plan.n, plan.slices is None, x.shape[-2:] if plan.slices is None else x.shape[1:],
+             x.dtype)].append(path)
+  return list(banks.values())
+
+
+def _fold_banked(fold_bank):
+  """A fold with the library's signature (no ``axis_name``) that stacks each bank (:func:`_banks`) and folds it
+  with ``fold_bank(one, stats, rows) -> (stats, clipped per member)``, ``one`` the library's fold of one member, guarded."""
+
+  def fold(kernel_plans, rows, stats, clipped, outlier_threshold):
+    new_stats, new_clipped = dict(stats), dict(clipped)
+    for paths in _banks(kernel_plans, rows):
+      def one(state, x, plan=kernel_plans[paths[0]]):
+        folded, n_clipped = fold_lib.fold_kernel(plan, state, x, outlier_threshold)
+        return fold_lib.keep_if_finite(folded, state), n_clipped
+
+      lone = [kernel_plans[p].slices is None for p in paths]
+      sizes = [kernel_plans[p].slices or 1 for p in paths]
+      folded, counts = fold_bank(one, schedule._stacked([stats[p] for p in paths], lone),
+                                 schedule._stacked([rows[p] for p in paths], lone))
+      starts = np.cumsum([0, *sizes])
+      for i, (p, part) in enumerate(zip(paths, schedule._unstacked(folded, sizes, lone))):
+        new_stats[p], new_clipped[p] = part, clipped[p] + jnp.sum(counts[starts[i]:starts[i + 1]])
+    return new_stats, new_clipped
+
+  return fold
+
+
+def _looped(one, stats, rows):
+  def body(j, carry):
+    s, counts = carry
+    folded, count = one(jax.tree.map(lambda a: a[j], s), rows[j])
+    return jax.tree.map(lambda a, b: a.at[j].set(b), s, folded), counts.at[j].set(count)
+
+  return jax.lax.fori_loop(0, rows.shape[0], body, (stats, jnp.zeros(rows.shape[0], jnp.int32)))
+
+
+fold_vmapped = _fold_banked(lambda one, stats, rows: jax.vmap(one)(stats, rows))
+fold_looped = _fold_banked(_looped)
+FOLDS = {"per_kernel": fold_lib.fold, "vmap_banked": fold_vmapped, "loop_banked": fold_looped}
+
+
+def fold_alone(params, rows_captured) -> dict[str, float]:
+  """Seconds to lower and compile the fold alone (the library's default conditioning of ``params``, whose inputs
+  ``rows_captured`` are), in each form of :data:`FOLDS`."""
+  args = transform.arguments("compile_profile", input_axes=rows_captured.input_axes)
+  tx, plans = transform.conditioning_and_plans(args)
+  state = tx.init(params)
+  kernel_plans = plans(params, rows_captured.input_axes)
+  rows = transform._checked_rows(kernel_plans, rows_captured)
+  out = {}
+  for label, fold in FOLDS.items():
+    fn = jax.jit(lambda r, s, c, fold=fold: fold(kernel_plans, r, s, c, args["outlier_threshold"]))
+    t0 = time.perf_counter()
+    fn.lower(rows, state.statistics, state.clipped_rows).compile()
+    out[label] = time.perf_counter() - t0
+  return out
+
+
 def profile(config, name: str, spec: dict) -> dict[str, Any]:
   shape, classes, batch = tuple(spec["shape"]), spec["classes"], spec["batch"]
   xs, _ = benchmark_step._data(name, shape, classes, batch, 1)
@@ -109,6 +180,7 @@ def profile(config, name: str, spec: dict) -> dict[str, Any]:
     with _patched({p: PARTS[p][2] for p in stubbed}):
       program, figures = compiled()
     result[label] = {**figures, "kernels": sum(kernels(program.as_text()).values())}
+  result["fold_alone_s"] = fold_alone(params, rows)
   return result
 
 

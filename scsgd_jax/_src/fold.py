@@ -3,6 +3,8 @@ a non-finite result dropped, the replicas' folds averaged under ``pmap``/``shard
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -34,6 +36,15 @@ def guard_rows(rows: jax.Array, reference: jax.Array, threshold) -> tuple[jax.Ar
   return rows * factor[:, None], jnp.sum(over).astype(jnp.int32)
 
 
+def fold_kernel(plan, state, x, outlier_threshold):
+  """One kernel's (or slice's) rows ``x`` folded into its statistics ``state``, guarded (:func:`guard_rows`;
+  ids are not); returns the new statistics and the number of rows clipped."""
+  n_clipped = jnp.zeros([], jnp.int32)
+  if not plan.statistics.takes_ids:
+    x, n_clipped = guard_rows(x, plan.statistics.trace(state), outlier_threshold)
+  return plan.statistics.update(state, x), n_clipped
+
+
 def fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
   """Each kernel's rows folded into its statistics (guarded; a non-finite result keeps the old ones); a stacked
   or grouped kernel's slices each fold their own rows, as one ``vmap``.
@@ -48,12 +59,7 @@ def fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
     if x.size == 0:  # no rows this step (an empty micro-batch, a fully masked layer): nothing to fold
       continue
 
-    def one(state, x, plan=plan):
-      n_clipped = jnp.zeros([], jnp.int32)
-      if not plan.statistics.takes_ids:
-        x, n_clipped = guard_rows(x, plan.statistics.trace(state), outlier_threshold)
-      return plan.statistics.update(state, x), n_clipped
-
+    one = functools.partial(fold_kernel, plan, outlier_threshold=outlier_threshold)
     if plan.slices is None:
       folded, n_clipped = one(stats[path], x)
     else:
