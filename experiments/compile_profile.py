@@ -37,7 +37,9 @@ from experiments import cli
 from experiments import machine
 from experiments import optimizers
 from experiments import report
+from scsgd_jax._src import defaults
 from scsgd_jax._src import fold as fold_lib
+from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import schedule
 from scsgd_jax._src import transform
 
@@ -154,6 +156,30 @@ def fold_alone(params, rows_captured) -> dict[str, float]:
   return out
 
 
+def refresh_alone(params, rows_captured) -> dict[str, dict[str, Any]]:
+  """Seconds to lower and compile the refresh alone (the library's default conditioning of ``params``), of each
+  bank (one kind of statistics, ``n`` and rank) with all its members and with its first member alone: the
+  fixed cost of a distinct statistic and the cost of each further member."""
+  args = transform.arguments("compile_profile", input_axes=rows_captured.input_axes)
+  tx, plans = transform.conditioning_and_plans(args)
+  state = tx.init(params)
+  kernel_plans = plans(params, rows_captured.input_axes)
+  phases = plan_lib.slice_phases(kernel_plans, defaults.UPDATE_EVERY, True)
+  due = lambda count, phase: schedule.refresh_due(count, phase, defaults.UPDATE_EVERY, True, defaults.STATISTICS_EVERY)
+  banks = collections.defaultdict(dict)
+  for path, plan in kernel_plans.items():
+    banks[f"{plan.kind} n={plan.n} rank={plan.rank}"][path] = plan
+  out = {}
+  for bank, members in banks.items():
+    out[bank] = {"members": len(members)}
+    for label, sub in (("all_s", members), ("first_s", dict([next(iter(members.items()))]))):
+      fn = jax.jit(lambda s, f, k, c, sub=sub: schedule.refresh(sub, phases, s, f, k, c, due))
+      t0 = time.perf_counter()
+      fn.lower(state.statistics, state.factors, state.key, state.count).compile()
+      out[bank][label] = time.perf_counter() - t0
+  return out
+
+
 def profile(config, name: str, spec: dict) -> dict[str, Any]:
   shape, classes, batch = tuple(spec["shape"]), spec["classes"], spec["batch"]
   xs, _ = benchmark_step._data(name, shape, classes, batch, 1)
@@ -181,6 +207,7 @@ def profile(config, name: str, spec: dict) -> dict[str, Any]:
       program, figures = compiled()
     result[label] = {**figures, "kernels": sum(kernels(program.as_text()).values())}
   result["fold_alone_s"] = fold_alone(params, rows)
+  result["refresh_alone_s"] = refresh_alone(params, rows)
   return result
 
 
@@ -193,7 +220,8 @@ def main(argv):
   results = {"models": {}}
   for name in only:
     r = results["models"][name] = profile(config, name, models[name].to_dict())
-    print(name, {k: (round(v["lower_s"] + v["compile_s"], 2), v["kernels"]) for k, v in r.items()}, flush=True)
+    print(name, {k: (round(v["lower_s"] + v["compile_s"], 2), v["kernels"]) for k, v in r.items() if "kernels" in v},
+          {k: round(v, 2) for k, v in r["fold_alone_s"].items()}, r["refresh_alone_s"], flush=True)
   report.write_results(FLAGS.results_dir, results, cli.command_line(), "compile_profile.json", machine.describe())
 
 
