@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Hashable, Literal, Optional
+from typing import Any, Callable, Hashable, Literal, Optional, Union
 
 import optax
 
@@ -29,7 +29,7 @@ def scsgd(
     conditioner: transform.ConditionerKind = "auto",
     statistics: transform.StatisticsKind = "auto",
     warm_start: bool = True,
-    normalize: bool = defaults.NORMALIZE,
+    normalize: Union[bool, str] = defaults.NORMALIZE,
     stagger: bool = True,
     budget: str = defaults.BUDGET,
     outlier_threshold: float = defaults.OUTLIER_THRESHOLD,

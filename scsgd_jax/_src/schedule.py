@@ -4,7 +4,7 @@ computation (a bank), whichever of them is due."""
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from typing import Callable, Union
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +55,15 @@ def _unstacked(tree, sizes, lone):
   return out
 
 
-def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: Callable, normalize: bool = False):
+def normalizes(normalize: Union[bool, str], plan: plan_lib.KernelPlan) -> bool:
+  """Whether ``normalize`` (``True``, ``False`` or ``'embeddings'``) conditions ``plan``'s kernel by ``C / (tr C / n)``."""
+  return normalize is True or (normalize == "embeddings" and plan.statistics.takes_ids)
+
+
+def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: Callable,
+            normalize: Union[bool, str] = False):
   """New factors of the kernels whose refresh is due (``phases``: :func:`plan.slice_phases`), of ``C / (tr C / n)``
-  with ``normalize`` (:func:`normalized`).
+  for the kernels ``normalize`` names (:func:`normalizes`, :func:`normalized`).
 
   The kernels (and stacked slices) of one kind of statistics, ``n`` and rank form a bank, refreshed by one
   compiled computation however many layers it holds: a loop over the members due at this step (one or a
@@ -74,7 +80,8 @@ def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: C
 
     def make(s, kk, plan=plan):
       factor = plan.statistics.factor(s, kk, plan.rank)
-      return kept_factor(plan, normalized(factor, plan.statistics.trace(s), plan.n) if normalize else factor)
+      return kept_factor(plan, normalized(factor, plan.statistics.trace(s), plan.n) if normalizes(normalize, plan)
+                         else factor)
 
     lone = [kernel_plans[p].slices is None for p in paths]
     sizes = [kernel_plans[p].slices or 1 for p in paths]

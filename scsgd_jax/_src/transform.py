@@ -90,7 +90,7 @@ def scale_by_sketched_conditioning(
     conditioner: ConditionerKind = "auto",
     statistics: StatisticsKind = "auto",
     warm_start: bool = True,
-    normalize: bool = defaults.NORMALIZE,
+    normalize: Union[bool, Literal["embeddings"]] = defaults.NORMALIZE,
     stagger: bool = True,
     budget: Literal["kernel", "model"] = defaults.BUDGET,
     outlier_threshold: float = defaults.OUTLIER_THRESHOLD,
@@ -135,7 +135,9 @@ def scale_by_sketched_conditioning(
     normalize: condition by ``C / (tr C / n)``, i.e. ``A^{-1}`` times ``sqrt(tr C / n)``: the direction of ``C``'s
       mean eigenvalue keeps its gradient's scale, so a kernel's conditioned step scales with its inputs as
       SGD's does and one rate that fits SGD fits every layer (``False``: ``A = C^{1/2}`` itself, the paper's,
-      whose step scales inversely with the inputs).
+      whose step scales inversely with the inputs). ``'embeddings'``: the embeddings only (one-hot inputs,
+      ``tr C / n = 1 / vocab``: each token's step scaled by its frequency relative to the uniform one, where
+      the paper's ``A`` multiplies the whole table's step by ``sqrt(vocab)``); every other kernel the paper's.
     stagger: spread the kernels' periodic refreshes over the window.
     budget: memory rule of ``'auto'``: ``'model'`` (the model's leftover floats too) or ``'kernel'``.
     outlier_threshold: rows above this multiple (``>= 1``) of the running ``tr C`` (squared norm) are
@@ -276,9 +278,11 @@ def _check_choices(conditioner, statistics, budget, warm_start, stagger, normali
     raise ValueError("conditioner='full' needs the dense C: it cannot be combined with statistics='streaming'.")
   if budget not in ("kernel", "model"):
     raise ValueError(f"budget must be 'kernel' or 'model', got {budget!r}.")
-  for name, value in (("warm_start", warm_start), ("stagger", stagger), ("normalize", normalize)):
+  for name, value in (("warm_start", warm_start), ("stagger", stagger)):
     if not isinstance(value, bool):
       raise ValueError(f"{name} must be a bool, got {value!r}.")
+  if not isinstance(normalize, bool) and normalize != "embeddings":
+    raise ValueError(f"normalize must be True, False or 'embeddings', got {normalize!r}.")
 
 
 def _condition(updates, kernel_plans, factors):

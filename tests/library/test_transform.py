@@ -66,8 +66,31 @@ def test_normalized_step_is_the_conditioner_of_c_over_its_mean_eigenvalue(condit
   if rank is None:
     np.testing.assert_allclose(step(True), -LR * helpers.psd_power(c / (np.trace(c) / 8), -0.5) @ g, rtol=1e-3,
                                atol=1e-5)
-  with pytest.raises(ValueError, match="^normalize must be a bool, got 1"):
+  with pytest.raises(ValueError, match="^normalize must be True, False or 'embeddings', got 1"):
     sk.scsgd(0.1, normalize=1)
+
+
+@pytest.mark.parametrize("normalize", [False, "embeddings", True])
+def test_normalize_embeddings_scales_the_embeddings_conditioner_alone(normalize):
+  """normalize='embeddings': the embedding's step is -lr (d / (sum d / vocab))^{-1/2} g (d: the EMA of its token
+  frequencies from C = I), the dense kernel's the paper's -lr C^{-1/2} G; False and True scale neither and both."""
+  rng = np.random.default_rng(5)
+  params = {**_params(rng), "embed": {"embedding": jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)}}
+  x = rng.standard_normal((16, 6)) * np.linspace(0.3, 2, 6)
+  ids = np.array([0, 0, 0, 1, 1, 2, 0, 3, 0, 1, 0, 0])
+  grads = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), jnp.float32), params)
+  tx = _plain(rank=None, conditioner="full", normalize=normalize)
+  updates, _ = tx.update(grads, tx.init(params), params,
+                         layer_inputs={"dense": {"kernel": jnp.asarray(x, jnp.float32)},
+                                       "embed": {"embedding": jnp.asarray(ids)}})
+  d = (1 - NU) + NU * np.bincount(ids, minlength=5) / ids.size
+  scale = np.sqrt(d.sum() / 5) if normalize else 1.0
+  expected = -LR * scale * d[:, None] ** -0.5 * np.asarray(grads["embed"]["embedding"])
+  np.testing.assert_allclose(updates["embed"]["embedding"], expected, rtol=1e-5, atol=1e-7)
+  c = (1 - NU) * np.eye(6) + NU * x.T @ x / 16
+  scale = np.sqrt(np.trace(c) / 6) if normalize is True else 1.0
+  expected = -LR * scale * helpers.psd_power(c, -0.5) @ np.asarray(grads["dense"]["kernel"])
+  np.testing.assert_allclose(updates["dense"]["kernel"], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_dense_step_equals_hand_computed_rank_k_conditioner():
