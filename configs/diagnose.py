@@ -10,9 +10,9 @@ def get_config():
   config.seed = 0
   config.diagnose = ml_collections.ConfigDict(dict(
       # name -> the optimizer and its settings over its recipe
-      variants={"sgd": {"name": "sgd"}, "scsgd_paper_scale": {"name": "scsgd", "normalize": False},
+      variants={"sgd": {"name": "sgd"}, "scsgd_paper_scale": {"name": "scsgd", "normalize": "none"},
                 "scsgd_normalized_embeddings": {"name": "scsgd", "normalize": "embeddings"},
-                "scsgd_normalized": {"name": "scsgd", "normalize": True}},
+                "scsgd_normalized": {"name": "scsgd", "normalize": "all"}},
       rates=(0.0316, 0.1, 0.316, 1.0),  # SGD's authors' rate 0.1, the head to head's neighbours, one more up
       # the Flax examples' layout (3-D attention kernels), 2 blocks: the step benchmark's TransformerLM
       model=dict(d=128, heads=4, layers=2, attention="mha"),

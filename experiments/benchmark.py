@@ -247,22 +247,40 @@ def earlier_grid(results_dir: str, name: str) -> dict[Point, float]:
   return out
 
 
+def missing_evaluations(cfg, rows: list[dict]) -> list[int]:
+  """The steps at which a finished run of ``cfg`` evaluates (every ``eval_every`` and the last) that ``rows`` lack."""
+  due = set(range(cfg.eval_every, cfg.num_steps + 1, cfg.eval_every)) | {cfg.num_steps}
+  return sorted(due - {r["step"] for r in rows if "test_loss" in r})
+
+
 def train_one(cfg, workdir: str, report_split: str) -> dict:
   """Trains one run (resuming its workdir, or starting it over if it holds another config: the committed
-  records are the benchmark's state, a workdir only a cache) and returns its record (without its key)."""
+  records are the benchmark's state, a workdir only a cache) and returns its record (without its key).
+
+  A finished run whose metrics miss an evaluation (a curve with a hole, whatever made it) is trained once
+  more from scratch; missing again, it stops the harness naming the steps: no record with a hole is written."""
   try:
     workdir_lib.check_config(workdir, train.record(cfg))
   except errors.WorkdirError as e:
     print(f"starting over: {e}", file=sys.stderr, flush=True)
     shutil.rmtree(workdir)
   load_before = os.getloadavg()
-  diverged = False
-  try:
-    train.train_and_evaluate(cfg, workdir)
-  except errors.DivergedError as e:
-    print(f"warning: {e}", file=sys.stderr, flush=True)
-    diverged = True
-  rows = metrics.read(os.path.join(workdir, train.METRICS_FILE))
+  for attempt in range(2):
+    diverged = False
+    try:
+      train.train_and_evaluate(cfg, workdir)
+    except errors.DivergedError as e:
+      print(f"warning: {e}", file=sys.stderr, flush=True)
+      diverged = True
+    rows = metrics.read(os.path.join(workdir, train.METRICS_FILE))
+    missing = [] if diverged else missing_evaluations(cfg, rows)
+    if not missing:
+      break
+    message = f"{workdir}: its metrics miss the evaluations of steps {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+    if attempt:
+      raise errors.WorkdirError(f"{message}, again after training it from scratch")
+    print(f"starting over: {message}", file=sys.stderr, flush=True)
+    shutil.rmtree(workdir)
   out = {"config": train.record(cfg), "diverged": diverged, "rows": rows, "state_bytes": _state_bytes(cfg),
          "load_average_1min": [load_before[0], os.getloadavg()[0]]}
   if report_split and not diverged:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Hashable, Literal, Optional, Union
+from typing import Any, Callable, Hashable, Literal, Optional
 
 import optax
 
@@ -29,7 +29,7 @@ def scsgd(
     conditioner: transform.ConditionerKind = "auto",
     statistics: transform.StatisticsKind = "auto",
     warm_start: bool = True,
-    normalize: Union[bool, str] = defaults.NORMALIZE,
+    normalize: transform.NormalizeKind = defaults.NORMALIZE,
     stagger: bool = True,
     budget: str = defaults.BUDGET,
     outlier_threshold: float = defaults.OUTLIER_THRESHOLD,

@@ -4,7 +4,7 @@ computation (a bank), whichever of them is due."""
 from __future__ import annotations
 
 import collections
-from typing import Callable, Union
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,13 +55,13 @@ def _unstacked(tree, sizes, lone):
   return out
 
 
-def normalizes(normalize: Union[bool, str], plan: plan_lib.KernelPlan) -> bool:
-  """Whether ``normalize`` (``True``, ``False`` or ``'embeddings'``) conditions ``plan``'s kernel by ``C / (tr C / n)``."""
-  return normalize is True or (normalize == "embeddings" and plan.statistics.takes_ids)
+def normalizes(normalize: str, plan: plan_lib.KernelPlan) -> bool:
+  """Whether ``normalize`` (``'none'``, ``'embeddings'`` or ``'all'``) conditions ``plan``'s kernel by ``C / (tr C / n)``."""
+  return normalize == "all" or (normalize == "embeddings" and plan.statistics.takes_ids)
 
 
 def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: Callable,
-            normalize: Union[bool, str] = False):
+            normalize: str = "none"):
   """New factors of the kernels whose refresh is due (``phases``: :func:`plan.slice_phases`), of ``C / (tr C / n)``
   for the kernels ``normalize`` names (:func:`normalizes`, :func:`normalized`).
 

@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 ConditionerKind = Literal["auto", "sketched", "full"]
+NormalizeKind = Literal["none", "embeddings", "all"]
 StatisticsKind = Union[Literal["auto", "dense", "streaming", "diagonal"], stats_lib.CorrelationStatistics]
 
 #: Arguments that decide shapes or the compiled schedule; under ``optax.inject_hyperparams`` list
@@ -90,7 +91,7 @@ def scale_by_sketched_conditioning(
     conditioner: ConditionerKind = "auto",
     statistics: StatisticsKind = "auto",
     warm_start: bool = True,
-    normalize: Union[bool, Literal["embeddings"]] = defaults.NORMALIZE,
+    normalize: NormalizeKind = defaults.NORMALIZE,
     stagger: bool = True,
     budget: Literal["kernel", "model"] = defaults.BUDGET,
     outlier_threshold: float = defaults.OUTLIER_THRESHOLD,
@@ -132,12 +133,13 @@ def scale_by_sketched_conditioning(
     statistics: ``'auto'``, ``'dense'``, ``'streaming'``, ``'diagonal'`` or a :class:`CorrelationStatistics`.
     warm_start: bias-corrected statistics and refreshes after 1, 2, 4, ... folds (else the paper's
       ``C_0 = I`` and refreshes every ``update_every`` steps from step 0).
-    normalize: condition by ``C / (tr C / n)``, i.e. ``A^{-1}`` times ``sqrt(tr C / n)``: the direction of ``C``'s
-      mean eigenvalue keeps its gradient's scale, so a kernel's conditioned step scales with its inputs as
-      SGD's does and one rate that fits SGD fits every layer (``False``: ``A = C^{1/2}`` itself, the paper's,
-      whose step scales inversely with the inputs). ``'embeddings'``: the embeddings only (one-hot inputs,
-      ``tr C / n = 1 / vocab``: each token's step scaled by its frequency relative to the uniform one, where
-      the paper's ``A`` multiplies the whole table's step by ``sqrt(vocab)``); every other kernel the paper's.
+    normalize: which kernels are conditioned by ``C / (tr C / n)``, i.e. ``A^{-1}`` times ``sqrt(tr C / n)`` (the
+      direction of ``C``'s mean eigenvalue keeps its gradient's scale, so the conditioned step scales with the
+      inputs as SGD's does): ``'none'`` (the paper's ``A = C^{1/2}`` everywhere, whose step is invariant to the
+      inputs' scale), ``'embeddings'`` (the embeddings alone: their inputs are one-hot, ``tr C / n = 1 / vocab``,
+      so the paper's ``A`` multiplies the table's step by ``sqrt(vocab)`` at the mean frequency; normalized, each
+      token's step follows its frequency relative to the uniform one) or ``'all'`` (every kernel: one rate that
+      fits SGD fits every layer).
     stagger: spread the kernels' periodic refreshes over the window.
     budget: memory rule of ``'auto'``: ``'model'`` (the model's leftover floats too) or ``'kernel'``.
     outlier_threshold: rows above this multiple (``>= 1``) of the running ``tr C`` (squared norm) are
@@ -281,8 +283,8 @@ def _check_choices(conditioner, statistics, budget, warm_start, stagger, normali
   for name, value in (("warm_start", warm_start), ("stagger", stagger)):
     if not isinstance(value, bool):
       raise ValueError(f"{name} must be a bool, got {value!r}.")
-  if not isinstance(normalize, bool) and normalize != "embeddings":
-    raise ValueError(f"normalize must be True, False or 'embeddings', got {normalize!r}.")
+  if normalize not in ("none", "embeddings", "all") or isinstance(normalize, bool):
+    raise ValueError(f"normalize must be 'none', 'embeddings' or 'all', got {normalize!r}.")
 
 
 def _condition(updates, kernel_plans, factors):

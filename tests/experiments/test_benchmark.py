@@ -291,3 +291,32 @@ def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   coarse = importlib.import_module("configs.benchmark.shakespeare").get_config()
   fine = importlib.import_module("configs.benchmark_fine.shakespeare").get_config()
   assert fine.num_steps == coarse.num_steps and fine.schedule == coarse.schedule  # so the chosen rates stand
+
+
+@pytest.mark.parametrize("holes", [1, 2])
+def test_a_run_whose_metrics_miss_an_evaluation_is_trained_again_from_scratch(holes, tmp_path, monkeypatch):
+  """A finished run's metrics with a hole (rows lost before a resume) never become a record: the run is trained
+  once more from an empty workdir; a hole again stops the harness naming the steps."""
+  config = _config()
+  config.num_steps, config.eval_every = 30, 10
+  cfg = benchmark.run_config(config, "sgd", benchmark.Point(0.1, ()), 0)
+  workdir = str(tmp_path / "run")
+  calls = []
+
+  def fake_training(cfg, workdir):
+    calls.append(sorted(os.listdir(workdir)) if os.path.isdir(workdir) else None)
+    os.makedirs(workdir, exist_ok=True)
+    steps = [20, 30] if len(calls) <= holes else [10, 20, 30]  # the first evaluation lost
+    with open(os.path.join(workdir, train.METRICS_FILE), "w") as f:
+      f.writelines(json.dumps({"step": s, "test_loss": 1.0 / s}) + "\n" for s in steps)
+
+  monkeypatch.setattr(train, "train_and_evaluate", fake_training)
+  monkeypatch.setattr(benchmark, "_state_bytes", lambda cfg: 0)
+  if holes == 2:
+    with pytest.raises(errors.WorkdirError, match=r"miss the evaluations of steps \[10\], again after training it"):
+      benchmark.train_one(cfg, workdir, "")
+    return
+  out = benchmark.train_one(cfg, workdir, "")
+  assert [r["step"] for r in out["rows"]] == [10, 20, 30]
+  assert calls == [None, None]  # the second training started from no workdir at all
+  assert benchmark.missing_evaluations(cfg, [{"step": 30, "test_loss": 1.0}]) == [10, 20]

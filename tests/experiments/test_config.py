@@ -98,15 +98,15 @@ def test_only_the_used_optimizers_sub_config_is_part_of_a_run():
 
 def test_an_argument_added_since_a_record_reads_as_the_behaviour_before_it():
   """A record made before `normalize` existed ran at the paper's scale: it equals today's run with
-  normalize=False, and differs from one with normalize=True (a later default included)."""
+  normalize='none', and differs from one with normalize='all' (a later default included)."""
   old = {"optimizer": {"name": "scsgd", "scsgd": {"rank": None}}, "resolved": {"rank": 32}}
   new = json.loads(json.dumps(old))
-  new["resolved"]["normalize"] = False
+  new["resolved"]["normalize"] = "none"
   assert workdir_lib.config_differences(old, new) == []
-  new["resolved"]["normalize"] = True
-  assert workdir_lib.config_differences(old, new) == [("normalize (library default)", False, True)]
-  new["optimizer"]["scsgd"]["normalize"] = True
-  assert workdir_lib.config_differences(old, new) == [("optimizer.scsgd.normalize", False, True)]
+  new["resolved"]["normalize"] = "all"
+  assert workdir_lib.config_differences(old, new) == [("normalize (library default)", "none", "all")]
+  new["optimizer"]["scsgd"]["normalize"] = "all"
+  assert workdir_lib.config_differences(old, new) == [("optimizer.scsgd.normalize", "none", "all")]
 
 
 def test_configs_are_data_that_import_nothing_from_experiments():

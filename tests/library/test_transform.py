@@ -47,7 +47,7 @@ def test_dense_step_equals_hand_computed_full_conditioner():
 
 @pytest.mark.parametrize("conditioner,rank", [("full", None), ("sketched", 3)])
 def test_normalized_step_is_the_conditioner_of_c_over_its_mean_eigenvalue(conditioner, rank):
-  """normalize=True: -lr (C / (tr C / n))^{-1/2} G, i.e. the plain step times sqrt(tr C / n), for the full and the
+  """normalize='all': -lr (C / (tr C / n))^{-1/2} G, i.e. the plain step times sqrt(tr C / n), for the full and the
   sketched conditioner."""
   rng = np.random.default_rng(4)
   params = _params(rng, n=8, p=2)
@@ -62,18 +62,19 @@ def test_normalized_step_is_the_conditioner_of_c_over_its_mean_eigenvalue(condit
     return np.asarray(updates["dense"]["kernel"], np.float64)
 
   c = (1 - NU) * np.eye(8) + NU * x.T @ x / 32
-  np.testing.assert_allclose(step(True), np.sqrt(np.trace(c) / 8) * step(False), rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(step("all"), np.sqrt(np.trace(c) / 8) * step("none"), rtol=1e-4, atol=1e-6)
   if rank is None:
-    np.testing.assert_allclose(step(True), -LR * helpers.psd_power(c / (np.trace(c) / 8), -0.5) @ g, rtol=1e-3,
+    np.testing.assert_allclose(step("all"), -LR * helpers.psd_power(c / (np.trace(c) / 8), -0.5) @ g, rtol=1e-3,
                                atol=1e-5)
-  with pytest.raises(ValueError, match="^normalize must be True, False or 'embeddings', got 1"):
-    sk.scsgd(0.1, normalize=1)
+  for bad in (1, True, "mean"):
+    with pytest.raises(ValueError, match=f"^normalize must be 'none', 'embeddings' or 'all', got {bad!r}"):
+      sk.scsgd(0.1, normalize=bad)
 
 
-@pytest.mark.parametrize("normalize", [False, "embeddings", True])
+@pytest.mark.parametrize("normalize", ["none", "embeddings", "all"])
 def test_normalize_embeddings_scales_the_embeddings_conditioner_alone(normalize):
   """normalize='embeddings': the embedding's step is -lr (d / (sum d / vocab))^{-1/2} g (d: the EMA of its token
-  frequencies from C = I), the dense kernel's the paper's -lr C^{-1/2} G; False and True scale neither and both."""
+  frequencies from C = I), the dense kernel's the paper's -lr C^{-1/2} G; 'none' and 'all' scale neither and both."""
   rng = np.random.default_rng(5)
   params = {**_params(rng), "embed": {"embedding": jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)}}
   x = rng.standard_normal((16, 6)) * np.linspace(0.3, 2, 6)
@@ -84,11 +85,11 @@ def test_normalize_embeddings_scales_the_embeddings_conditioner_alone(normalize)
                          layer_inputs={"dense": {"kernel": jnp.asarray(x, jnp.float32)},
                                        "embed": {"embedding": jnp.asarray(ids)}})
   d = (1 - NU) + NU * np.bincount(ids, minlength=5) / ids.size
-  scale = np.sqrt(d.sum() / 5) if normalize else 1.0
+  scale = np.sqrt(d.sum() / 5) if normalize != "none" else 1.0
   expected = -LR * scale * d[:, None] ** -0.5 * np.asarray(grads["embed"]["embedding"])
   np.testing.assert_allclose(updates["embed"]["embedding"], expected, rtol=1e-5, atol=1e-7)
   c = (1 - NU) * np.eye(6) + NU * x.T @ x / 16
-  scale = np.sqrt(np.trace(c) / 6) if normalize is True else 1.0
+  scale = np.sqrt(np.trace(c) / 6) if normalize == "all" else 1.0
   expected = -LR * scale * helpers.psd_power(c, -0.5) @ np.asarray(grads["dense"]["kernel"])
   np.testing.assert_allclose(updates["dense"]["kernel"], expected, rtol=1e-4, atol=1e-5)
 
