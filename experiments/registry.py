@@ -240,7 +240,7 @@ def _scsgd_eigen_muon(lr, kwargs, config, forward):
   (``muon_*``: Muon's arguments; its momentum ``muon_beta`` becomes the eigenbasis Adam's Nesterov first
   moment, Muon's own set to 0); Muon's AdamW part takes the other leaves' raw gradients."""
   muon_args = _pop_prefixed(kwargs, "muon_")
-  beta = muon_args.pop("beta", inspect.signature(_muon_function()).parameters["beta"].default)
+  beta = muon_args.pop("beta", inspect.signature(peers._muon()).parameters["beta"].default)
   output_layer = muon_args.get("output_layer", "")
   hidden = lambda path, leaf: (scsgd_jax.default_kernel_filter(path, leaf)
                                and peers.muon_hidden(path, leaf, output_layer))
@@ -250,10 +250,6 @@ def _scsgd_eigen_muon(lr, kwargs, config, forward):
       _muon(lr, {**muon_args, "beta": 0.0}, config, forward))
 
 
-def _muon_function():
-  import optax.contrib
-
-  return optax.contrib.muon
 LEAN = {"magnitude": "sign", "split_budget": True}  # scsgd_two_sided at Adam's memory
 CONDITIONING = scsgd_jax.scale_by_sketched_conditioning
 SHAMPOO_PACKAGE = ("precondition-opt",)

@@ -20,6 +20,7 @@ import optax
 from scsgd_jax._src import checks
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
+from scsgd_jax._src import state as state_lib
 from scsgd_jax._src import transform
 from scsgd_jax._src.state import ScaleBySketchedConditioningState
 
@@ -264,7 +265,7 @@ def scale_by_eigenbasis_adam(
     nus = treedef.flatten_up_to(state.nu)
     shapes = treedef.flatten_up_to(jax.eval_shape(lambda: moments_tree(updates, kernel_plans)))
     # a kernel re-planned at the first update (a layout init could not read): its moments and basis start afresh
-    restart = {p for p, f, v in zip(paths, shapes, nus) if not _same_shapes(f, v)}
+    restart = {p for p, f, v in zip(paths, shapes, nus) if not state_lib.same_shapes(f, v)}
     if restart:
       fresh = treedef.flatten_up_to(moments_tree(updates, kernel_plans))
       nus = [f if p in restart else v for p, f, v in zip(paths, fresh, nus)]
@@ -329,8 +330,3 @@ def scale_by_eigenbasis_adam(
         nu=treedef.unflatten(new_nus), rotations=new_rotations)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _same_shapes(a, b) -> bool:
-  return jax.tree.structure(a) == jax.tree.structure(b) and all(
-      jnp.shape(x) == jnp.shape(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

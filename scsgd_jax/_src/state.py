@@ -150,7 +150,8 @@ def fresh_kernel_states(kernel_plans, seed: int):
                    for (p, plan), kk in zip(kernel_plans.items(), keys[1:])}
 
 
-def _same_shapes(a, b) -> bool:
+def same_shapes(a, b) -> bool:
+  """Whether trees ``a`` and ``b`` have one structure and their leaves one shape each."""
   return jax.tree.structure(a) == jax.tree.structure(b) and all(
       np.shape(x) == np.shape(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
@@ -168,7 +169,7 @@ def replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int, 
   state = state._replace(plan=summary_of(kernel_plans, notes))
   _, shapes = jax.eval_shape(lambda: fresh_kernel_states(kernel_plans, seed))
   stale = [p for p in kernel_plans
-           if not _same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2])]
+           if not same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2])]
   if not stale:
     return state
   _, fresh = fresh_kernel_states(kernel_plans, seed)
