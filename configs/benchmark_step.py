@@ -22,6 +22,8 @@ def get_config():
       "scsgd_muon": {"name": "scsgd_muon"},
       "scsgd_two_sided": {"name": "scsgd_two_sided"},  # two-sided conditioning, grafted
       "scsgd_two_sided_lean": {"name": "scsgd_two_sided_lean"},  # at Adam's memory (same rule)
+      "scsgd_eigen": {"name": "scsgd_eigen"},  # Adam in the sketched eigenbasis
+      "scsgd_eigen_muon": {"name": "scsgd_eigen_muon"},  # that scaling in front of Muon's orthogonalization
       "sgd_capture": {"name": "sgd", "capture": "rows"},  # phases: the capture's cost
       "scsgd_no_fold": {"name": "scsgd", "statistics_every": 10**9},  # phases: all but the fold
       "scsgd_no_stagger": {"name": "scsgd", "stagger": False},  # every kernel refreshing at the same step
