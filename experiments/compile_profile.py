@@ -102,21 +102,36 @@ def _banks(kernel_plans, rows) -> list[list[str]]:
   return list(banks.values())
 
 
+def _member_fold(plan, outlier_threshold):
+  """The library's fold of one bank member (a kernel or slice), guarded: ``(stats, rows) -> (stats, clipped)``."""
+
+  def one(state, x):
+    folded, n_clipped = fold_lib.fold_kernel(plan, state, x, outlier_threshold)
+    return fold_lib.keep_if_finite(folded, state), n_clipped
+
+  return one
+
+
+def stacked_banks(kernel_plans, rows, stats):
+  """Per bank (:func:`_banks`): its paths, and its members' statistics and rows stacked on a leading axis."""
+  out = []
+  for paths in _banks(kernel_plans, rows):
+    lone = [kernel_plans[p].slices is None for p in paths]
+    out.append((paths, schedule._stacked([stats[p] for p in paths], lone),
+                schedule._stacked([rows[p] for p in paths], lone)))
+  return out
+
+
 def _fold_banked(fold_bank):
-  """A fold with the library's signature (no ``axis_name``) that stacks each bank (:func:`_banks`) and folds it
-  with ``fold_bank(one, stats, rows) -> (stats, clipped per member)``, ``one`` the library's fold of one member, guarded."""
+  """A fold with the library's signature (no ``axis_name``) that stacks each bank (:func:`stacked_banks`) and
+  folds it with ``fold_bank(one, stats, rows) -> (stats, clipped per member)`` (:func:`_member_fold`)."""
 
   def fold(kernel_plans, rows, stats, clipped, outlier_threshold):
     new_stats, new_clipped = dict(stats), dict(clipped)
-    for paths in _banks(kernel_plans, rows):
-      def one(state, x, plan=kernel_plans[paths[0]]):
-        folded, n_clipped = fold_lib.fold_kernel(plan, state, x, outlier_threshold)
-        return fold_lib.keep_if_finite(folded, state), n_clipped
-
+    for paths, bank_stats, bank_rows in stacked_banks(kernel_plans, rows, stats):
       lone = [kernel_plans[p].slices is None for p in paths]
       sizes = [kernel_plans[p].slices or 1 for p in paths]
-      folded, counts = fold_bank(one, schedule._stacked([stats[p] for p in paths], lone),
-                                 schedule._stacked([rows[p] for p in paths], lone))
+      folded, counts = fold_bank(_member_fold(kernel_plans[paths[0]], outlier_threshold), bank_stats, bank_rows)
       starts = np.cumsum([0, *sizes])
       for i, (p, part) in enumerate(zip(paths, schedule._unstacked(folded, sizes, lone))):
         new_stats[p], new_clipped[p] = part, clipped[p] + jnp.sum(counts[starts[i]:starts[i + 1]])
@@ -134,14 +149,20 @@ def _looped(one, stats, rows):
   return jax.lax.fori_loop(0, rows.shape[0], body, (stats, jnp.zeros(rows.shape[0], jnp.int32)))
 
 
-fold_vmapped = _fold_banked(lambda one, stats, rows: jax.vmap(one)(stats, rows))
+def _vmapped(one, stats, rows):
+  return jax.vmap(one)(stats, rows)
+
+
+fold_vmapped = _fold_banked(_vmapped)
 fold_looped = _fold_banked(_looped)
 FOLDS = {"per_kernel": fold_lib.fold, "vmap_banked": fold_vmapped, "loop_banked": fold_looped}
+BANK_FOLDS = {"vmap_prestacked": _vmapped, "loop_prestacked": _looped}  # the state already kept per bank
 
 
 def fold_alone(params, rows_captured) -> dict[str, float]:
   """Seconds to lower and compile the fold alone (the library's default conditioning of ``params``, whose inputs
-  ``rows_captured`` are), in each form of :data:`FOLDS`."""
+  ``rows_captured`` are), in each form of :data:`FOLDS`, and of :data:`BANK_FOLDS` on statistics and rows
+  stacked per bank beforehand (what a state kept per bank would compile: no stacking in the step)."""
   args = transform.arguments("compile_profile", input_axes=rows_captured.input_axes)
   tx, plans = transform.conditioning_and_plans(args)
   state = tx.init(params)
@@ -152,6 +173,14 @@ def fold_alone(params, rows_captured) -> dict[str, float]:
     fn = jax.jit(lambda r, s, c, fold=fold: fold(kernel_plans, r, s, c, args["outlier_threshold"]))
     t0 = time.perf_counter()
     fn.lower(rows, state.statistics, state.clipped_rows).compile()
+    out[label] = time.perf_counter() - t0
+  banks = stacked_banks(kernel_plans, rows, state.statistics)
+  for label, fold_bank in BANK_FOLDS.items():
+    fn = jax.jit(lambda s, r, fold_bank=fold_bank: [
+        fold_bank(_member_fold(kernel_plans[paths[0]], args["outlier_threshold"]), bank_s, bank_r)
+        for (paths, _, _), bank_s, bank_r in zip(banks, s, r)])
+    t0 = time.perf_counter()
+    fn.lower([b[1] for b in banks], [b[2] for b in banks]).compile()
     out[label] = time.perf_counter() - t0
   return out
 

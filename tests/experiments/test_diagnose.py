@@ -72,3 +72,10 @@ def test_the_compile_profiles_banked_folds_compute_the_librarys_fold(scan):
   for name, fold in compile_profile.FOLDS.items():
     got = fold(kernel_plans, rows, state.statistics, state.clipped_rows, 2.0)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name), got, expected)
+  # and on a state stacked per bank beforehand
+  for paths, bank_stats, bank_rows in compile_profile.stacked_banks(kernel_plans, rows, state.statistics):
+    want = compile_profile.stacked_banks(kernel_plans, rows, expected[0])
+    want = next(stats for p, stats, _ in want if p == paths)
+    for name, fold_bank in compile_profile.BANK_FOLDS.items():
+      got, _ = fold_bank(compile_profile._member_fold(kernel_plans[paths[0]], 2.0), bank_stats, bank_rows)
+      jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name), got, want)

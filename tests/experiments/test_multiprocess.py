@@ -11,11 +11,8 @@ import subprocess
 import sys
 import time
 
-import jax
-import numpy as np
 import pytest
 
-import scsgd_jax
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,17 +56,6 @@ def _two_processes(workdir, *extra):
   return [o for o, _ in outs]
 
 
-def _assert_same_training(a_dir, b_dir):
-  (a, sa), (b, sb) = helpers.final_state(str(a_dir)), helpers.final_state(str(b_dir))
-  assert sa == sb == 40
-  is_factor = lambda x: isinstance(x, scsgd_jax.Factor)  # compared by the operator it applies (see test_devices)
-  for x, y in zip(jax.tree.leaves(a, is_leaf=is_factor), jax.tree.leaves(b, is_leaf=is_factor), strict=True):
-    if is_factor(x):
-      x, y = scsgd_jax.inverse_matrix(x), scsgd_jax.inverse_matrix(y)
-    x, y = np.asarray(x), np.asarray(y)
-    np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5 * max(1.0, float(np.abs(y).max())))
-
-
 def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
@@ -86,13 +72,11 @@ def one(tmp_path_factory):
 def test_two_processes_train_as_one_process_on_four_devices(one, tmp_path):
   outs = _two_processes(tmp_path)
   assert [o.splitlines()[0] for o in outs] == ["devices: 4 device(s) (cpu, cpu) in 2 processes, data parallel"] * 2
-  _assert_same_training(one, tmp_path)
+  helpers.assert_same_training(one, tmp_path)
   rows = _rows(tmp_path)  # written by process 0 alone: each row once
   assert [r["step"] for r in rows] == [r["step"] for r in _rows(one)] == [10, 20, 30, 40]
   for a, b in zip(rows, _rows(one)):
     assert a.keys() == b.keys()
-    for k in {"train_loss", "test_loss"} & a.keys():
-      assert a[k] == pytest.approx(b[k], rel=1e-4), (k, a, b)
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["20", "40"]  # each step's checkpoint once
 
 
@@ -102,7 +86,7 @@ def test_a_checkpoint_restores_on_another_process_count(one, tmp_path, first, th
   run[first](tmp_path, "--config.stop_after_steps=20")
   assert helpers.final_state(str(tmp_path))[1] == 20
   run[then](tmp_path)
-  _assert_same_training(one, tmp_path)
+  helpers.assert_same_training(one, tmp_path)
   assert [r["step"] for r in _rows(tmp_path)] == [10, 20, 30, 40]
 
 
