@@ -12,7 +12,8 @@ follows their number), the whole update's kernels also by part (named scopes). I
 alone in three forms that compute the same statistics (``fold_alone``): the library's (one computation per
 kernel), and two banked forms that fold the kernels of one kind of statistics, ``n`` and row count together
 (:func:`fold_vmapped`: one ``vmap``; :func:`fold_looped`: one ``fori_loop`` over the bank's members), the
-forms that would make the fold's compile time independent of depth. Writes ``compile_profile.json``. Run it
+forms that would make the fold's compile time independent of depth, and both banked forms on a state stacked
+beforehand; and the refresh alone, bank by bank (``refresh_alone``). Writes ``compile_profile.json``. Run it
 alone on the machine: the seconds are timings.
 """
 
@@ -112,11 +113,16 @@ def _member_fold(plan, outlier_threshold):
   return one
 
 
+def _lone(kernel_plans, paths) -> list[bool]:
+  """Which of ``paths`` are kernels of one slice (no leading axis to stack on)."""
+  return [kernel_plans[p].slices is None for p in paths]
+
+
 def stacked_banks(kernel_plans, rows, stats):
   """Per bank (:func:`_banks`): its paths, and its members' statistics and rows stacked on a leading axis."""
   out = []
   for paths in _banks(kernel_plans, rows):
-    lone = [kernel_plans[p].slices is None for p in paths]
+    lone = _lone(kernel_plans, paths)
     out.append((paths, schedule._stacked([stats[p] for p in paths], lone),
                 schedule._stacked([rows[p] for p in paths], lone)))
   return out
@@ -129,11 +135,10 @@ def _fold_banked(fold_bank):
   def fold(kernel_plans, rows, stats, clipped, outlier_threshold):
     new_stats, new_clipped = dict(stats), dict(clipped)
     for paths, bank_stats, bank_rows in stacked_banks(kernel_plans, rows, stats):
-      lone = [kernel_plans[p].slices is None for p in paths]
       sizes = [kernel_plans[p].slices or 1 for p in paths]
       folded, counts = fold_bank(_member_fold(kernel_plans[paths[0]], outlier_threshold), bank_stats, bank_rows)
       starts = np.cumsum([0, *sizes])
-      for i, (p, part) in enumerate(zip(paths, schedule._unstacked(folded, sizes, lone))):
+      for i, (p, part) in enumerate(zip(paths, schedule._unstacked(folded, sizes, _lone(kernel_plans, paths)))):
         new_stats[p], new_clipped[p] = part, clipped[p] + jnp.sum(counts[starts[i]:starts[i + 1]])
     return new_stats, new_clipped
 
@@ -159,14 +164,19 @@ FOLDS = {"per_kernel": fold_lib.fold, "vmap_banked": fold_vmapped, "loop_banked"
 BANK_FOLDS = {"vmap_prestacked": _vmapped, "loop_prestacked": _looped}  # the state already kept per bank
 
 
+def _library_conditioning(params, rows_captured):
+  """The library's default conditioning of ``params`` (read with the captured layouts): its arguments, its
+  initial state and its kernel plans."""
+  args = transform.arguments("compile_profile", input_axes=rows_captured.input_axes)
+  tx, plans = transform.conditioning_and_plans(args)
+  return args, tx.init(params), plans(params, rows_captured.input_axes)
+
+
 def fold_alone(params, rows_captured) -> dict[str, float]:
   """Seconds to lower and compile the fold alone (the library's default conditioning of ``params``, whose inputs
   ``rows_captured`` are), in each form of :data:`FOLDS`, and of :data:`BANK_FOLDS` on statistics and rows
   stacked per bank beforehand (what a state kept per bank would compile: no stacking in the step)."""
-  args = transform.arguments("compile_profile", input_axes=rows_captured.input_axes)
-  tx, plans = transform.conditioning_and_plans(args)
-  state = tx.init(params)
-  kernel_plans = plans(params, rows_captured.input_axes)
+  args, state, kernel_plans = _library_conditioning(params, rows_captured)
   rows = transform._checked_rows(kernel_plans, rows_captured)
   out = {}
   for label, fold in FOLDS.items():
@@ -189,10 +199,7 @@ def refresh_alone(params, rows_captured) -> dict[str, dict[str, Any]]:
   """Seconds to lower and compile the refresh alone (the library's default conditioning of ``params``), of each
   bank (one kind of statistics, ``n`` and rank) with all its members and with its first member alone: the
   fixed cost of a distinct statistic and the cost of each further member."""
-  args = transform.arguments("compile_profile", input_axes=rows_captured.input_axes)
-  tx, plans = transform.conditioning_and_plans(args)
-  state = tx.init(params)
-  kernel_plans = plans(params, rows_captured.input_axes)
+  _, state, kernel_plans = _library_conditioning(params, rows_captured)
   phases = plan_lib.slice_phases(kernel_plans, defaults.UPDATE_EVERY, True)
   due = lambda count, phase: schedule.refresh_due(count, phase, defaults.UPDATE_EVERY, True, defaults.STATISTICS_EVERY)
   banks = collections.defaultdict(dict)

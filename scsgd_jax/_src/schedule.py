@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scsgd_jax._src import defaults
 from scsgd_jax._src import fold as fold_lib
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
@@ -61,7 +62,7 @@ def normalizes(normalize: str, plan: plan_lib.KernelPlan) -> bool:
 
 
 def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: Callable,
-            normalize: str = "none"):
+            normalize: str = defaults.NORMALIZE):
   """New factors of the kernels whose refresh is due (``phases``: :func:`plan.slice_phases`), of ``C / (tr C / n)``
   for the kernels ``normalize`` names (:func:`normalizes`, :func:`normalized`).
 

@@ -283,7 +283,7 @@ def _check_choices(conditioner, statistics, budget, warm_start, stagger, normali
   for name, value in (("warm_start", warm_start), ("stagger", stagger)):
     if not isinstance(value, bool):
       raise ValueError(f"{name} must be a bool, got {value!r}.")
-  if normalize not in ("none", "embeddings", "all") or isinstance(normalize, bool):
+  if normalize not in ("none", "embeddings", "all"):
     raise ValueError(f"normalize must be 'none', 'embeddings' or 'all', got {normalize!r}.")
 
 
