@@ -24,7 +24,8 @@ def get_config() -> ml_collections.ConfigDict:
   # from the library's defaults (the command line reaches every argument: --config.optimizer.scsgd.rank=8).
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.name = "scsgd"  # any name in experiments/registry.py
-  # scsgd_jax.scsgd at its defaults; e.g. dict(statistics="dense", warm_start=False) is the paper's recipe.
+  # scsgd_jax.scsgd at its defaults; e.g. dict(statistics="dense", warm_start=False, normalize="none") is the
+  # paper's recipe.
   config.optimizer.scsgd = ml_collections.ConfigDict()
   config.optimizer.sgd = ml_collections.ConfigDict(dict(momentum=0.9, nesterov=True))  # the paper's baseline
   # The paper's untuned constant-rate Adam: its own learning rate instead of config.schedule.

@@ -123,11 +123,13 @@ def read_record(path: str) -> Optional[dict]:
 
 
 def run_config(config, name: str, point: Point, seed: int, extra: Optional[dict] = None):
-  """The config of one run: the task's, with optimizer ``name`` at its recipe, ``point`` and ``extra``."""
+  """The config of one run: the task's, with optimizer ``name`` at its recipe, ``point`` and ``extra``, and
+  the arguments of ``benchmark.ran_with`` that ``name`` takes (a protocol whose rows ran before a default moved)."""
   cfg = ml_collections.ConfigDict(config.to_dict())
   with cfg.unlocked():
     del cfg["benchmark"]  # the protocol is the harness's: a run's recorded config is what it trains
-  cfg = optimizers.variant(cfg, {"name": name, **registry.recipe(name, config.benchmark.kind).settings,
+  ran_with = {k: v for k, v in config.benchmark.get("ran_with", {}).items() if k in optimizers.sub_config(name)}
+  cfg = optimizers.variant(cfg, {"name": name, **ran_with, **registry.recipe(name, config.benchmark.kind).settings,
                                  **dict(point.joint), **(extra or {})})
   cfg.schedule.base = point.learning_rate
   cfg.seed = seed
@@ -212,9 +214,10 @@ class Harness:
 
   def choose(self, name: str) -> tuple[Point, dict[Point, float]]:
     """The tuned point of ``name`` (running its seed-0 grid as needed) and every grid point's loss; with
-    ``benchmark.points_from``, the point that task's committed seed-0 grid chose, where it has one."""
+    ``benchmark.points_from``, the point that task's committed seed-0 grid chose, where it has one (unless
+    ``benchmark.retune`` names ``name``: a setting that moves its step changed since that grid ran)."""
     b = self.config.benchmark
-    tried = earlier_grid(b.get("points_from", ""), name)
+    tried = earlier_grid(b.get("points_from", ""), name) if name not in b.get("retune", ()) else {}
     for joint in joint_points(self.config, name) if not tried else ():
       losses = tune(lambda lr, j=joint: benchmark_report.final(self.run(name, Point(lr, j), 0)),
                     learning_rates(self.config, name),

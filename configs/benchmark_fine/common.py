@@ -1,7 +1,12 @@
 """The head to head at a finer yardstick: each task of configs/benchmark/ evaluated every ``cadence`` iterations
 (about 1.7% of the character transformer's budget, 2.5% of MNIST's), five seeds per row, the rates the
 coarser protocol chose standing (same budget and schedule) and the rows that were within reach of the first
-(the far ones keep their coarse rows)."""
+(the far ones keep their coarse rows). The rows run the library's defaults: `normalize='embeddings'`, which
+the coarse rows predate, changes the step of plain `scsgd` on a model with an embedding (the character
+transformer: it tunes again there); the other rows that take it are invariant to a kernel's scale (grafted
+onto a per-layer norm, orthogonalized, or Adam-normalized), and models without an embedding train as before."""
+
+import ml_collections
 
 # the rows re-run: the target (AdamW), the rows within 20% of the first, the library's own rows, the new ones
 # (in the order they run: AdamW first, as Muon's AdamW part takes its rate)
@@ -17,4 +22,5 @@ def finer(config, task: str, cadence: int):
   config.benchmark.all_optimizers = OPTIMIZERS
   config.benchmark.optimizers = OPTIMIZERS
   config.benchmark.points_from = f"experiments/results/benchmark/{task}"
+  config.benchmark.ran_with = ml_collections.ConfigDict()  # the library's defaults, `normalize` included
   return config

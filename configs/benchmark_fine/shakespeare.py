@@ -5,4 +5,6 @@ from configs.benchmark_fine import common
 
 
 def get_config():
-  return common.finer(shakespeare.get_config(), "shakespeare", 10)
+  config = common.finer(shakespeare.get_config(), "shakespeare", 10)
+  config.benchmark.retune = ("scsgd",)  # normalize='embeddings' changed its embedding's step (common.py)
+  return config

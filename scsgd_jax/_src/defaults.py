@@ -15,7 +15,7 @@ FULL_MAX_DIM_PER_RANK = 4  # statistics='auto' uses the full C^{1/2} up to n = 4
 EMA_RATE = 0.05  # nu, the EMA weight of a new batch
 OUTLIER_THRESHOLD = 100.0  # rows above 100x the running tr C (squared norm) are clipped
 BUDGET = "model"  # statistics='auto': the model-wide memory rule
-NORMALIZE = "none"  # A from C itself (the paper's), not from C / (tr C / n)
+NORMALIZE = "embeddings"  # embeddings conditioned by C / (tr C / n); every other kernel by C itself (the paper's)
 MOMENTUM = 0.9  # scsgd's Nesterov momentum (the paper's)
 GRAFT_DECAY = 0.999  # normalized RMSprop of the grafting (distributed Shampoo's default)
 GRAFT_EPS = 1e-8

@@ -136,7 +136,7 @@ def scale_by_sketched_conditioning(
     normalize: which kernels are conditioned by ``C / (tr C / n)``, i.e. ``A^{-1}`` times ``sqrt(tr C / n)`` (the
       direction of ``C``'s mean eigenvalue keeps its gradient's scale, so the conditioned step scales with the
       inputs as SGD's does): ``'none'`` (the paper's ``A = C^{1/2}`` everywhere, whose step is invariant to the
-      inputs' scale), ``'embeddings'`` (the embeddings alone: their inputs are one-hot, ``tr C / n = 1 / vocab``,
+      inputs' scale), ``'embeddings'`` (default; the embeddings alone: their inputs are one-hot, ``tr C / n = 1 / vocab``,
       so the paper's ``A`` multiplies the table's step by ``sqrt(vocab)`` at the mean frequency; normalized, each
       token's step follows its frequency relative to the uniform one) or ``'all'`` (every kernel: one rate that
       fits SGD fits every layer).

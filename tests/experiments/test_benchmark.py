@@ -17,6 +17,7 @@ from experiments import benchmark
 from experiments import benchmark_report
 from experiments import data
 from experiments import errors
+from experiments import optimizers
 from experiments import registry
 from experiments import train
 
@@ -278,6 +279,29 @@ def test_points_from_an_earlier_protocol_stand_and_no_grid_runs(tmp_path):
   harness.run = lambda *a: pytest.fail(f"no run expected: {a}")
   best, tried = harness.choose("sgd")
   assert best == benchmark.Point(0.1) and set(tried) == set(grid)
+  config.benchmark.retune = ("sgd",)  # a row whose step changed since: its earlier grid does not stand
+  ran = []
+  harness.run = lambda name, point, seed: ran.append(point.learning_rate) or _record([0.5, 0.2], 10.0)
+  best, tried = harness.choose("sgd")
+  assert set(benchmark.learning_rates(config, "sgd")) <= set(ran) and set(tried) == {benchmark.Point(lr) for lr in ran}
+
+
+def test_ran_with_pins_what_the_coarse_rows_ran_and_the_finer_protocol_runs_the_defaults():
+  """The coarse protocol's rows ran before normalize's default moved: its run configs give normalize='none' to
+  every row that takes the argument (and to no other); the finer protocol's run the library's default."""
+  from scsgd_jax._src import defaults
+  coarse = importlib.import_module("configs.benchmark.shakespeare").get_config()
+  fine = importlib.import_module("configs.benchmark_fine.shakespeare").get_config()
+  point = benchmark.Point(1e-3)
+  for name in ("scsgd", "scsgd_muon", "scsgd_two_sided", "adamw", "scsgd_eigen"):
+    takes = "normalize" in optimizers.sub_config(name)
+    assert takes == (name not in ("adamw", "scsgd_eigen")), name
+    cfg = benchmark.run_config(coarse, name, point, 0)
+    assert cfg.optimizer[name].get("normalize") == ("none" if takes else None), name
+    assert optimizers.resolved_settings(cfg).get("normalize") == ("none" if takes else None), name
+    cfg = benchmark.run_config(fine, name, point, 0)
+    assert optimizers.resolved_settings(cfg).get("normalize") == (defaults.NORMALIZE if takes else None), name
+  assert defaults.NORMALIZE == "embeddings" and fine.benchmark.retune == ("scsgd",)
 
 
 def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
