@@ -268,3 +268,29 @@ def test_scsgd_eigen_muon_sends_raw_gradients_to_muons_adamw_part_and_scaled_one
   assert not np.allclose(out["scsgd_eigen_muon"]["dense"]["kernel"], out["muon"]["dense"]["kernel"], rtol=1e-2)
   s = np.linalg.svd(np.asarray(out["scsgd_eigen_muon"]["dense"]["kernel"]), compute_uv=False)
   assert s.min() > 0.5 * s.max(), s
+
+
+def test_lenet_trains_bit_for_bit_at_the_paper_scale_under_the_default_normalize():
+  """normalize's default ('embeddings') conditions a model without an embedding exactly as the paper's scale
+  ('none'): LeNet's training step lowers to the same program (the figures of LeNet/MNIST stand), while 'all'
+  lowers to another (the comparison can tell)."""
+  from flax import nnx
+  from experiments import build as build_lib
+  from experiments import data as data_lib
+  from experiments import step as step_lib
+
+  def program(normalize):
+    cfg = helpers.smoke_config()
+    cfg.optimizer.name = "scsgd"
+    if normalize is not None:
+      cfg.optimizer.scsgd.normalize = normalize
+    built = build_lib.build(cfg)
+    step = step_lib.make_train_step(built.graphdef, built.optimizer.tx, built.optimizer.capture, cfg.max_rows or None)
+    state = build_lib.abstract_state(built)
+    x, y = data_lib.example_batch(cfg.dataset, cfg.batch_size)
+    return step.lower(state["params"], nnx.as_pure(nnx.State({})), state["opt_state"], x, y,
+                      jax.random.key(0)).as_text()
+
+  default = program(None)
+  assert default == program("none")
+  assert default != program("all")
