@@ -95,8 +95,8 @@ def _one_dense_step(layer, x, input_axes=None):
 @pytest.mark.parametrize("told", [False, True], ids=["captured_axes", "input_axes_given"])
 @pytest.mark.parametrize("name,make,_,x,axes", CASES, ids=[c[0] for c in CASES])
 def test_one_conditioned_step_equals_dense_oracle(name, make, _, x, axes, told):
-  """C from this batch alone (ema_rate = 1), A = C^{1/2}: the update is -lr A^{-1} G in the kernel's layout,
-  with the axes the capture read from the layer, or told up front."""
+  """C from this batch alone (ema_rate = 1), A = C^{1/2} (an embedding's at SGD's scale, the default): the update
+  is -lr A^{-1} G in the kernel's layout, with the axes the capture read from the layer, or told up front."""
   layer = _nnx_layer(make)
   param = "embedding" if name == "embed" else "kernel"
   grads, li, updates, _ = _one_dense_step(layer, x, {param: axes} if told else None)
@@ -104,7 +104,8 @@ def test_one_conditioned_step_equals_dense_oracle(name, make, _, x, axes, told):
   if name == "embed":
     counts = np.bincount(np.asarray(IDS).reshape(-1), minlength=11) / IDS.size
     floor = defaults.EIGENVALUE_FLOOR * counts.sum() / 11
-    expected = g_mat / np.sqrt(np.maximum(counts, floor))[:, None]
+    # the default normalize='embeddings': A from C / (tr C / n), i.e. A^{-1} times sqrt(tr C / n)
+    expected = g_mat * np.sqrt(counts.sum() / 11) / np.sqrt(np.maximum(counts, floor))[:, None]
   else:
     rows = np.asarray(li[param], np.float64)
     expected = helpers.psd_power(rows.T @ rows / rows.shape[0], -0.5) @ g_mat
