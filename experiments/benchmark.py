@@ -12,7 +12,8 @@ Protocol (``config.benchmark``):
   (a validation split; a diverged run loses). A best rate at an end of the grid grows the grid
   past that end (``extend_edge`` steps at most). An optimizer with a second hyperparameter without
   an upstream default (``joint_grid``: K-FAC's damping) tunes it jointly with the rate.
-  Then ``seeds[1:]`` at the chosen point; the seed-0 run is one of the seeds.
+  Then ``seeds[1:]`` at the chosen point; the seed-0 run is one of the seeds. ``centre_from`` (results
+  dirs of another task) centres each row's grid on the point it chose there instead.
 - **The schedule users train with** (the task config's ``schedule``: warmup then cosine).
 - **Each optimizer as its authors run it**: ``registry.recipe(name, benchmark.kind)``.
 - **Every run is its own unit**: trained in ``<workdir>/<key>``, then its record (command, commit,
@@ -92,14 +93,36 @@ def names(config) -> list[str]:
   return listed
 
 
+def best_point(tried: dict[Point, float]) -> Point:
+  """The point of a seed-0 grid that tuning chooses: the lowest final loss (ties: the smaller rate)."""
+  return min(tried, key=lambda p: (tried[p], p.learning_rate, p.joint))
+
+
+def centre(config, name: str) -> Optional[Point]:
+  """The point ``name`` chose on another task, which centres its grid here: ``benchmark.centre_from`` names
+  results dirs, the first with a committed seed-0 grid of ``name`` gives it; ``None`` without one (the grid is
+  centred on its authors' rate)."""
+  for results_dir in config.benchmark.get("centre_from", ()):
+    tried = earlier_grid(results_dir, name)
+    if tried:
+      return best_point(tried)
+  return None
+
+
 def learning_rates(config, name: str) -> list[float]:
-  """The rate grid of ``name``: its authors' rate times ``config.benchmark.grid``."""
-  centre = registry.recipe(name, config.benchmark.kind).learning_rate
-  return [float(f"{centre * m:.3g}") for m in config.benchmark.grid]
+  """The rate grid of ``name``: its authors' rate (or the rate it chose on ``benchmark.centre_from``'s task)
+  times ``config.benchmark.grid``."""
+  chosen = centre(config, name)
+  middle = chosen.learning_rate if chosen else registry.recipe(name, config.benchmark.kind).learning_rate
+  return [float(f"{middle * m:.3g}") for m in config.benchmark.grid]
 
 
 def joint_points(config, name: str) -> list[tuple[tuple[str, float], ...]]:
-  """Every combination of ``config.benchmark.joint_grid[name]`` (``[()]`` for an optimizer without one)."""
+  """Every combination of ``config.benchmark.joint_grid[name]`` (``[()]`` for an optimizer without one), or
+  only the one ``name`` chose on ``benchmark.centre_from``'s task."""
+  chosen = centre(config, name)
+  if chosen is not None:
+    return [chosen.joint]
   grid = config.benchmark.joint_grid.get(name)
   if not grid:
     return [()]
@@ -223,8 +246,7 @@ class Harness:
                     learning_rates(self.config, name),
                     b.extend_edge)
       tried.update({Point(lr, joint): v for lr, v in losses.items()})
-    best = min(tried, key=lambda p: (tried[p], p.learning_rate, p.joint))
-    return best, tried
+    return best_point(tried), tried
 
   def optimizer(self, name: str) -> dict:
     best, tried = self.choose(name)

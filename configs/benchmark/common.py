@@ -36,6 +36,9 @@ def get_config():
   # the results dir of this task under an earlier protocol whose tuning stands (the same budget and schedule):
   # an optimizer with a committed seed-0 grid there takes the point it chose; the others tune here
   config.benchmark.points_from = ""
+  # results dirs of another task (the first with a row's seed-0 grid counts): each row's grid is centred on
+  # the point it chose there (its joint settings fixed to it) rather than on its authors' rate
+  config.benchmark.centre_from = ()
   config.benchmark.retune = ()  # rows that tune here although points_from has their grid (their step changed)
   # this protocol's rows ran before scsgd_jax's `normalize` default moved from the paper's 'none' to
   # 'embeddings': every row that takes the argument runs with the value its committed records ran with

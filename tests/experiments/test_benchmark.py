@@ -286,6 +286,37 @@ def test_points_from_an_earlier_protocol_stand_and_no_grid_runs(tmp_path):
   assert set(benchmark.learning_rates(config, "sgd")) <= set(ran) and set(tried) == {benchmark.Point(lr) for lr in ran}
 
 
+def _seed0_grid(folder, name, points):
+  """Committed seed-0 records of ``name`` under ``folder``: ``{Point: final loss}``."""
+  for point, loss in points.items():
+    rec = _record([0.9, loss], 10.0)
+    rec.update(optimizer=name, learning_rate=point.learning_rate, joint=dict(point.joint), seed=0)
+    path = folder / "runs" / name / f"{point.tag()}_seed0.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec))
+
+
+def test_centre_from_centres_each_rows_grid_on_the_point_it_chose_on_another_task(tmp_path):
+  """With benchmark.centre_from, a row's grid is the grid's multiples of the rate it chose on the first listed
+  task holding its seed-0 grid, its joint settings fixed to the chosen ones; a row none holds keeps its
+  authors' rate and joint grid."""
+  p = benchmark.Point
+  first, second = tmp_path / "first", tmp_path / "second"
+  _seed0_grid(first, "sgd", {p(0.01): 0.5, p(0.1): 0.3, p(1.0): 0.4})
+  _seed0_grid(second, "sgd", {p(0.001): 0.1})  # listed later: the first dir's grid counts
+  _seed0_grid(second, "kfac", {p(1.0, (("damping", 0.001),)): 0.2, p(0.1, (("damping", 0.01),)): 0.25})
+  config = _config()
+  config.benchmark.grid = (0.316, 1.0, 3.16)
+  config.benchmark.centre_from = (str(first), str(second))
+  assert benchmark.learning_rates(config, "sgd") == [0.0316, 0.1, 0.316]
+  assert benchmark.joint_points(config, "sgd") == [()]
+  assert benchmark.learning_rates(config, "kfac") == [0.316, 1.0, 3.16]
+  assert benchmark.joint_points(config, "kfac") == [(("damping", 0.001),)]
+  assert benchmark.learning_rates(config, "adamw") == [0.000316, 0.001, 0.00316]  # its authors' 1e-3
+  config.benchmark.centre_from = ()
+  assert len(benchmark.joint_points(config, "kfac")) == 3 and benchmark.learning_rates(config, "sgd")[1] == 0.01
+
+
 def test_ran_with_pins_what_the_coarse_rows_ran_and_the_finer_protocol_runs_the_defaults():
   """The coarse protocol's rows ran before normalize's default moved: its run configs give normalize='none' to
   every row that takes the argument (and to no other); the finer protocol's run the library's default."""
@@ -307,7 +338,7 @@ def test_ran_with_pins_what_the_coarse_rows_ran_and_the_finer_protocol_runs_the_
 def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   assert benchmark.task_names("configs/benchmark_fine/shakespeare.py") == [
       "convex", "mnist", "shakespeare", "shakespeare_large"]
-  for task, cadence in (("shakespeare", 10), ("mnist", 25), ("convex", 25), ("shakespeare_large", 10)):
+  for task, cadence in (("shakespeare", 10), ("mnist", 25), ("convex", 25), ("shakespeare_large", 25)):
     config = importlib.import_module(f"configs.benchmark_fine.{task}").get_config()
     assert config.eval_every == cadence and len(config.benchmark.seeds) >= 3, task
     with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
@@ -315,6 +346,10 @@ def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   coarse = importlib.import_module("configs.benchmark.shakespeare").get_config()
   fine = importlib.import_module("configs.benchmark_fine.shakespeare").get_config()
   assert fine.num_steps == coarse.num_steps and fine.schedule == coarse.schedule  # so the chosen rates stand
+  large = importlib.import_module("configs.benchmark_fine.shakespeare_large").get_config()
+  for path in large.benchmark.centre_from:  # the larger task's grids centre on what these chose
+    assert os.path.isdir(os.path.join(path, benchmark.RUNS)), path
+  assert benchmark.learning_rates(large, "muon") == [0.00632, 0.02, 0.0632]
 
 
 @pytest.mark.parametrize("holes", [1, 2])
