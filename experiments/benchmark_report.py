@@ -171,11 +171,11 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
 def write_summary(root: str, tasks: Sequence[str] = ()) -> str:
   """``<root>/README.md``: per task, its optimizers ranked, from every ``<root>/<task>/results.json``."""
   lines = ["# Head to head: summary", "",
-           "Per task, optimizers ranked by iterations to the target (the best final validation loss, median of 3 "
-           "seeds, of Nesterov SGD and AdamW), then final validation and test loss; optimizer-state bytes and step "
-           "time against SGD's. Protocol: experiments/benchmark.py (rates tuned at the full budget, warmup + cosine, "
-           "every peer as its authors run it, cited in experiments/registry.py). Each task's folder holds its report, "
-           "curves, every grid point and every run's record.", "",
+           "Per task, optimizers ranked by iterations to the target (the best final validation loss, median of the "
+           "task's seeds, of Nesterov SGD and AdamW), then final validation and test loss; optimizer-state bytes and "
+           "step time against SGD's. Protocol: experiments/benchmark.py (rates tuned at the full budget, warmup + "
+           "cosine, every peer as its authors run it, cited in experiments/registry.py). Each task's folder holds its "
+           "report, curves, every grid point and every run's record.", "",
            "| task | rank | optimizer | lr | iterations to target | final validation loss | final test loss | "
            "state bytes | step vs SGD |", "| --- |" + " --- |" * 8]
   for task in sorted(os.listdir(root)):
