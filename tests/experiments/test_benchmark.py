@@ -260,16 +260,23 @@ def test_every_optimizer_takes_steps_on_every_task(task, tmp_path):
       assert last["step"] == 2 and np.isfinite(last["test_loss"]) and np.isfinite(last["train_loss"]), name
 
 
+def _seed0_grid(folder, name, points, diverged=()):
+  """Committed seed-0 records of ``name`` under ``folder``: ``{Point: final loss}``, the points in
+  ``diverged`` recorded as diverged runs."""
+  for point, loss in points.items():
+    rec = _record([0.5, loss], 10.0, diverged=point in diverged)
+    rec.update(optimizer=name, learning_rate=point.learning_rate, joint=dict(point.joint), seed=0)
+    path = folder / "runs" / name / f"{point.tag()}_seed0.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec))
+
+
 def test_points_from_an_earlier_protocol_stand_and_no_grid_runs(tmp_path):
   """With benchmark.points_from, an optimizer with a committed seed-0 grid there takes the rate it chose (a
   diverged point loses), without training; one without such a grid tunes as before (the loss function runs)."""
   earlier = tmp_path / "earlier"
-  for lr, losses, diverged in ((0.01, [0.5, 0.4], False), (0.1, [0.5, 0.3], False), (1.0, [0.5, 0.1], True)):
-    rec = _record(losses, 10.0, diverged=diverged)
-    rec.update(optimizer="sgd", learning_rate=lr, joint={}, seed=0)
-    path = earlier / "runs" / "sgd" / f"{benchmark.Point(lr).tag()}_seed0.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rec))
+  p = benchmark.Point
+  _seed0_grid(earlier, "sgd", {p(0.01): 0.4, p(0.1): 0.3, p(1.0): 0.1}, diverged={p(1.0)})
   grid = benchmark.earlier_grid(str(earlier), "sgd")
   assert grid[benchmark.Point(0.1)] == pytest.approx(0.3) and grid[benchmark.Point(1.0)] == float("inf")
   assert benchmark.earlier_grid(str(earlier), "adamw") == {} and benchmark.earlier_grid("", "sgd") == {}
@@ -284,16 +291,6 @@ def test_points_from_an_earlier_protocol_stand_and_no_grid_runs(tmp_path):
   harness.run = lambda name, point, seed: ran.append(point.learning_rate) or _record([0.5, 0.2], 10.0)
   best, tried = harness.choose("sgd")
   assert set(benchmark.learning_rates(config, "sgd")) <= set(ran) and set(tried) == {benchmark.Point(lr) for lr in ran}
-
-
-def _seed0_grid(folder, name, points):
-  """Committed seed-0 records of ``name`` under ``folder``: ``{Point: final loss}``."""
-  for point, loss in points.items():
-    rec = _record([0.9, loss], 10.0)
-    rec.update(optimizer=name, learning_rate=point.learning_rate, joint=dict(point.joint), seed=0)
-    path = folder / "runs" / name / f"{point.tag()}_seed0.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rec))
 
 
 def test_centre_from_centres_each_rows_grid_on_the_point_it_chose_on_another_task(tmp_path):
