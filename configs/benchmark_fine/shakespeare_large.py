@@ -1,6 +1,6 @@
 """The larger transformer task: configs/benchmark/shakespeare.py with ~4x the parameters (d 256, 8 heads, 3
 blocks) and 2x the iterations (2,000), for the trend with size, sized to about 6 hours of a 2-core CPU for
-all its rows (experiments/results/benchmark_sizing/README.md): validation every 25 iterations (1.25% of the
+all its rows (experiments/results/benchmark_sizing/SIZING.md): validation every 25 iterations (1.25% of the
 budget), each row's grid three points half a decade apart centred on the point it chose on the character
 transformer (K-FAC's damping fixed to its choice there), 3 seeds, and the rows the comparison needs."""
 
