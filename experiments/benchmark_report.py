@@ -32,6 +32,19 @@ def median(values):
   return float(np.median(values)) if values else None
 
 
+def spread(values):
+  """``[min, max]`` of ``values`` (None without any): the range over seeds a median is read with."""
+  return [float(min(values)), float(max(values))] if values else None
+
+
+def with_range(value, span, spec: str = ".4f") -> str:
+  """``value`` formatted, then ``[min, max]`` when the seeds differ (one seed, or equal ones: the value alone)."""
+  text = report.fmt(value, spec)
+  if span and span[0] != span[1]:
+    text += f" [{report.fmt(span[0], spec)}, {report.fmt(span[1], spec)}]"
+  return text
+
+
 def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
   """Per optimizer its figures over seeds; the target; ratios. ``results``: ``Harness.optimizer`` outputs."""
   finals = {n: median([final(r) for r in o["seeds"].values()]) for n, o in results.items()}
@@ -59,10 +72,13 @@ def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
         "iterations_range": [min(its), max(its)] if its else None,
         "seconds_median": median(secs) if len(secs) == len(hits) else None,
         "final_loss_median": finals[name],
+        "final_loss_range": spread([final(r) for r in recs]),
         "final_error_median": median([final(r, "test_error") for r in recs]),
         "report_loss_median": median([r["report"]["loss"] for r in recs if "report" in r])
         if all("report" in r for r in recs) else None,
         "report_error_median": median([r["report"]["error"] for r in recs if "report" in r])
+        if all("report" in r for r in recs) else None,
+        "report_loss_range": spread([r["report"]["loss"] for r in recs if "report" in r])
         if all("report" in r for r in recs) else None,
         "step_ms_median": step_ms[name],
         "state_bytes": recs[0]["state_bytes"],
@@ -138,8 +154,8 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
          "rows): " + ", ".join(f"{h} ({n})" for h, n in summary["code_hashes"].items()) + ". Rows marked * ran "
          "another than the most common: the table does not compare them like with like; re-run them.\n"]
         if len(summary["code_hashes"]) > 1 else []),
-      f"| rank | optimizer | lr | reached | iterations to target (median [range]) | final {config.eval_split} loss | "
-      f"final {b.report_split} loss | {b.report_split} error | ms/step | vs SGD | state bytes | seeds |",
+      f"| rank | optimizer | lr | reached | iterations to target (median [range]) | final {config.eval_split} loss (median [range]) | "
+      f"final {b.report_split} loss (median [range]) | {b.report_split} error | ms/step | vs SGD | state bytes | seeds |",
       "|" + " --- |" * 12]
   for i, name in enumerate(rank(summary), 1):
     s = s_[name]
@@ -147,8 +163,9 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
     edge = " (edge)" if s["at_grid_edge"] else ""
     its = f"{report.fmt(s['iterations_median'], '.0f')} [{', '.join(map(str, s['iterations_range'] or []))}]"
     lines.append(
-        f"| {i} | {name}{' *' if s['other_code'] else ''} | {s['learning_rate']:g}{joint}{edge} | {s['reached']} | {its} | {s['final_loss_median']:.4f} | "
-        f"{report.fmt(s['report_loss_median'], '.4f')} | {report.fmt(s['report_error_median'], '.2f', percent=True)} | "
+        f"| {i} | {name}{' *' if s['other_code'] else ''} | {s['learning_rate']:g}{joint}{edge} | {s['reached']} | {its} | "
+        f"{with_range(s['final_loss_median'], s['final_loss_range'])} | "
+        f"{with_range(s['report_loss_median'], s['report_loss_range'])} | {report.fmt(s['report_error_median'], '.2f', percent=True)} | "
         f"{report.fmt(s['step_ms_median'], '.1f')} | {report.fmt(s['step_time_vs_sgd'], '.2f')} | "
         f"{s['state_bytes']:,} | {len(s['seeds'])} |")
   if missing:

@@ -103,6 +103,11 @@ def test_target_iterations_ranking_and_ratios_by_hand():
   assert scsgd["iterations_range"] == [100, 200] and scsgd["iterations_median"] == 150
   assert scsgd["step_ms_median"] == pytest.approx(20.0) and scsgd["step_time_vs_sgd"] == pytest.approx(2.0)
   assert scsgd["report_loss_median"] == pytest.approx(0.31) and not scsgd["at_grid_edge"]
+  # final losses: sgd's seeds end at 0.5 and 0.4, scsgd's both at 0.3 (report: the final + 0.01)
+  assert sgd["final_loss_range"] == pytest.approx([0.4, 0.5]) and sgd["report_loss_range"] == pytest.approx([0.41, 0.51])
+  assert scsgd["final_loss_range"] == pytest.approx([0.3, 0.3])
+  assert benchmark_report.with_range(0.45, sgd["final_loss_range"]) == "0.4500 [0.4000, 0.5000]"
+  assert benchmark_report.with_range(0.3, scsgd["final_loss_range"]) == "0.3000"  # one value: no range
   assert benchmark_report.rank(s) == ["scsgd", "adamw", "sgd"]  # 150 < 300 < not reached by every seed
 
 
