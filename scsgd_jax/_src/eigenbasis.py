@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from scsgd_jax._src import captured
 from scsgd_jax._src import checks
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
@@ -26,8 +27,14 @@ from scsgd_jax._src.state import ScaleBySketchedConditioningState
 
 __all__ = ["EigenMoments", "ScaleByEigenbasisAdamState", "eigenbasis", "scale_by_eigenbasis_adam"]
 
-Tail = Literal["factored", "scalar"]
+Tail = Literal["factored", "scalar", "orthogonal"]
+Basis = Literal["inputs", "gradients"]
 _TINY = 1e-30
+# Muon's quintic Newton-Schulz iteration (Jordan et al. 2024): 5 steps take a matrix's singular values near 1
+_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+_NS_STEPS = 5
+# an orthogonalized (n, p) tail is scaled by this times sqrt(max(n, p)): AdamW's typical update RMS (Liu et al. 2025)
+_ORTHOGONAL_RMS = 0.2
 
 
 class EigenMoments(NamedTuple):
@@ -35,8 +42,10 @@ class EigenMoments(NamedTuple):
 
   Attributes:
     lead: ``(k, p)``, the second moment of ``U^T G``; ``(n, p)`` of ``G`` itself for a diagonal kind.
-    row: ``(n,)``, the tail's row second moments (Adafactor), or ``None`` (scalar tail, or no tail: ``k = n``).
-    col: ``(p,)``, the tail's column second moments; ``()`` for a scalar tail; ``None`` with no tail.
+    row: ``(n,)``, the tail's row second moments (Adafactor), or ``None`` (scalar or orthogonalized tail, or no
+      tail: ``k = n``).
+    col: ``(p,)``, the tail's column second moments; ``()`` for a scalar tail; ``None`` for an orthogonalized tail
+      (it keeps none) or with no tail.
   """
 
   lead: jax.Array
@@ -98,7 +107,7 @@ def _rank(plan: plan_lib.KernelPlan) -> Optional[int]:
 def _fresh_moments(plan: plan_lib.KernelPlan, p: int, tail: Tail) -> EigenMoments:
   k = _rank(plan)
   lead = jnp.zeros((plan.n if k is None else k, p), jnp.float32)
-  if k is None or k == plan.n:
+  if k is None or k == plan.n or tail == "orthogonal":
     moments = EigenMoments(lead, None, None)
   elif tail == "factored":
     moments = EigenMoments(lead, jnp.zeros((plan.n,), jnp.float32), jnp.zeros((p,), jnp.float32))
@@ -127,11 +136,46 @@ def _carried(moments: EigenMoments, new: jax.Array, old: jax.Array) -> EigenMome
   lead = p @ moments.lead
   if moments.col is not None:  # the tail's mean second moment per column: Adafactor's column moment (or the scalar)
     col = moments.col[None, :] if moments.col.ndim else moments.col
-    lead = lead + jnp.clip(1.0 - jnp.sum(p, axis=1), 0.0, 1.0)[:, None] * col
+  elif new.shape[1] < new.shape[0]:  # an orthogonalized tail keeps no moment: the old lead's mean per column
+    col = jnp.mean(moments.lead, axis=0, keepdims=True)
+  else:  # k = n: no tail
+    return moments._replace(lead=lead)
+  lead = lead + jnp.clip(1.0 - jnp.sum(p, axis=1), 0.0, 1.0)[:, None] * col
   return moments._replace(lead=lead)
 
 
-def _direction(q, v, m, g, moments: EigenMoments, b2, correction, eps):
+def gradient_rows(updates, kernel_plans: dict[str, plan_lib.KernelPlan], input_axes=None) -> captured.CapturedInputs:
+  r"""Each planned kernel's gradient ``G`` (``(n, p)``) as ``p`` rows of its input space, ``G^\top``: the
+  statistics fed with them keep the EMA of ``G G^\top / p``, Shampoo's and SOAP's left factor, in place of
+  the inputs' ``C``. A diagonal kind (an embedding, whose basis is the coordinate one) gets no rows (its
+  statistics stay as they are). ``input_axes``: the captured layouts, passed on."""
+  flat = {plan_lib.path_to_str(p): g for p, g in jax.tree_util.tree_flatten_with_path(updates)[0]}
+  rows = {}
+  for path, plan in kernel_plans.items():
+    lead = plan.stack + ((plan.groups,) if plan.groups > 1 else ())
+    if plan.statistics.takes_ids:
+      rows[path] = jnp.zeros(lead + (0,), jnp.int32)
+      continue
+    one = lambda g, plan=plan: sketch.kernel_matrix(g, plan.input_axes)[0].T
+    g = jax.lax.stop_gradient(flat[path]).astype(jnp.float32)
+    rows[path] = one(g) if plan.slices is None else jax.vmap(one)(plan.to_slices(g)).reshape(lead + (-1, plan.n))
+  return captured.CapturedInputs(rows, input_axes)
+
+
+def orthogonalize(x: jax.Array) -> jax.Array:
+  """The nearest semi-orthogonal matrix to ``x`` (its polar factor ``U V^T``), approximately: Muon's quintic
+  Newton-Schulz iteration, 5 steps from ``x / |x|_F`` (singular values end in about ``[0.7, 1.2]``)."""
+  a, b, c = _NS_COEFFICIENTS
+  wide = x.shape[0] <= x.shape[1]
+  y = x if wide else x.T
+  y = y / (jnp.linalg.norm(y) + 1e-7)
+  for _ in range(_NS_STEPS):
+    s = y @ y.T
+    y = a * y + (b * s + c * (s @ s)) @ y
+  return y if wide else y.T
+
+
+def _direction(q, v, m, g, moments: EigenMoments, b2, correction, eps, tail: Tail = "factored"):
   """One ``(n, p)`` matrix: its second moments updated with ``g`` and Adam's direction of the bias-corrected
   first moment ``m``, in the basis ``U = Q V`` (``q=None``: ``U = V``; ``v=None``: the coordinate basis) and rotated
   back; ``correction`` is the second moment's bias correction ``1 - b2^t``. ``U`` is applied as two products
@@ -145,9 +189,13 @@ def _direction(q, v, m, g, moments: EigenMoments, b2, correction, eps):
   g_lead, m_lead = rotate(g), rotate(m)
   lead = ema(moments.lead, jnp.square(g_lead))
   out = back(m_lead / (jnp.sqrt(lead / correction) + eps))
-  if moments.col is None:  # k = n: no tail
+  if q is None:  # k = n: no tail
     return out, moments._replace(lead=lead)
-  g_tail, m_tail = g - back(g_lead), m - back(m_lead)
+  m_tail = m - back(m_lead)
+  if tail == "orthogonal":  # COSMOS's tail: orthogonalized, at AdamW's RMS, no state
+    scale = _ORTHOGONAL_RMS * jnp.sqrt(float(max(m.shape)))
+    return out + scale * orthogonalize(m_tail), moments._replace(lead=lead)
+  g_tail = g - back(g_lead)
   sq = jnp.square(g_tail)
   if moments.row is None:
     new = EigenMoments(lead, None, ema(moments.col, jnp.mean(sq)))
@@ -164,6 +212,7 @@ def scale_by_eigenbasis_adam(
     eps: float = 1e-8,
     nesterov: bool = False,
     tail: Tail = "factored",
+    basis: Basis = "inputs",
     others: Literal["adam", "identity"] = "adam",
     budget_share: float = 0.5,
     seed: int = 0,
@@ -183,9 +232,16 @@ def scale_by_eigenbasis_adam(
     \quad v \leftarrow \beta_2 v + (1 - \beta_2) (U^\top G)^{\circ 2}
 
   (bias-corrected), with ``v_perp`` the tail's second moment: ``'factored'`` (Adafactor's row and column moments of
-  ``(G - U U^\top G)^{\circ 2}``, ``O(n + p)`` floats) or ``'scalar'`` (one float, as Sketchy). With the full
-  conditioner (``k = n``) there is no tail: Adam in the full eigenbasis of ``C`` (EKFAC's input side). Other
-  leaves, and the diagonal kinds (embeddings: token frequencies), get Adam.
+  ``(G - U U^\top G)^{\circ 2}``, ``O(n + p)`` floats) or ``'scalar'`` (one float, as Sketchy); or, with
+  ``tail='orthogonal'`` (COSMOS's split: Adam on the leading subspace, Muon on the rest), the tail's first moment
+  is orthogonalized instead (:func:`orthogonalize`, at ``0.2 sqrt(max(n, p))``, AdamW's typical RMS) and keeps no
+  second moment. With the full conditioner (``k = n``) there is no tail: Adam in the full eigenbasis of ``C``
+  (EKFAC's input side). Other leaves, and the diagonal kinds (embeddings: token frequencies), get Adam.
+
+  ``basis='gradients'`` builds ``U`` from the EMA of the gradient's own Gram matrix ``G G^\top / p``
+  (:func:`gradient_rows`; Shampoo's and SOAP's left factor) instead of the inputs' ``C`` (EKFAC's): the same
+  statistics, sketch and refresh, fed with the rows of ``G^\top``, so no capture is needed (``layer_inputs`` is
+  read only for its layouts).
 
   Cost: three ``(k x n) (n x p)`` products a step per kernel (``O(n k p)``, the conditioning's own order), and
   an ``eigh`` of ``k x k`` per refresh. State: Adam's first moment (``n p``), the rotated second moment
@@ -199,7 +255,9 @@ def scale_by_eigenbasis_adam(
     rank: sketch rank ``k`` (default 32).
     b1, b2, eps: Adam's.
     nesterov: Nesterov's form of Adam's first moment (NAdam's).
-    tail: the tail's second moment: ``'factored'`` or ``'scalar'``.
+    tail: the tail's treatment: ``'factored'`` or ``'scalar'`` second moments, or ``'orthogonal'``.
+    basis: whose statistics give the basis: ``'inputs'`` (the layer's inputs, EKFAC's) or ``'gradients'``
+      (the gradient's rows, SOAP's).
     others: what the leaves it does not condition get: ``'adam'``, or ``'identity'`` (passed through, no state:
       for a chain whose next transformation treats them, e.g. Muon's orthogonalization of the conditioned
       kernels, the kernels chosen by ``kernel_filter``, with its AdamW part for the rest).
@@ -210,10 +268,13 @@ def scale_by_eigenbasis_adam(
   References:
     George et al., Fast Approximate Natural Gradient Descent in a Kronecker-factored Eigenbasis (EKFAC), 2018.
     Vyas et al., SOAP: Improving and Stabilizing Shampoo using Adam, 2024.
+    Liu et al., COSMOS: A Hybrid Adaptive Optimizer for Memory-Efficient Training of LLMs, 2025.
     Gonen & Shalev-Shwartz, Faster SGD Using Sketched Conditioning, 2015.
   """
-  if tail not in ("factored", "scalar"):
-    raise ValueError(f"tail must be 'factored' or 'scalar', got {tail!r}.")
+  if tail not in ("factored", "scalar", "orthogonal"):
+    raise ValueError(f"tail must be 'factored', 'scalar' or 'orthogonal', got {tail!r}.")
+  if basis not in ("inputs", "gradients"):
+    raise ValueError(f"basis must be 'inputs' or 'gradients', got {basis!r}.")
   if others not in ("adam", "identity"):
     raise ValueError(f"others must be 'adam' or 'identity', got {others!r}.")
   if not isinstance(nesterov, bool):
@@ -256,10 +317,12 @@ def scale_by_eigenbasis_adam(
         rotations=rotations_of(conditioning_state.factors, kernel_plans))
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
+    kernel_plans = plans(updates, getattr(layer_inputs, "input_axes", None))
+    if basis == "gradients":  # the statistics of the gradient's own rows (SOAP's left factor), no capture read
+      layer_inputs = gradient_rows(updates, kernel_plans, getattr(layer_inputs, "input_axes", None))
     # the conditioned gradients are not used (compiled away under jit): the refreshed factors are
     _, conditioning_state = inner.update(updates, state.conditioning, params, layer_inputs=layer_inputs,
                                          **extra_args)
-    kernel_plans = plans(updates, getattr(layer_inputs, "input_axes", None))
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     paths = [plan_lib.path_to_str(p) for p, _ in flat]
     nus = treedef.flatten_up_to(state.nu)
@@ -312,7 +375,7 @@ def scale_by_eigenbasis_adam(
       def one(q, r, m_slice, g_slice, moments, plan=plan):
         mm, restore = sketch.kernel_matrix(m_slice, plan.input_axes)
         gm, _ = sketch.kernel_matrix(g_slice, plan.input_axes)
-        direction, moments = _direction(q, r, mm, gm, moments, b2, second_corr, eps)
+        direction, moments = _direction(q, r, mm, gm, moments, b2, second_corr, eps, tail)
         return restore(direction), moments
 
       q = new.q if r is not None else None
