@@ -72,7 +72,8 @@ def test_full_rank_equals_adam_in_the_full_eigenbasis_of_c():
 
 def test_full_rank_gradient_basis_equals_adam_in_the_eigenbasis_of_the_gradients_gram():
   """basis='gradients', k = n: U the eigenvectors of each step's G G^T (SOAP's left factor, numpy eigh), with no
-  layer inputs given; Adam in U's coordinates as above, three steps."""
+  layer inputs given; Adam in U's coordinates as above, in SOAP's order: each step in the basis before its own
+  gradient joined the statistics, the moments carried into the new basis after it; three steps."""
   rng = np.random.default_rng(7)
   n, p = 4, 6
   gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
@@ -83,13 +84,110 @@ def test_full_rank_gradient_basis_equals_adam_in_the_eigenbasis_of_the_gradients
   u_old = np.eye(n)
   for t, g in enumerate(gs, start=1):
     out, state = jax.jit(tx.update)({"dense": {"kernel": jnp.asarray(g, jnp.float32)}}, state, params)
+    m = B1 * m + (1 - B1) * g
+    v = B2 * v + (1 - B2) * (u_old.T @ g) ** 2
+    want = u_old @ ((u_old.T @ m / (1 - B1 ** t)) / (np.sqrt(v / (1 - B2 ** t)) + EPS))
+    np.testing.assert_allclose(out["dense"]["kernel"], want, rtol=2e-4, atol=1e-6)
     _, u = np.linalg.eigh(g @ g.T / p)
     v = _carry(v, u, u_old)
-    m = B1 * m + (1 - B1) * g
-    v = B2 * v + (1 - B2) * (u.T @ g) ** 2
-    want = u @ ((u.T @ m / (1 - B1 ** t)) / (np.sqrt(v / (1 - B2 ** t)) + EPS))
-    np.testing.assert_allclose(out["dense"]["kernel"], want, rtol=2e-4, atol=1e-6)
     u_old = u
+
+
+def _carry_both(v, new, old, new_out, old_out, tail_mean=None):
+  p, p_out = (new.T @ old) ** 2, (new_out.T @ old_out) ** 2
+  lead = p @ v @ p_out.T
+  if tail_mean is not None:
+    lead = lead + np.clip(1 - np.outer(p.sum(1), p_out.sum(1)), 0, 1) * tail_mean
+  return lead
+
+
+# both sides' bases from an EMA (rate 1/2 from C_0 = I): with the latest gradient's alone, U^T G U_out would be
+# its diagonal of singular values and Adam's off-diagonal ratios float32 round-off over round-off
+AVERAGED = {**EXACT, "ema_rate": 0.5}
+
+
+def test_both_sides_at_full_rank_is_soap():
+  """sides='both', k = n and k = p: Adam's second moment kept for U^T G U_out with U, U_out the eigenvectors of
+  the EMAs of G G^T / p and G^T G / n (SOAP, numpy eigh), in SOAP's order (the step in the bases before its
+  gradient joined them), carried by both sides' overlaps, three steps."""
+  rng = np.random.default_rng(9)
+  n = p = 5
+  gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
+  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, conditioner="full", basis="gradients", sides="both",
+                                   **AVERAGED)
+  left, right = np.eye(n), np.eye(p)
+  params = {"dense": {"kernel": jnp.zeros((n, p))}}
+  state = tx.init(params)
+  m, v = np.zeros((n, p)), np.zeros((n, p))
+  u_old, w_old = np.eye(n), np.eye(p)
+  for t, g in enumerate(gs, start=1):
+    out, state = jax.jit(tx.update)({"dense": {"kernel": jnp.asarray(g, jnp.float32)}}, state, params)
+    m = B1 * m + (1 - B1) * g
+    v = B2 * v + (1 - B2) * (u_old.T @ g @ w_old) ** 2
+    want = u_old @ ((u_old.T @ m @ w_old / (1 - B1 ** t)) / (np.sqrt(v / (1 - B2 ** t)) + EPS)) @ w_old.T
+    np.testing.assert_allclose(out["dense"]["kernel"], want, rtol=2e-3, atol=1e-5)
+    left, right = 0.5 * left + 0.5 * g @ g.T / p, 0.5 * right + 0.5 * g.T @ g / n
+    u, w = np.linalg.eigh(left)[1], np.linalg.eigh(right)[1]
+    v = _carry_both(v, u, u_old, w, w_old)
+    u_old, w_old = u, w
+
+
+def test_both_sides_sketched_with_the_scalar_tail_equals_numpy():
+  """sides='both', k = 2 on each side: U = Q V, U_out = Q_out V_out from the state's factors; Adam on the k x k
+  block U^T G U_out in the bases before the step, the rest of G (the tail) scaled by one scalar second moment;
+  then carried by both overlaps into the refreshed bases."""
+  rng = np.random.default_rng(10)
+  n, p = 6, 5
+  gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
+  tx = sk.scale_by_eigenbasis_adam(2, b1=B1, b2=B2, eps=EPS, conditioner="sketched", basis="gradients",
+                                   sides="both", tail="scalar", **AVERAGED)
+  params = {"dense": {"kernel": jnp.zeros((n, p))}}
+  state = tx.init(params)
+  m, lead, col = np.zeros((n, p)), np.zeros((2, 2)), 0.0
+
+  def bases(state):
+    out = []
+    for side in (state.conditioning, state.output):
+      q, b_inv, _ = (np.asarray(a, np.float64) for a in side.factors["dense/kernel"])
+      out.append(q @ np.linalg.eigh(b_inv)[1])
+    return out
+
+  u, w = bases(state)
+  for t, g in enumerate(gs, start=1):
+    out, state = jax.jit(tx.update)({"dense": {"kernel": jnp.asarray(g, jnp.float32)}}, state, params)
+    m = B1 * m + (1 - B1) * g
+    gt = g - u @ (u.T @ g @ w) @ w.T
+    lead = B2 * lead + (1 - B2) * (u.T @ g @ w) ** 2
+    col = B2 * col + (1 - B2) * (gt ** 2).mean()
+    m_hat, c2 = m / (1 - B1 ** t), 1 - B2 ** t
+    core = u.T @ m_hat @ w
+    want = u @ (core / (np.sqrt(lead / c2) + EPS)) @ w.T + (m_hat - u @ core @ w.T) / (np.sqrt(col / c2) + EPS)
+    np.testing.assert_allclose(out["dense"]["kernel"], want, rtol=2e-3, atol=1e-5)
+    u_new, w_new = bases(state)
+    lead = _carry_both(lead, u_new, u, w_new, w, col)
+    u, w = u_new, w_new
+
+
+def test_both_sides_leave_a_stacked_kernel_to_its_input_side_and_need_the_gradient_basis():
+  """A stacked kernel is rotated on its input side alone under sides='both': its updates equal sides='input''s;
+  sides='both' with the inputs' basis is refused, naming what it needs."""
+  rng = np.random.default_rng(11)
+  n, p = 6, 3
+  make = lambda sides: sk.scale_by_eigenbasis_adam(2, conditioner="sketched", basis="gradients", sides=sides,
+                                                   input_axes={"dense/kernel": sk.Layout((0,), stack=1)}, **EXACT)
+  params = {"dense": {"kernel": jnp.zeros((2, n, p))}}
+  txs = [make("both"), make("input")]
+  states = [tx.init(params) for tx in txs]
+  assert states[0].output_rotations == {} and states[1].output is None
+  for _ in range(2):
+    g = {"dense": {"kernel": jnp.asarray(rng.standard_normal((2, n, p)), jnp.float32)}}
+    outs = []
+    for i, tx in enumerate(txs):
+      o, states[i] = tx.update(g, states[i], params)
+      outs.append(o["dense"]["kernel"])
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="sides='both'.*basis='gradients'"):
+    sk.scale_by_eigenbasis_adam(sides="both")
 
 
 def test_orthogonalize_is_the_newton_schulz_iteration_and_keeps_the_column_space():
