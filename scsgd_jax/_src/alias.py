@@ -174,15 +174,18 @@ def scsgd_eigen(
     weight_decay: float = 0.0,
     mask: Optional[Any] = None,
     tail: eigenbasis.Tail = "factored",
+    basis: eigenbasis.Basis = "inputs",
     **conditioning,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW in each kernel's sketched input eigenbasis (one-sided, sketched EKFAC/SOAP)::
 
-    optax.chain(scale_by_eigenbasis_adam(rank, b1=b1, b2=b2, eps=eps, nesterov=nesterov, tail=tail, **conditioning),
+    optax.chain(scale_by_eigenbasis_adam(rank, b1=b1, b2=b2, eps=eps, nesterov=nesterov, tail=tail, basis=basis,
+                                         **conditioning),
                 optax.add_decayed_weights(weight_decay, mask),
                 optax.scale_by_learning_rate(learning_rate))
 
-  Rates on Adam's scale. ``update`` takes ``layer_inputs=`` (the captured inputs, as :func:`scsgd`).
+  Rates on Adam's scale. ``update`` takes ``layer_inputs=`` (the captured inputs, as :func:`scsgd`; with
+  ``basis='gradients'`` the basis comes from the gradient's own rows, SOAP's, and no capture is needed).
   :func:`scale_by_eigenbasis_adam` describes the update, its state and its cost; ``**conditioning`` goes to the
   conditioning (:func:`scale_by_sketched_conditioning`'s arguments; ``rank`` ``k = n``, e.g.
   ``conditioner='full', statistics='dense'``, gives Adam in the full eigenbasis).
@@ -191,7 +194,7 @@ def scsgd_eigen(
     checks.check_float("learning_rate", learning_rate, low=0.0)
   checks.check_float("weight_decay", weight_decay, low=0.0)
   return optax.chain(
-      eigenbasis.scale_by_eigenbasis_adam(rank, b1=b1, b2=b2, eps=eps, nesterov=nesterov, tail=tail,
+      eigenbasis.scale_by_eigenbasis_adam(rank, b1=b1, b2=b2, eps=eps, nesterov=nesterov, tail=tail, basis=basis,
                                           **conditioning),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate))

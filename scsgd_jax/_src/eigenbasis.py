@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from scsgd_jax._src import captured
 from scsgd_jax._src import checks
+from scsgd_jax._src import output as output_lib
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
 from scsgd_jax._src import state as state_lib
@@ -26,8 +28,15 @@ from scsgd_jax._src.state import ScaleBySketchedConditioningState
 
 __all__ = ["EigenMoments", "ScaleByEigenbasisAdamState", "eigenbasis", "scale_by_eigenbasis_adam"]
 
-Tail = Literal["factored", "scalar"]
+Tail = Literal["factored", "scalar", "orthogonal"]
+Basis = Literal["inputs", "gradients"]
+Sides = Literal["input", "both"]
 _TINY = 1e-30
+# Muon's quintic Newton-Schulz iteration (Jordan et al. 2024): 5 steps take a matrix's singular values near 1
+_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+_NS_STEPS = 5
+# an orthogonalized (n, p) tail is scaled by this times sqrt(max(n, p)): AdamW's typical update RMS (Liu et al. 2025)
+_ORTHOGONAL_RMS = 0.2
 
 
 class EigenMoments(NamedTuple):
@@ -35,8 +44,10 @@ class EigenMoments(NamedTuple):
 
   Attributes:
     lead: ``(k, p)``, the second moment of ``U^T G``; ``(n, p)`` of ``G`` itself for a diagonal kind.
-    row: ``(n,)``, the tail's row second moments (Adafactor), or ``None`` (scalar tail, or no tail: ``k = n``).
-    col: ``(p,)``, the tail's column second moments; ``()`` for a scalar tail; ``None`` with no tail.
+    row: ``(n,)``, the tail's row second moments (Adafactor), or ``None`` (scalar or orthogonalized tail, or no
+      tail: ``k = n``).
+    col: ``(p,)``, the tail's column second moments; ``()`` for a scalar tail; ``None`` for an orthogonalized tail
+      (it keeps none) or with no tail.
   """
 
   lead: jax.Array
@@ -56,6 +67,10 @@ class ScaleByEigenbasisAdamState(NamedTuple):
     rotations: ``{kernel path: V}``, the eigenbasis in use as a rotation of the conditioning's factor: ``U = Q V``
       (``V`` is ``k x k``; for a dense factor ``U = V``, ``n x n``), a leading axis per slice of a stack; none for a
       diagonal kind (the coordinate basis). Kept instead of ``U`` so the state does not hold ``Q`` twice.
+    output: with ``sides='both'``, the output side's conditioning state (the statistics of the gradient's
+      columns, read along each kernel's output axes); else ``None``.
+    output_rotations: with ``sides='both'``, ``{kernel path: V_out}`` of the kernels rotated on both sides
+      (``U_out = Q_out V_out``, ``p x k``); else ``None``.
   """
 
   count: jax.Array
@@ -63,6 +78,8 @@ class ScaleByEigenbasisAdamState(NamedTuple):
   mu: optax.Updates
   nu: Any
   rotations: dict[str, jax.Array]
+  output: Optional[ScaleBySketchedConditioningState] = None
+  output_rotations: Optional[dict[str, jax.Array]] = None
 
   def summary(self) -> dict[str, str]:
     """How each kernel is conditioned (the conditioning's :meth:`~ScaleBySketchedConditioningState.summary`)."""
@@ -95,10 +112,15 @@ def _rank(plan: plan_lib.KernelPlan) -> Optional[int]:
   return plan.n if plan.rank is None else plan.rank
 
 
-def _fresh_moments(plan: plan_lib.KernelPlan, p: int, tail: Tail) -> EigenMoments:
+def _fresh_moments(plan: plan_lib.KernelPlan, p: int, tail: Tail,
+                   out: Optional[plan_lib.KernelPlan] = None) -> EigenMoments:
+  """Zero moments of a kernel planned ``plan`` with ``p`` output columns; ``out``: its output side's plan when it
+  is rotated on both sides (the lead is then ``k x k_out``, a tail kept if either side is sketched)."""
   k = _rank(plan)
-  lead = jnp.zeros((plan.n if k is None else k, p), jnp.float32)
-  if k is None or k == plan.n:
+  k_out = None if out is None else (out.n if out.rank is None else out.rank)
+  lead = jnp.zeros((plan.n if k is None else k, p if k_out is None else k_out), jnp.float32)
+  no_tail = k is None or (k == plan.n and (out is None or k_out == out.n))
+  if no_tail or tail == "orthogonal":
     moments = EigenMoments(lead, None, None)
   elif tail == "factored":
     moments = EigenMoments(lead, jnp.zeros((plan.n,), jnp.float32), jnp.zeros((p,), jnp.float32))
@@ -127,27 +149,89 @@ def _carried(moments: EigenMoments, new: jax.Array, old: jax.Array) -> EigenMome
   lead = p @ moments.lead
   if moments.col is not None:  # the tail's mean second moment per column: Adafactor's column moment (or the scalar)
     col = moments.col[None, :] if moments.col.ndim else moments.col
-    lead = lead + jnp.clip(1.0 - jnp.sum(p, axis=1), 0.0, 1.0)[:, None] * col
+  elif new.shape[1] < new.shape[0]:  # an orthogonalized tail keeps no moment: the old lead's mean per column
+    col = jnp.mean(moments.lead, axis=0, keepdims=True)
+  else:  # k = n: no tail
+    return moments._replace(lead=lead)
+  lead = lead + jnp.clip(1.0 - jnp.sum(p, axis=1), 0.0, 1.0)[:, None] * col
   return moments._replace(lead=lead)
 
 
-def _direction(q, v, m, g, moments: EigenMoments, b2, correction, eps):
+def gradient_rows(updates, kernel_plans: dict[str, plan_lib.KernelPlan], input_axes=None) -> captured.CapturedInputs:
+  r"""Each planned kernel's gradient ``G`` (``(n, p)``) as ``p`` rows of its input space, ``G^\top``: the
+  statistics fed with them keep the EMA of ``G G^\top / p``, Shampoo's and SOAP's left factor, in place of
+  the inputs' ``C``. A diagonal kind (an embedding, whose basis is the coordinate one) gets no rows (its
+  statistics stay as they are). ``input_axes``: the captured layouts, passed on."""
+  flat = {plan_lib.path_to_str(p): g for p, g in jax.tree_util.tree_flatten_with_path(updates)[0]}
+  rows = {}
+  for path, plan in kernel_plans.items():
+    lead = plan.stack + ((plan.groups,) if plan.groups > 1 else ())
+    if plan.statistics.takes_ids:
+      rows[path] = jnp.zeros(lead + (0,), jnp.int32)
+      continue
+    one = lambda g, plan=plan: sketch.kernel_matrix(g, plan.input_axes)[0].T
+    g = jax.lax.stop_gradient(flat[path]).astype(jnp.float32)
+    rows[path] = one(g) if plan.slices is None else jax.vmap(one)(plan.to_slices(g)).reshape(lead + (-1, plan.n))
+  return captured.CapturedInputs(rows, input_axes)
+
+
+def _carried_both(moments: EigenMoments, new: jax.Array, old: jax.Array, new_out: jax.Array,
+                  old_out: jax.Array) -> EigenMoments:
+  r"""``moments`` of a kernel rotated on both sides carried to the bases ``(new, new_out)``: with
+  ``P = (U_new^\top U_old)^{\circ 2}`` per side, ``P lead P_out^\top``, plus the share each new coordinate takes
+  from outside the old spans at the tail's mean second moment (an orthogonalized tail: the old lead's mean)."""
+  p, p_out = jnp.square(new.T @ old), jnp.square(new_out.T @ old_out)
+  lead = p @ moments.lead @ p_out.T
+  if new.shape[1] == new.shape[0] and new_out.shape[1] == new_out.shape[0]:  # both full: no tail
+    return moments._replace(lead=lead)
+  mean = jnp.mean(moments.col) if moments.col is not None else jnp.mean(moments.lead)
+  inside = jnp.outer(jnp.sum(p, axis=1), jnp.sum(p_out, axis=1))
+  return moments._replace(lead=lead + jnp.clip(1.0 - inside, 0.0, 1.0) * mean)
+
+
+def orthogonalize(x: jax.Array) -> jax.Array:
+  """The nearest semi-orthogonal matrix to ``x`` (its polar factor ``U V^T``), approximately: Muon's quintic
+  Newton-Schulz iteration, 5 steps from ``x / |x|_F`` (singular values end in about ``[0.7, 1.2]``)."""
+  a, b, c = _NS_COEFFICIENTS
+  wide = x.shape[0] <= x.shape[1]
+  y = x if wide else x.T
+  y = y / (jnp.linalg.norm(y) + 1e-7)
+  for _ in range(_NS_STEPS):
+    s = y @ y.T
+    y = a * y + (b * s + c * (s @ s)) @ y
+  return y if wide else y.T
+
+
+def _direction(q, v, m, g, moments: EigenMoments, b2, correction, eps, tail: Tail = "factored", output=None):
   """One ``(n, p)`` matrix: its second moments updated with ``g`` and Adam's direction of the bias-corrected
   first moment ``m``, in the basis ``U = Q V`` (``q=None``: ``U = V``; ``v=None``: the coordinate basis) and rotated
   back; ``correction`` is the second moment's bias correction ``1 - b2^t``. ``U`` is applied as two products
-  (``V^T (Q^T x)``), never formed."""
+  (``V^T (Q^T x)``), never formed. ``output=(q_out, v_out)``: rotated on the output side too, ``U^T x U_out``."""
   ema = lambda v, x: b2 * v + (1.0 - b2) * x
   if v is None:
     lead = ema(moments.lead, jnp.square(g))
     return m / (jnp.sqrt(lead / correction) + eps), moments._replace(lead=lead)
-  rotate = lambda x: v.T @ (x if q is None else q.T @ x)
-  back = lambda y: v @ y if q is None else q @ (v @ y)
+  if output is None:
+    rotate = lambda x: v.T @ (x if q is None else q.T @ x)
+    back = lambda y: v @ y if q is None else q @ (v @ y)
+    full = q is None
+  else:
+    q_out, v_out = output
+    left = lambda x: v.T @ (x if q is None else q.T @ x)
+    rotate = lambda x: (left(x) if q_out is None else left(x) @ q_out) @ v_out
+    right_back = lambda y: y @ v_out.T if q_out is None else (y @ v_out.T) @ q_out.T
+    back = lambda y: v @ right_back(y) if q is None else q @ (v @ right_back(y))
+    full = q is None and q_out is None
   g_lead, m_lead = rotate(g), rotate(m)
   lead = ema(moments.lead, jnp.square(g_lead))
   out = back(m_lead / (jnp.sqrt(lead / correction) + eps))
-  if moments.col is None:  # k = n: no tail
+  if full:  # k = n (on both sides, if both): no tail
     return out, moments._replace(lead=lead)
-  g_tail, m_tail = g - back(g_lead), m - back(m_lead)
+  m_tail = m - back(m_lead)
+  if tail == "orthogonal":  # COSMOS's tail: orthogonalized, at AdamW's RMS, no state
+    scale = _ORTHOGONAL_RMS * jnp.sqrt(float(max(m.shape)))
+    return out + scale * orthogonalize(m_tail), moments._replace(lead=lead)
+  g_tail = g - back(g_lead)
   sq = jnp.square(g_tail)
   if moments.row is None:
     new = EigenMoments(lead, None, ema(moments.col, jnp.mean(sq)))
@@ -164,6 +248,8 @@ def scale_by_eigenbasis_adam(
     eps: float = 1e-8,
     nesterov: bool = False,
     tail: Tail = "factored",
+    basis: Basis = "inputs",
+    sides: Sides = "input",
     others: Literal["adam", "identity"] = "adam",
     budget_share: float = 0.5,
     seed: int = 0,
@@ -183,9 +269,21 @@ def scale_by_eigenbasis_adam(
     \quad v \leftarrow \beta_2 v + (1 - \beta_2) (U^\top G)^{\circ 2}
 
   (bias-corrected), with ``v_perp`` the tail's second moment: ``'factored'`` (Adafactor's row and column moments of
-  ``(G - U U^\top G)^{\circ 2}``, ``O(n + p)`` floats) or ``'scalar'`` (one float, as Sketchy). With the full
-  conditioner (``k = n``) there is no tail: Adam in the full eigenbasis of ``C`` (EKFAC's input side). Other
-  leaves, and the diagonal kinds (embeddings: token frequencies), get Adam.
+  ``(G - U U^\top G)^{\circ 2}``, ``O(n + p)`` floats) or ``'scalar'`` (one float, as Sketchy); or, with
+  ``tail='orthogonal'`` (COSMOS's split: Adam on the leading subspace, Muon on the rest), the tail's first moment
+  is orthogonalized instead (:func:`orthogonalize`, at ``0.2 sqrt(max(n, p))``, AdamW's typical RMS) and keeps no
+  second moment. With the full conditioner (``k = n``) there is no tail: Adam in the full eigenbasis of ``C``
+  (EKFAC's input side). Other leaves, and the diagonal kinds (embeddings: token frequencies), get Adam.
+
+  ``basis='gradients'`` builds ``U`` from the EMA of the gradient's own Gram matrix ``G G^\top / p``
+  (:func:`gradient_rows`; Shampoo's and SOAP's left factor) instead of the inputs' ``C`` (EKFAC's): the same
+  statistics, sketch and refresh, fed with the rows of ``G^\top``, so no capture is needed (``layer_inputs`` is
+  read only for its layouts). ``sides='both'`` (with ``basis='gradients'``) rotates on the output side too, by
+  the eigenbasis ``U_out`` (``p x k``) of the EMA of ``G^\top G / n`` kept alike (each kernel read along its
+  output axes): Adam's second moment is kept for ``U^\top G U_out`` (``k x k``), the tail is everything outside
+  that block, and the moments are carried by both sides' overlaps; at full rank on both sides it is SOAP. A
+  stacked or grouped kernel, or one whose output side has no basis, is rotated on its input side alone. The
+  two sides' statistics share ``budget_share``.
 
   Cost: three ``(k x n) (n x p)`` products a step per kernel (``O(n k p)``, the conditioning's own order), and
   an ``eigh`` of ``k x k`` per refresh. State: Adam's first moment (``n p``), the rotated second moment
@@ -199,7 +297,10 @@ def scale_by_eigenbasis_adam(
     rank: sketch rank ``k`` (default 32).
     b1, b2, eps: Adam's.
     nesterov: Nesterov's form of Adam's first moment (NAdam's).
-    tail: the tail's second moment: ``'factored'`` or ``'scalar'``.
+    tail: the tail's treatment: ``'factored'`` or ``'scalar'`` second moments, or ``'orthogonal'``.
+    basis: whose statistics give the basis: ``'inputs'`` (the layer's inputs, EKFAC's) or ``'gradients'``
+      (the gradient's rows, SOAP's).
+    sides: ``'input'`` or ``'both'`` (``basis='gradients'`` only: SOAP's two factors).
     others: what the leaves it does not condition get: ``'adam'``, or ``'identity'`` (passed through, no state:
       for a chain whose next transformation treats them, e.g. Muon's orthogonalization of the conditioned
       kernels, the kernels chosen by ``kernel_filter``, with its AdamW part for the rest).
@@ -210,10 +311,19 @@ def scale_by_eigenbasis_adam(
   References:
     George et al., Fast Approximate Natural Gradient Descent in a Kronecker-factored Eigenbasis (EKFAC), 2018.
     Vyas et al., SOAP: Improving and Stabilizing Shampoo using Adam, 2024.
+    Liu et al., COSMOS: A Hybrid Adaptive Optimizer for Memory-Efficient Training of LLMs, 2025.
     Gonen & Shalev-Shwartz, Faster SGD Using Sketched Conditioning, 2015.
   """
-  if tail not in ("factored", "scalar"):
-    raise ValueError(f"tail must be 'factored' or 'scalar', got {tail!r}.")
+  if tail not in ("factored", "scalar", "orthogonal"):
+    raise ValueError(f"tail must be 'factored', 'scalar' or 'orthogonal', got {tail!r}.")
+  if basis not in ("inputs", "gradients"):
+    raise ValueError(f"basis must be 'inputs' or 'gradients', got {basis!r}.")
+  if sides not in ("input", "both"):
+    raise ValueError(f"sides must be 'input' or 'both', got {sides!r}.")
+  if sides == "both" and basis != "gradients":
+    raise ValueError("sides='both' takes the output side's basis from the gradient's columns (SOAP's right factor): "
+                     "it needs basis='gradients' (the two-sided conditioning of captured output gradients is "
+                     "scsgd_two_sided's).")
   if others not in ("adam", "identity"):
     raise ValueError(f"others must be 'adam' or 'identity', got {others!r}.")
   if not isinstance(nesterov, bool):
@@ -224,15 +334,42 @@ def scale_by_eigenbasis_adam(
   if not isinstance(eps, jax.Array):
     checks.check_float("eps", eps, low=0.0)
   args = transform.arguments("scale_by_eigenbasis_adam", rank, seed=seed, **conditioning)
-  inner, plans = transform.conditioning_and_plans(args, budget_share=budget_share)
+  share = budget_share / 2 if sides == "both" else budget_share
+  inner, plans = transform.conditioning_and_plans(args, budget_share=share)
+  if sides == "both":  # the same statistics of the gradient's columns, each kernel read along its output axes
+    keep = args["kernel_filter"] or plan_lib.default_kernel_filter
+    out_inner, out_plans = transform.conditioning_and_plans(
+        {**args, "seed": seed + 1, "input_axes": None,
+         "kernel_filter": lambda path, leaf: keep(path, leaf) and output_lib.output_kernel_filter(path, leaf)},
+        default_axes=output_lib.default_output_axes, budget_share=share)
 
-  def moments_tree(params, kernel_plans):
+  def both_sides(tree, kernel_plans) -> dict[str, plan_lib.KernelPlan]:
+    """The output side's plans of the kernels rotated on both sides: one unstacked, ungrouped layer whose input
+    side has a basis and whose output axes are the complement of its input axes (others: the input side alone)."""
+    if sides != "both":
+      return {}
+    leaves = {plan_lib.path_to_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    out = {}
+    for path, o in out_plans(tree).items():
+      plan = kernel_plans.get(path)
+      if plan is None or _rank(plan) is None or _rank(o) is None or plan.slices is not None or o.slices is not None:
+        continue
+      ndim = leaves[path].ndim
+      inputs = {a % ndim for a in plan.input_axes}
+      if tuple(a % ndim for a in o.input_axes) == tuple(a for a in range(ndim) if a not in inputs):
+        out[path] = o
+    return out
+
+  def moments_tree(params, kernel_plans, two=None):
+    two = two or {}
+
     def one(path, leaf):
-      plan = kernel_plans.get(plan_lib.path_to_str(path))
+      key = plan_lib.path_to_str(path)
+      plan = kernel_plans.get(key)
       if plan is None:
         return jnp.zeros_like(leaf) if others == "adam" else optax.MaskedNode()
       width = leaf.size // (plan.n * (plan.slices or 1))
-      return _fresh_moments(plan, width, tail)
+      return _fresh_moments(plan, width, tail, two.get(key))
 
     return jax.tree_util.tree_map_with_path(one, params)
 
@@ -246,37 +383,52 @@ def scale_by_eigenbasis_adam(
   def init_fn(params):
     kernel_plans = plans(params)
     conditioning_state = inner.init(params)
+    two = both_sides(params, kernel_plans)
+    output_state = out_inner.init(params) if sides == "both" else None
     return ScaleByEigenbasisAdamState(
         count=jnp.zeros([], jnp.int32),
         conditioning=conditioning_state,
         mu=jax.tree_util.tree_map_with_path(
             lambda p, x: jnp.zeros_like(x) if others == "adam" or plan_lib.path_to_str(p) in kernel_plans
             else optax.MaskedNode(), params),
-        nu=moments_tree(params, kernel_plans),
-        rotations=rotations_of(conditioning_state.factors, kernel_plans))
+        nu=moments_tree(params, kernel_plans, two),
+        rotations=rotations_of(conditioning_state.factors, kernel_plans),
+        output=output_state,
+        output_rotations=None if output_state is None else rotations_of(output_state.factors, two))
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
+    kernel_plans = plans(updates, getattr(layer_inputs, "input_axes", None))
+    if basis == "gradients":  # the statistics of the gradient's own rows (SOAP's left factor), no capture read
+      layer_inputs = gradient_rows(updates, kernel_plans, getattr(layer_inputs, "input_axes", None))
     # the conditioned gradients are not used (compiled away under jit): the refreshed factors are
     _, conditioning_state = inner.update(updates, state.conditioning, params, layer_inputs=layer_inputs,
                                          **extra_args)
-    kernel_plans = plans(updates, getattr(layer_inputs, "input_axes", None))
+    two, output_state = both_sides(updates, kernel_plans), None
+    if sides == "both":
+      _, output_state = out_inner.update(updates, state.output, params,
+                                         layer_inputs=gradient_rows(updates, out_plans(updates)))
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     paths = [plan_lib.path_to_str(p) for p, _ in flat]
     nus = treedef.flatten_up_to(state.nu)
-    shapes = treedef.flatten_up_to(jax.eval_shape(lambda: moments_tree(updates, kernel_plans)))
+    shapes = treedef.flatten_up_to(jax.eval_shape(lambda: moments_tree(updates, kernel_plans, two)))
     # a kernel re-planned at the first update (a layout init could not read): its moments and basis start afresh
     restart = {p for p, f, v in zip(paths, shapes, nus) if not state_lib.same_shapes(f, v)}
     if restart:
-      fresh = treedef.flatten_up_to(moments_tree(updates, kernel_plans))
+      fresh = treedef.flatten_up_to(moments_tree(updates, kernel_plans, two))
       nus = [f if p in restart else v for p, f, v in zip(paths, fresh, nus)]
     rotations = {**state.rotations, **{p: r for p, r in rotations_of(conditioning_state.factors, kernel_plans).items()
                                        if p in restart or p not in state.rotations}}
+    out_rotations = {} if output_state is None else {
+        **{p: r for p, r in (state.output_rotations or {}).items() if p in two},
+        **{p: r for p, r in rotations_of(output_state.factors, two).items()
+           if p in restart or p not in (state.output_rotations or {})}}
     count = optax.safe_increment(state.count)
     first_corr, second_corr = 1.0 - b1 ** count, 1.0 - b2 ** count
     mus = [m if isinstance(m, optax.MaskedNode) else (b1 * m + (1.0 - b1) * g).astype(m.dtype)
            for m, (_, g) in zip(treedef.flatten_up_to(state.mu), flat)]
 
-    out, new_nus, new_rotations = [], [], {}
+    out, new_nus, new_rotations, new_out_rotations = [], [], {}, {}
+    late = basis == "gradients"
     for path, (_, g), m, v in zip(paths, flat, mus, nus):
       if isinstance(m, optax.MaskedNode):  # others="identity"
         out.append(g)
@@ -294,28 +446,61 @@ def scale_by_eigenbasis_adam(
         continue
       r = rotations.get(path)
       new = conditioning_state.factors[path]
-      if r is not None and path not in restart:  # a refreshed factor: a new basis, the moments carried into it
+      # a refreshed factor gives a new basis, the moments carried into it: before this step's direction for the
+      # inputs' basis, after it for the gradients' (SOAP's order: the step never uses the basis its own gradient
+      # just joined, in which U^T G U_out would be G's diagonal of singular values)
+      if path in two:  # rotated on both sides: U^T M U_out, one layer
+        r_out, new_out = out_rotations[path], output_state.factors[path]
+        q, q_out, rebase = new.q, new_out.q, None
+        if path not in restart:
+          old, old_out = state.conditioning.factors[path], state.output.factors[path]
+          changed = jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(
+              jax.tree.leaves((old, old_out)), jax.tree.leaves((new, new_out)))]))
+
+          def rebase_both(operand, old=old, new=new, old_out=old_out, new_out=new_out):
+            r, r_out, v = operand
+            fresh, fresh_out = _rotation(new), _rotation(new_out)
+            return fresh, fresh_out, _carried_both(v, _basis(new.q, fresh), _basis(old.q, r),
+                                                   _basis(new_out.q, fresh_out), _basis(old_out.q, r_out))
+
+          rebase = lambda operand, changed=changed, f=rebase_both: jax.lax.cond(changed, f, lambda o: o, operand)
+          if late:
+            q, q_out = old.q, old_out.q
+          else:
+            r, r_out, v = rebase((r, r_out, v))
+        mm, restore = sketch.kernel_matrix(m_hat, plan.input_axes)
+        gm, _ = sketch.kernel_matrix(g32, plan.input_axes)
+        direction, v = _direction(q, r, mm, gm, v, b2, second_corr, eps, tail, (q_out, r_out))
+        if late and rebase is not None:
+          r, r_out, v = rebase((r, r_out, v))
+        new_rotations[path], new_out_rotations[path] = r, r_out
+        out.append(restore(direction).astype(g.dtype))
+        new_nus.append(v)
+        continue
+      q, rebase = (new.q if r is not None else None), None
+      if r is not None and path not in restart:
         old = state.conditioning.factors[path]
         changed = jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))]))
 
-        def rebase(operand, old=old, new=new):
+        def rebase_one(operand, old=old, new=new, plan=plan):
           def one_slice(r, v, old, new):
             fresh = _rotation(new)
             return fresh, _carried(v, _basis(new.q, fresh), _basis(old.q, r))
 
           return (one_slice if plan.slices is None else jax.vmap(one_slice))(*operand, old, new)
 
-        r, v = jax.lax.cond(changed, rebase, lambda o: o, (r, v))
-      if r is not None:
-        new_rotations[path] = r
+        rebase = lambda operand, changed=changed, f=rebase_one: jax.lax.cond(changed, f, lambda o: o, operand)
+        if late:
+          q = old.q
+        else:
+          r, v = rebase((r, v))
 
       def one(q, r, m_slice, g_slice, moments, plan=plan):
         mm, restore = sketch.kernel_matrix(m_slice, plan.input_axes)
         gm, _ = sketch.kernel_matrix(g_slice, plan.input_axes)
-        direction, moments = _direction(q, r, mm, gm, moments, b2, second_corr, eps)
+        direction, moments = _direction(q, r, mm, gm, moments, b2, second_corr, eps, tail)
         return restore(direction), moments
 
-      q = new.q if r is not None else None
       if plan.slices is None:
         direction, v = one(q, r, m_hat, g32, v)
       else:
@@ -323,10 +508,15 @@ def scale_by_eigenbasis_adam(
         direction, v = jax.vmap(one, in_axes=(axis(q), axis(r), 0, 0, 0))(
             q, r, plan.to_slices(m_hat), plan.to_slices(g32), v)
         direction = plan.from_slices(direction, g.shape)
+      if late and rebase is not None:
+        r, v = rebase((r, v))
+      if r is not None:
+        new_rotations[path] = r
       out.append(direction.astype(g.dtype))
       new_nus.append(v)
     return treedef.unflatten(out), ScaleByEigenbasisAdamState(
         count=count, conditioning=conditioning_state, mu=treedef.unflatten(mus),
-        nu=treedef.unflatten(new_nus), rotations=new_rotations)
+        nu=treedef.unflatten(new_nus), rotations=new_rotations, output=output_state,
+        output_rotations=None if output_state is None else new_out_rotations)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

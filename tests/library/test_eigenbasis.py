@@ -1,5 +1,6 @@
 """Adam in the sketched conditioner's eigenbasis (scale_by_eigenbasis_adam / scsgd_eigen) against dense numpy:
-the full eigenbasis (k = n), the sketched one with its tail, the carry at a refresh, Adam on the other leaves."""
+the full eigenbasis (k = n) of the inputs' C or of the gradient's Gram matrix, the sketched one with each tail
+(Adafactor's, a scalar, orthogonalized), the carry at a refresh, Adam on the other leaves."""
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,17 @@ def _run(tx, batches, n=6, p=3):
   return outs, state
 
 
+def _newton_schulz(x):
+  """Muon's quintic Newton-Schulz iteration, by hand: 5 steps from x / |x|_F on the wide orientation."""
+  wide = x.shape[0] <= x.shape[1]
+  y = x if wide else x.T
+  y = y / (np.linalg.norm(y) + 1e-7)
+  for _ in range(5):
+    s = y @ y.T
+    y = 3.4445 * y + (-4.7750 * s + 2.0315 * s @ s) @ y
+  return y if wide else y.T
+
+
 def _carry(v, new, old, tail_col=None):
   p = (new.T @ old) ** 2
   v = p @ v
@@ -58,10 +70,149 @@ def test_full_rank_equals_adam_in_the_full_eigenbasis_of_c():
     u_old = u
 
 
-@pytest.mark.parametrize("tail", ["factored", "scalar"])
+def test_full_rank_gradient_basis_equals_adam_in_the_eigenbasis_of_the_gradients_gram():
+  """basis='gradients', k = n: U the eigenvectors of each step's G G^T (SOAP's left factor, numpy eigh), with no
+  layer inputs given; Adam in U's coordinates as above, in SOAP's order: each step in the basis before its own
+  gradient joined the statistics, the moments carried into the new basis after it; three steps."""
+  rng = np.random.default_rng(7)
+  n, p = 4, 6
+  gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
+  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, conditioner="full", basis="gradients", **EXACT)
+  params = {"dense": {"kernel": jnp.zeros((n, p))}}
+  state = tx.init(params)
+  m = v = np.zeros((n, p))
+  u_old = np.eye(n)
+  for t, g in enumerate(gs, start=1):
+    out, state = jax.jit(tx.update)({"dense": {"kernel": jnp.asarray(g, jnp.float32)}}, state, params)
+    m = B1 * m + (1 - B1) * g
+    v = B2 * v + (1 - B2) * (u_old.T @ g) ** 2
+    want = u_old @ ((u_old.T @ m / (1 - B1 ** t)) / (np.sqrt(v / (1 - B2 ** t)) + EPS))
+    np.testing.assert_allclose(out["dense"]["kernel"], want, rtol=2e-4, atol=1e-6)
+    _, u = np.linalg.eigh(g @ g.T / p)
+    v = _carry(v, u, u_old)
+    u_old = u
+
+
+def _carry_both(v, new, old, new_out, old_out, tail_mean=None):
+  p, p_out = (new.T @ old) ** 2, (new_out.T @ old_out) ** 2
+  lead = p @ v @ p_out.T
+  if tail_mean is not None:
+    lead = lead + np.clip(1 - np.outer(p.sum(1), p_out.sum(1)), 0, 1) * tail_mean
+  return lead
+
+
+# both sides' bases from an EMA (rate 1/2 from C_0 = I): with the latest gradient's alone, U^T G U_out would be
+# its diagonal of singular values and Adam's off-diagonal ratios float32 round-off over round-off
+AVERAGED = {**EXACT, "ema_rate": 0.5}
+
+
+def test_both_sides_at_full_rank_is_soap():
+  """sides='both', k = n and k = p: Adam's second moment kept for U^T G U_out with U, U_out the eigenvectors of
+  the EMAs of G G^T / p and G^T G / n (SOAP, numpy eigh), in SOAP's order (the step in the bases before its
+  gradient joined them), carried by both sides' overlaps, three steps."""
+  rng = np.random.default_rng(9)
+  n = p = 5
+  gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
+  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, conditioner="full", basis="gradients", sides="both",
+                                   **AVERAGED)
+  left, right = np.eye(n), np.eye(p)
+  params = {"dense": {"kernel": jnp.zeros((n, p))}}
+  state = tx.init(params)
+  m, v = np.zeros((n, p)), np.zeros((n, p))
+  u_old, w_old = np.eye(n), np.eye(p)
+  for t, g in enumerate(gs, start=1):
+    out, state = jax.jit(tx.update)({"dense": {"kernel": jnp.asarray(g, jnp.float32)}}, state, params)
+    m = B1 * m + (1 - B1) * g
+    v = B2 * v + (1 - B2) * (u_old.T @ g @ w_old) ** 2
+    want = u_old @ ((u_old.T @ m @ w_old / (1 - B1 ** t)) / (np.sqrt(v / (1 - B2 ** t)) + EPS)) @ w_old.T
+    np.testing.assert_allclose(out["dense"]["kernel"], want, rtol=2e-3, atol=1e-5)
+    left, right = 0.5 * left + 0.5 * g @ g.T / p, 0.5 * right + 0.5 * g.T @ g / n
+    u, w = np.linalg.eigh(left)[1], np.linalg.eigh(right)[1]
+    v = _carry_both(v, u, u_old, w, w_old)
+    u_old, w_old = u, w
+
+
+def test_both_sides_sketched_with_the_scalar_tail_equals_numpy():
+  """sides='both', k = 2 on each side: U = Q V, U_out = Q_out V_out from the state's factors; Adam on the k x k
+  block U^T G U_out in the bases before the step, the rest of G (the tail) scaled by one scalar second moment;
+  then carried by both overlaps into the refreshed bases."""
+  rng = np.random.default_rng(10)
+  n, p = 6, 5
+  gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
+  tx = sk.scale_by_eigenbasis_adam(2, b1=B1, b2=B2, eps=EPS, conditioner="sketched", basis="gradients",
+                                   sides="both", tail="scalar", **AVERAGED)
+  params = {"dense": {"kernel": jnp.zeros((n, p))}}
+  state = tx.init(params)
+  m, lead, col = np.zeros((n, p)), np.zeros((2, 2)), 0.0
+
+  def bases(state):
+    out = []
+    for side in (state.conditioning, state.output):
+      q, b_inv, _ = (np.asarray(a, np.float64) for a in side.factors["dense/kernel"])
+      out.append(q @ np.linalg.eigh(b_inv)[1])
+    return out
+
+  u, w = bases(state)
+  for t, g in enumerate(gs, start=1):
+    out, state = jax.jit(tx.update)({"dense": {"kernel": jnp.asarray(g, jnp.float32)}}, state, params)
+    m = B1 * m + (1 - B1) * g
+    gt = g - u @ (u.T @ g @ w) @ w.T
+    lead = B2 * lead + (1 - B2) * (u.T @ g @ w) ** 2
+    col = B2 * col + (1 - B2) * (gt ** 2).mean()
+    m_hat, c2 = m / (1 - B1 ** t), 1 - B2 ** t
+    core = u.T @ m_hat @ w
+    want = u @ (core / (np.sqrt(lead / c2) + EPS)) @ w.T + (m_hat - u @ core @ w.T) / (np.sqrt(col / c2) + EPS)
+    np.testing.assert_allclose(out["dense"]["kernel"], want, rtol=2e-3, atol=1e-5)
+    u_new, w_new = bases(state)
+    lead = _carry_both(lead, u_new, u, w_new, w, col)
+    u, w = u_new, w_new
+
+
+def test_both_sides_leave_a_stacked_kernel_to_its_input_side_and_need_the_gradient_basis():
+  """A stacked kernel is rotated on its input side alone under sides='both': its updates equal sides='input''s;
+  sides='both' with the inputs' basis is refused, naming what it needs."""
+  rng = np.random.default_rng(11)
+  n, p = 6, 3
+  make = lambda sides: sk.scale_by_eigenbasis_adam(2, conditioner="sketched", basis="gradients", sides=sides,
+                                                   input_axes={"dense/kernel": sk.Layout((0,), stack=1)}, **EXACT)
+  params = {"dense": {"kernel": jnp.zeros((2, n, p))}}
+  txs = [make("both"), make("input")]
+  states = [tx.init(params) for tx in txs]
+  assert states[0].output_rotations == {} and states[1].output is None
+  for _ in range(2):
+    g = {"dense": {"kernel": jnp.asarray(rng.standard_normal((2, n, p)), jnp.float32)}}
+    outs = []
+    for i, tx in enumerate(txs):
+      o, states[i] = tx.update(g, states[i], params)
+      outs.append(o["dense"]["kernel"])
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="sides='both'.*basis='gradients'"):
+    sk.scale_by_eigenbasis_adam(sides="both")
+
+
+def test_orthogonalize_is_the_newton_schulz_iteration_and_keeps_the_column_space():
+  """orthogonalize equals the iteration by hand; its singular values land near 1 (Muon's quintic: in [0.6, 1.25]);
+  a matrix confined to a subspace (a tail, (I - U U^T) M) stays in it."""
+  from scsgd_jax._src import eigenbasis as eb
+  rng = np.random.default_rng(8)
+  for shape in ((6, 3), (3, 6)):
+    x = rng.standard_normal(shape)
+    got = np.asarray(eb.orthogonalize(jnp.asarray(x, jnp.float32)), np.float64)
+    np.testing.assert_allclose(got, _newton_schulz(x), rtol=1e-3, atol=1e-5)
+    sv = np.linalg.svd(got, compute_uv=False)
+    assert sv.min() > 0.6 and sv.max() < 1.25, sv
+  u = np.linalg.qr(rng.standard_normal((6, 2)))[0]
+  tail = (np.eye(6) - u @ u.T) @ rng.standard_normal((6, 3))
+  got = np.asarray(eb.orthogonalize(jnp.asarray(tail, jnp.float32)), np.float64)
+  np.testing.assert_allclose(u.T @ got, 0.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tail", ["factored", "scalar", "orthogonal"])
 def test_sketched_basis_with_its_tail_equals_numpy(tail):
   """k < n: U = Q V from the state's factor, Adam in U's coordinates, the tail G - U U^T G scaled by Adafactor's
-  factored moments (or one scalar), the moments carried at each refresh with the tail's share."""
+  factored moments (or one scalar), or its first moment orthogonalized at 0.2 sqrt(max(n, p)) (COSMOS's split,
+  no state); the moments carried at each refresh with the tail's share (an orthogonalized tail: the old lead's
+  mean per column)."""
   rng = np.random.default_rng(1)
   batches = _batches(rng, 3)
   tx = sk.scale_by_eigenbasis_adam(2, b1=B1, b2=B2, eps=EPS, conditioner="sketched", tail=tail, **EXACT)
@@ -78,7 +229,7 @@ def test_sketched_basis_with_its_tail_equals_numpy(tail):
     u = q @ np.linalg.eigh(b_inv)[1]
     np.testing.assert_allclose(np.abs(u.T @ np.asarray(sk.eigenbasis(state.conditioning.factors["dense/kernel"]))),
                                np.eye(2), atol=1e-4)
-    lead = _carry(lead, u, u_old, col)
+    lead = _carry(lead, u, u_old, lead.mean(0) if tail == "orthogonal" else col)
     m = B1 * m + (1 - B1) * g
     gl = u.T @ g
     gt = g - u @ gl
@@ -86,21 +237,28 @@ def test_sketched_basis_with_its_tail_equals_numpy(tail):
     if tail == "factored":
       row, col = B2 * row + (1 - B2) * (gt ** 2).mean(1), B2 * col + (1 - B2) * (gt ** 2).mean(0)
       v_tail = np.outer(row, col) / row.mean()
-    else:
+    elif tail == "scalar":
       col = B2 * col + (1 - B2) * (gt ** 2).mean()
       v_tail = col
     m_hat, c2 = m / (1 - B1 ** t), 1 - B2 ** t
     ml = u.T @ m_hat
-    want = u @ (ml / (np.sqrt(lead / c2) + EPS)) + (m_hat - u @ ml) / (np.sqrt(v_tail / c2) + EPS)
+    want = u @ (ml / (np.sqrt(lead / c2) + EPS))
+    if tail == "orthogonal":
+      want = want + 0.2 * np.sqrt(6) * _newton_schulz(m_hat - u @ ml)
+      assert state.nu["dense"]["kernel"].row is None and state.nu["dense"]["kernel"].col is None
+    else:
+      want = want + (m_hat - u @ ml) / (np.sqrt(v_tail / c2) + EPS)
     np.testing.assert_allclose(out["dense"]["kernel"], want, rtol=2e-3, atol=1e-5)
     u_old = u
 
 
-def test_other_leaves_and_embeddings_get_adam_itself():
-  """A bias and an embedding (a diagonal kind: the coordinate basis) are updated exactly as optax.adam's."""
+@pytest.mark.parametrize("basis", ["inputs", "gradients"])
+def test_other_leaves_and_embeddings_get_adam_itself(basis):
+  """A bias and an embedding (a diagonal kind: the coordinate basis) are updated exactly as optax.adam's, with
+  either basis."""
   rng = np.random.default_rng(2)
   params = {"embed": {"embedding": jnp.zeros((7, 4))}, "dense": {"kernel": jnp.zeros((4, 3)), "bias": jnp.zeros(3)}}
-  tx = sk.scsgd_eigen(1e-2, b1=B1, b2=B2, eps=EPS)
+  tx = sk.scsgd_eigen(1e-2, b1=B1, b2=B2, eps=EPS, basis=basis)
   ref = optax.adam(1e-2, b1=B1, b2=B2, eps=EPS)
   state, ref_state = tx.init(params), ref.init(params)
   for _ in range(3):
@@ -114,14 +272,15 @@ def test_other_leaves_and_embeddings_get_adam_itself():
   assert "token frequencies" in state[0].summary()["embed/embedding"]
 
 
-def test_stacked_kernel_equals_each_slice_alone():
+@pytest.mark.parametrize("basis", ["inputs", "gradients"])
+def test_stacked_kernel_equals_each_slice_alone(basis):
   """A stack of two kernels (leading layer axis, Layout(stack=1)): each slice's update equals the same
-  transformation on that slice alone."""
+  transformation on that slice alone, with the basis of the inputs or of each slice's own gradient rows."""
   rng = np.random.default_rng(3)
   n, p = 6, 3
   xs = [rng.standard_normal((2, 20, n)) * np.linspace(0.5, 3, n) for _ in range(2)]
   gs = [rng.standard_normal((2, n, p)) for _ in range(2)]
-  make = lambda axes: sk.scale_by_eigenbasis_adam(2, conditioner="sketched", input_axes=axes, **EXACT)
+  make = lambda axes: sk.scale_by_eigenbasis_adam(2, conditioner="sketched", input_axes=axes, basis=basis, **EXACT)
   stacked = make({"dense/kernel": sk.Layout((0,), stack=1)})
   params = {"dense": {"kernel": jnp.zeros((2, n, p))}}
   state = stacked.init(params)
@@ -153,8 +312,10 @@ def test_state_serializes_and_stays_within_adams_floats():
 
 
 def test_bad_tail_is_refused():
-  with pytest.raises(ValueError, match="tail must be 'factored' or 'scalar'"):
+  with pytest.raises(ValueError, match="tail must be 'factored', 'scalar' or 'orthogonal'"):
     sk.scale_by_eigenbasis_adam(tail="adafactor")
+  with pytest.raises(ValueError, match="basis must be 'inputs' or 'gradients'"):
+    sk.scale_by_eigenbasis_adam(basis="outputs")
   with pytest.raises(TypeError, match="scale_by_eigenbasis_adam"):
     sk.scale_by_eigenbasis_adam(momentum=0.9)
 
