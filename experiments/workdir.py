@@ -36,7 +36,7 @@ VERSIONS_KEY = "versions"  # in config.json: the packages the run was made with
 #: optimizer arguments added after runs were recorded, each with the value that reproduces the behaviour from
 #: before it: a record without the key ran with that value (adding an argument leaves old rows valid; a later
 #: change of its default does not)
-ADDED_ARGUMENTS = {"normalize": "none", "basis": "inputs"}
+ADDED_ARGUMENTS = {"normalize": "none", "basis": "inputs", "sides": "input"}
 
 
 def check_path(workdir: str, flag: str = "--workdir") -> str:
