@@ -60,6 +60,7 @@ def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
     lasts = [r["rows"][-1] for r in recs if r["rows"] and not r["diverged"]]
     step_ms[name] = median([1e3 * r["train_time"] / r["step"] for r in lasts])
     lrs = sorted({p.learning_rate for p in o["tried"] if p.joint == o["point"].joint})
+    reports = [r["report"] for r in recs] if all("report" in r for r in recs) else []  # each seed's, or none
     out["optimizers"][name] = {
         "learning_rate": o["point"].learning_rate, "joint": dict(o["point"].joint),
         "at_grid_edge": o["point"].learning_rate in (lrs[0], lrs[-1]),
@@ -74,12 +75,9 @@ def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
         "final_loss_median": finals[name],
         "final_loss_range": spread([final(r) for r in recs]),
         "final_error_median": median([final(r, "test_error") for r in recs]),
-        "report_loss_median": median([r["report"]["loss"] for r in recs if "report" in r])
-        if all("report" in r for r in recs) else None,
-        "report_error_median": median([r["report"]["error"] for r in recs if "report" in r])
-        if all("report" in r for r in recs) else None,
-        "report_loss_range": spread([r["report"]["loss"] for r in recs if "report" in r])
-        if all("report" in r for r in recs) else None,
+        "report_loss_median": median([r["loss"] for r in reports]),
+        "report_error_median": median([r["error"] for r in reports]),
+        "report_loss_range": spread([r["loss"] for r in reports]),
         "step_ms_median": step_ms[name],
         "state_bytes": recs[0]["state_bytes"],
         "diverged_seeds": sum(r["diverged"] for r in recs),

@@ -175,6 +175,11 @@ def gradient_rows(updates, kernel_plans: dict[str, plan_lib.KernelPlan], input_a
   return captured.CapturedInputs(rows, input_axes)
 
 
+def _differs(old, new) -> jax.Array:
+  """Whether two factors (trees of arrays, one structure) differ anywhere: a refresh changed the basis."""
+  return jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))]))
+
+
 def _carried_both(moments: EigenMoments, new: jax.Array, old: jax.Array, new_out: jax.Array,
                   old_out: jax.Array) -> EigenMoments:
   r"""``moments`` of a kernel rotated on both sides carried to the bases ``(new, new_out)``: with
@@ -454,8 +459,7 @@ def scale_by_eigenbasis_adam(
         q, q_out, rebase = new.q, new_out.q, None
         if path not in restart:
           old, old_out = state.conditioning.factors[path], state.output.factors[path]
-          changed = jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(
-              jax.tree.leaves((old, old_out)), jax.tree.leaves((new, new_out)))]))
+          changed = _differs((old, old_out), (new, new_out))
 
           def rebase_both(operand, old=old, new=new, old_out=old_out, new_out=new_out):
             r, r_out, v = operand
@@ -480,7 +484,7 @@ def scale_by_eigenbasis_adam(
       q, rebase = (new.q if r is not None else None), None
       if r is not None and path not in restart:
         old = state.conditioning.factors[path]
-        changed = jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))]))
+        changed = _differs(old, new)
 
         def rebase_one(operand, old=old, new=new, plan=plan):
           def one_slice(r, v, old, new):
