@@ -180,7 +180,8 @@ def tune(loss: Callable[[float], float], lrs: list[float], extend_edge: int) -> 
   return dict(sorted(tried.items()))
 
 
-def _state_bytes(cfg) -> int:
+def state_bytes(cfg) -> int:
+  """The bytes of the optimizer state run ``cfg`` builds, from shapes."""
   shapes = build_lib.abstract_state(build_lib.build(cfg, abstract=True))["opt_state"]
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
 
@@ -306,7 +307,7 @@ def train_one(cfg, workdir: str, report_split: str) -> dict:
       raise errors.WorkdirError(f"{message}, again after training it from scratch")
     print(f"starting over: {message}", file=sys.stderr, flush=True)
     shutil.rmtree(workdir)
-  out = {"config": train.record(cfg), "diverged": diverged, "rows": rows, "state_bytes": _state_bytes(cfg),
+  out = {"config": train.record(cfg), "diverged": diverged, "rows": rows, "state_bytes": state_bytes(cfg),
          "load_average_1min": [load_before[0], os.getloadavg()[0]]}
   if report_split and not diverged:
     out["report"] = train.evaluate_checkpoint(cfg, workdir, report_split)

@@ -5,7 +5,10 @@
 One Dense layer ``(n, 1024)`` for each ``n`` of ``config.dims``; each variant built through the experiments'
 optimizer factory: Nesterov SGD, Adam, and SCSGD with the paper's dense ``n x n`` statistics, the streaming
 (Nystrom, ``O(n r)``) ones and the default (chosen by memory). Reported: the state's bytes, the ratio to
-Adam's, the statistics' bytes and the factor's rank. Step times are measured by ``benchmark_step``.
+Adam's, the statistics' bytes and the factor's rank. Then, for each benchmark task of ``config.tasks`` (a
+config module), the state of each of ``config.task_rows`` on that task's model as the head to head builds
+it (its recipe), against AdamW's: the memory rule on the models the tables train, at today's library. Step
+times are measured by ``benchmark_step``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import jax
 import ml_collections
 from absl import flags
 
+import importlib
+
+from experiments import benchmark
 from experiments import cli
 from experiments import machine
 from experiments import optimizers
@@ -43,6 +49,20 @@ def dense_layer(config: ml_collections.ConfigDict, n: int) -> dict:
   return out
 
 
+def task_states(module: str, rows) -> dict:
+  """Each row's state bytes on the model of task config ``module``, built as the head to head builds it, and
+  its ratio to AdamW's."""
+  task = importlib.import_module(module).get_config()
+  out = {}
+  for name in ("adamw", *rows):
+    arg = benchmark.registry.entry(name).adam_rate
+    cfg = benchmark.run_config(task, name, benchmark.Point(task.schedule.base), 0, {arg: 1e-3} if arg else {})
+    out[name] = {"state_bytes": benchmark.state_bytes(cfg)}
+  for v in out.values():
+    v["state_vs_adamw"] = v["state_bytes"] / out["adamw"]["state_bytes"]
+  return out
+
+
 def main(argv):
   del argv
   config = cli.config()
@@ -50,6 +70,10 @@ def main(argv):
   for n in config.dims:
     results["dense_layer"][str(n)] = dense_layer(config, n)
     print(n, {k: round(v["state_vs_adam"], 3) for k, v in results["dense_layer"][str(n)].items()}, flush=True)
+  results["tasks"] = {}
+  for module in config.tasks:
+    results["tasks"][module] = task_states(module, config.task_rows)
+    print(module, {k: round(v["state_vs_adamw"], 4) for k, v in results["tasks"][module].items()}, flush=True)
   report.write_results(FLAGS.results_dir, results, cli.command_line(), "benchmark_scaling.json", machine.describe())
 
 

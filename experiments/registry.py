@@ -236,18 +236,17 @@ EIGEN_FULL = {"conditioner": "full", "statistics": "dense"}
 
 
 def _scsgd_eigen_muon(lr, kwargs, config, forward):
-  """Muon's momentum scaled by Adam in each hidden kernel's sketched eigenbasis, then orthogonalized by Muon
-  (``muon_*``: Muon's arguments; its momentum ``muon_beta`` becomes the eigenbasis Adam's Nesterov first
-  moment, Muon's own set to 0); Muon's AdamW part takes the other leaves' raw gradients."""
+  """``scsgd_jax.scsgd_eigen_muon`` (``muon_*``: the Muon peer's arguments, as :func:`_muon` takes them: its
+  momentum ``muon_beta`` becomes the eigenbasis Adam's Nesterov first moment; the AdamW part's rate follows
+  ``config.schedule``)."""
+  from experiments import optimizers  # the schedule of the config: optimizers imports this module
+
   muon_args = _pop_prefixed(kwargs, "muon_")
-  beta = muon_args.pop("beta", inspect.signature(peers._muon()).parameters["beta"].default)
-  output_layer = muon_args.get("output_layer", "")
-  hidden = lambda path, leaf: (scsgd_jax.default_kernel_filter(path, leaf)
-                               and peers.muon_hidden(path, leaf, output_layer))
-  return optax.chain(
-      scsgd_jax.scale_by_eigenbasis_adam(b1=beta, nesterov=True, others="identity", kernel_filter=hidden,
-                                         seed=config.seed, **kwargs),
-      _muon(lr, {**muon_args, "beta": 0.0}, config, forward))
+  own = {name: muon_args.pop(name) for name in ("beta", "output_layer", "weight_decay") if name in muon_args}
+  if muon_args.get("adam_learning_rate") is not None:
+    own["adam_learning_rate"] = optimizers.learning_rate(config, muon_args.pop("adam_learning_rate"))
+  muon_args.pop("adam_learning_rate", None)
+  return scsgd_jax.scsgd_eigen_muon(lr, seed=config.seed, muon=muon_args, **own, **kwargs)
 
 
 LEAN = {"magnitude": "sign", "split_budget": True}  # scsgd_two_sided at Adam's memory

@@ -2,6 +2,9 @@
 
 from scsgd_jax._src.alias import scsgd as scsgd
 from scsgd_jax._src.alias import scsgd_eigen as scsgd_eigen
+from scsgd_jax._src.alias import scsgd_eigen_muon as scsgd_eigen_muon
+from scsgd_jax._src.muon import muon_kernel_filter as muon_kernel_filter
+from scsgd_jax._src.muon import without_momentum as without_momentum
 from scsgd_jax._src.eigenbasis import EigenMoments as EigenMoments
 from scsgd_jax._src.eigenbasis import ScaleByEigenbasisAdamState as ScaleByEigenbasisAdamState
 from scsgd_jax._src.eigenbasis import eigenbasis as eigenbasis

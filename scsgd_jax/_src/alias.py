@@ -11,11 +11,12 @@ from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
 from scsgd_jax._src import eigenbasis
 from scsgd_jax._src import graft
+from scsgd_jax._src import muon as muon_lib
 from scsgd_jax._src import output
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import transform
 
-__all__ = ["scsgd", "scsgd_eigen", "scsgd_two_sided"]
+__all__ = ["scsgd", "scsgd_eigen", "scsgd_eigen_muon", "scsgd_two_sided"]
 
 
 def scsgd(
@@ -198,3 +199,74 @@ def scsgd_eigen(
                                           **conditioning),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate))
+
+
+# optax.contrib.muon's arguments that scsgd_eigen_muon sets itself
+_MUON_OWN = ("learning_rate", "beta", "nesterov", "mu_dtype", "muon_weight_dimension_numbers", "adam_learning_rate",
+             "weight_decay")
+
+
+def scsgd_eigen_muon(
+    learning_rate: optax.ScalarOrSchedule,
+    rank: Optional[int] = None,
+    *,
+    beta: float = 0.95,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    output_layer: str = "",
+    adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    weight_decay: float = 0.0,
+    muon: Optional[dict] = None,
+    **conditioning,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Muon's momentum scaled by Adam in each hidden kernel's sketched input eigenbasis, then orthogonalized
+  (the SOAP-Muon layout, with the eigenbasis sketched)::
+
+    optax.chain(scale_by_eigenbasis_adam(rank, b1=beta, b2=b2, eps=eps, nesterov=True, others='identity',
+                                         kernel_filter=hidden, **conditioning),
+                optax.contrib.muon(learning_rate, beta=0, adam_learning_rate=adam_learning_rate,
+                                   weight_decay=weight_decay, **muon))
+
+  with Muon's momentum buffer left out of the state (:func:`without_momentum`: at ``beta=0`` it is never
+  read; the eigenbasis Adam's Nesterov first moment, at Muon's ``beta``, takes its place). The hidden kernels
+  (``kernel_filter``, default every kernel of :func:`default_kernel_filter` but the embedding tables and the
+  layer whose path contains ``output_layer``, as Muon's authors prescribe) are conditioned and orthogonalized,
+  each as the matrix of its input axes (a layer stack's slices each their own); Muon's AdamW part (rate
+  ``adam_learning_rate``, default ``learning_rate``) takes every other leaf's raw gradient. Rates on Muon's
+  scale. ``update`` takes ``layer_inputs=`` as :func:`scsgd` does.
+
+  State: :func:`scale_by_eigenbasis_adam`'s for the hidden kernels (within Adam's for the sketched basis), Adam's
+  for the rest. Cost: the eigenbasis's three ``(k x n) (n x p)`` products and Muon's Newton-Schulz iterations.
+
+  Args:
+    learning_rate: Muon's rate.
+    rank: sketch rank ``k``.
+    beta: Muon's momentum, kept by the eigenbasis Adam as its Nesterov first moment.
+    b2, eps: the eigenbasis Adam's.
+    output_layer: the head's name (a substring of its path); ``""``: every kernel is hidden.
+    adam_learning_rate: the rate of Muon's AdamW part.
+    weight_decay: Muon's decoupled weight decay on the hidden kernels.
+    muon: ``optax.contrib.muon``'s other arguments (``ns_steps``, ``adam_b1``, ``adam_b2``,
+      ``adam_weight_decay``, ...).
+    **conditioning: :func:`scale_by_eigenbasis_adam`'s other arguments (``kernel_filter``, ``input_axes``,
+      ``update_every``, ``seed``, ...).
+  """
+  import optax.contrib
+
+  if not callable(learning_rate):
+    checks.check_float("learning_rate", learning_rate, low=0.0)
+  checks.check_float("weight_decay", weight_decay, low=0.0)
+  muon = dict(muon or {})
+  for name in muon:
+    if name in _MUON_OWN:
+      raise TypeError(f"scsgd_eigen_muon sets optax.contrib.muon's {name}= itself; pass it as scsgd_eigen_muon's "
+                      f"argument where it has one ({', '.join(_MUON_OWN)}).")
+  chosen = conditioning.pop("kernel_filter", None) or muon_lib.muon_kernel_filter(output_layer)
+  hidden = muon_lib.muon_kernels(chosen, conditioning.get("input_axes"))
+  return optax.chain(
+      eigenbasis.scale_by_eigenbasis_adam(rank, b1=beta, b2=b2, eps=eps, nesterov=True, others="identity",
+                                          kernel_filter=hidden, **conditioning),
+      muon_lib.without_momentum(optax.contrib.muon(
+          learning_rate, beta=0.0, adam_learning_rate=adam_learning_rate, weight_decay=weight_decay,
+          muon_weight_dimension_numbers=muon_lib.muon_dimension_numbers(hidden, conditioning.get("input_axes")),
+          **muon)))

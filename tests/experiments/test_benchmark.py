@@ -372,7 +372,7 @@ def test_a_run_whose_metrics_miss_an_evaluation_is_trained_again_from_scratch(ho
       f.writelines(json.dumps({"step": s, "test_loss": 1.0 / s}) + "\n" for s in steps)
 
   monkeypatch.setattr(train, "train_and_evaluate", fake_training)
-  monkeypatch.setattr(benchmark, "_state_bytes", lambda cfg: 0)
+  monkeypatch.setattr(benchmark, "state_bytes", lambda cfg: 0)
   if holes == 2:
     with pytest.raises(errors.WorkdirError, match=r"miss the evaluations of steps \[10\], again after training it"):
       benchmark.train_one(cfg, workdir, "")

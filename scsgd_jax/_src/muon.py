@@ -1,0 +1,94 @@
+"""Muon's orthogonalization behind the eigenbasis Adam: which kernels it takes, and Muon without its momentum."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+import optax
+import optax.contrib
+
+from scsgd_jax._src import plan as plan_lib
+
+
+def muon_kernel_filter(output_layer: str = "") -> Callable[[str, Any], bool]:
+  """The kernels Muon's authors give Muon: :func:`default_kernel_filter`'s kernels but the embedding tables and
+  the output layer (a path containing ``output_layer``; ``""``: none is)."""
+
+  def hidden(path: str, leaf) -> bool:
+    return (plan_lib.default_kernel_filter(path, leaf) and path.rsplit("/", 1)[-1] != "embedding"
+            and not (output_layer and output_layer in path))
+
+  return hidden
+
+
+def _layout(input_axes: plan_lib.InputAxes, path: str, leaf):
+  """The kernel's ``Layout`` as the conditioning reads it at ``init`` (``None``: left plain)."""
+  entry = input_axes.get(path) if isinstance(input_axes, Mapping) else None
+  if isinstance(entry, plan_lib.Plain):
+    return None
+  if isinstance(entry, plan_lib.Layout):
+    return entry
+  if entry is not None:
+    return plan_lib.Layout(tuple(entry))
+  axes = input_axes(path, leaf) if callable(input_axes) else plan_lib.default_input_axes(path, leaf)
+  return plan_lib.Layout(tuple(axes))
+
+
+def muon_kernels(kernel_filter: Callable[[str, Any], bool], input_axes: plan_lib.InputAxes = None):
+  """``kernel_filter`` narrowed to the kernels Muon can take as matrices: not left plain by ``input_axes`` and
+  not grouped (a grouped kernel's blocks are separate problems; Muon's AdamW part takes it)."""
+
+  def keep(path: str, leaf) -> bool:
+    if not kernel_filter(path, leaf):
+      return False
+    layout = _layout(input_axes, path, leaf)
+    return layout is not None and layout.groups == 1
+
+  return keep
+
+
+def muon_dimension_numbers(kernel_filter: Callable[[str, Any], bool], input_axes: plan_lib.InputAxes = None):
+  """``optax.contrib.muon``'s ``muon_weight_dimension_numbers``: each kernel ``kernel_filter`` keeps is
+  orthogonalized as the matrix the eigenbasis reads it as (its input axes against the rest, from ``input_axes``
+  or :func:`default_input_axes`; a layer stack's leading axes each their own matrix); every other leaf goes to
+  Muon's AdamW part."""
+
+  def numbers(path, leaf):
+    name = plan_lib.path_to_str(path)
+    if not kernel_filter(name, leaf):
+      return None
+    layout = _layout(input_axes, name, leaf)
+    stack = tuple(range(layout.stack))
+    reduction = tuple(layout.stack + a % (leaf.ndim - layout.stack) for a in layout.input_axes)
+    output = tuple(a for a in range(leaf.ndim) if a not in reduction and a not in stack)
+    return optax.contrib.MuonDimensionNumbers(reduction_axis=reduction, output_axis=output)
+
+  return lambda params: jax.tree_util.tree_map_with_path(numbers, params)
+
+
+def without_momentum(muon: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """``muon`` (an ``optax.contrib.muon`` built with ``beta=0``) without its momentum buffers in the state.
+
+  At ``beta = 0`` Muon's momentum is the incoming update itself (``0 * mu + g``, Nesterov's ``0 * mu + g``,
+  bias corrections of ``1``), so the buffer it keeps is never read: the state here holds each
+  ``MuonState`` with ``mu=None`` and the update hands Muon zeros in its place, which gives the same arithmetic
+  bit for bit while the state sheds a copy of the kernels (the eigenbasis in front keeps the momentum)."""
+
+  muon = optax.with_extra_args_support(muon)
+
+  def is_muon(x):
+    return isinstance(x, optax.contrib.MuonState)
+
+  def init(params):
+    return jax.tree.map(lambda s: s._replace(mu=None) if is_muon(s) else s, muon.init(params), is_leaf=is_muon)
+
+  def update(updates, state, params=None, **extra):
+    shapes = jax.eval_shape(muon.init, updates)
+    full = jax.tree.map(
+        lambda s, shape: s._replace(mu=jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), shape.mu))
+        if is_muon(s) else s, state, shapes, is_leaf=is_muon)
+    updates, full = muon.update(updates, full, params, **extra)
+    return updates, jax.tree.map(lambda s: s._replace(mu=None) if is_muon(s) else s, full, is_leaf=is_muon)
+
+  return optax.GradientTransformationExtraArgs(init, update)

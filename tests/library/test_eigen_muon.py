@@ -1,0 +1,160 @@
+"""scsgd_eigen_muon: the eigenbasis Adam in front of Muon's orthogonalization, with Muon's unread momentum left out
+of the state. Against Newton-Schulz by hand on the eigenbasis Adam's output (itself tested against numpy in
+test_eigenbasis.py), AdamW on the other leaves, and the two-transformation chain it replaces, bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+import pytest
+
+import scsgd_jax as sk
+
+EXACT = dict(statistics="dense", ema_rate=1.0, statistics_every=1, update_every=1, warm_start=False,
+             eigenvalue_floor=0.0, outlier_threshold=float("inf"))
+LR, ADAM_LR, BETA, B2 = 0.02, 3e-3, 0.95, 0.99
+
+
+def _newton_schulz(x):
+  """Muon's quintic Newton-Schulz iteration by hand (optax's coefficients, 5 steps, from x / |x|_F), on the wide
+  orientation, then optax's width scale sqrt(max(1, fan_out / fan_in))."""
+  wide = x.shape[0] <= x.shape[1]
+  y = x if wide else x.T
+  y = y / (np.linalg.norm(y) + 1e-8)
+  for _ in range(5):
+    s = y @ y.T
+    y = 3.4445 * y + (-4.7750 * s + 2.0315 * s @ s) @ y
+  return (y if wide else y.T) * np.sqrt(max(1.0, x.shape[1] / x.shape[0]))
+
+
+def _params():
+  return {"hidden": {"kernel": jnp.zeros((6, 4)), "bias": jnp.zeros(4)},
+          "head": {"kernel": jnp.zeros((4, 3))},
+          "embed": {"embedding": jnp.zeros((5, 6))}}
+
+
+def _steps(rng, steps, m=32):
+  scales = np.linspace(0.5, 3.0, 6)
+  for _ in range(steps):
+    grads = {"hidden": {"kernel": rng.standard_normal((6, 4)), "bias": rng.standard_normal(4)},
+             "head": {"kernel": rng.standard_normal((4, 3))},
+             "embed": {"embedding": rng.standard_normal((5, 6))}}
+    inputs = {"hidden": {"kernel": rng.standard_normal((m, 6)) * scales},
+              "head": {"kernel": rng.standard_normal((m, 4))},
+              "embed": {"embedding": rng.integers(0, 5, m)}}
+    yield jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), grads), jax.tree.map(jnp.asarray, inputs)
+
+
+def _run(tx, steps=4, seed=0):
+  params, outs = _params(), []
+  state = tx.init(params)
+  for grads, inputs in _steps(np.random.default_rng(seed), steps):
+    u, state = jax.jit(tx.update)(grads, state, params, layer_inputs=inputs)
+    outs.append(jax.tree.map(np.asarray, u))
+  return outs, state
+
+
+def _nbytes(tree):
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def test_hidden_kernel_is_newton_schulz_of_the_eigenbasis_adam_and_the_rest_adamw():
+  """The hidden kernel's update is -lr NS(u), u the eigenbasis Adam's output (Nesterov, b1 = Muon's beta) at the
+  same settings; the head, the embedding table and the bias take Muon's AdamW part's update (NAdamW, at its rate)."""
+  tx = sk.scsgd_eigen_muon(LR, beta=BETA, b2=B2, output_layer="head", adam_learning_rate=ADAM_LR,
+                           conditioner="full", **EXACT)
+  eigen = sk.scale_by_eigenbasis_adam(b1=BETA, b2=B2, nesterov=True, conditioner="full",
+                                      kernel_filter=lambda path, leaf: path == "hidden/kernel", **EXACT)
+  adamw = optax.adamw(ADAM_LR, weight_decay=0.0, nesterov=True)  # Muon's AdamW part is Nesterov's
+  got, _ = _run(tx)
+  want, _ = _run(eigen)
+  rest, state = [], adamw.init(_params())
+  for grads, _ in _steps(np.random.default_rng(0), 4):
+    u, state = adamw.update(grads, state, _params())
+    rest.append(u)
+  for g, w, a in zip(got, want, rest):
+    np.testing.assert_allclose(g["hidden"]["kernel"], -LR * _newton_schulz(w["hidden"]["kernel"]),
+                               rtol=2e-4, atol=1e-6)
+    for path in (("hidden", "bias"), ("head", "kernel"), ("embed", "embedding")):
+      np.testing.assert_allclose(g[path[0]][path[1]], a[path[0]][path[1]], rtol=1e-5, atol=1e-8)
+
+
+def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer():
+  """The alias equals chain(eigenbasis Adam, optax.contrib.muon(beta=0)) bit for bit at the sketch's defaults,
+  and its state is that chain's less Muon's momentum buffer (the hidden kernel's size)."""
+  hidden = sk.muon_kernel_filter("head")
+  chain = optax.chain(
+      sk.scale_by_eigenbasis_adam(b1=BETA, b2=B2, nesterov=True, others="identity", kernel_filter=hidden),
+      optax.contrib.muon(LR, beta=0.0, adam_learning_rate=ADAM_LR, adam_b2=B2,
+                         muon_weight_dimension_numbers={"hidden": {"kernel": optax.contrib.MuonDimensionNumbers(0, 1),
+                                                                   "bias": None},
+                                                        "head": {"kernel": None}, "embed": {"embedding": None}}))
+  tx = sk.scsgd_eigen_muon(LR, beta=BETA, b2=B2, output_layer="head", adam_learning_rate=ADAM_LR,
+                           muon={"adam_b2": B2})
+  got, got_state = _run(tx, steps=6)
+  want, want_state = _run(chain, steps=6)
+  for g, w in zip(got, want):
+    jax.tree.map(np.testing.assert_array_equal, g, w)
+  assert _nbytes(want_state) - _nbytes(got_state) == 6 * 4 * 4
+
+
+def test_without_momentum_is_muon_at_beta_zero():
+  muon = optax.contrib.muon(0.1, beta=0.0)
+  lean = sk.without_momentum(muon)
+  params = {"w": jnp.zeros((5, 3)), "b": jnp.zeros(3)}
+  s_full, s_lean = muon.init(params), lean.init(params)
+  rng = np.random.default_rng(1)
+  for _ in range(3):
+    grads = {"w": jnp.asarray(rng.standard_normal((5, 3)), jnp.float32),
+             "b": jnp.asarray(rng.standard_normal(3), jnp.float32)}
+    u_full, s_full = jax.jit(muon.update)(grads, s_full, params)
+    u_lean, s_lean = jax.jit(lean.update)(grads, s_lean, params)
+    jax.tree.map(np.testing.assert_array_equal, u_lean, u_full)
+  assert _nbytes(s_full) - _nbytes(s_lean) == 5 * 3 * 4
+
+
+def test_stacked_and_attention_kernels_orthogonalized_as_the_eigenbasis_reads_them():
+  """A layer stack (Layout stack=1) is orthogonalized slice by slice; an attention q/k/v kernel (in, heads, dim)
+  as the (in, heads * dim) matrix of its input axis (the default's view of it)."""
+  numbers = sk.muon_kernel_filter("head")
+  from scsgd_jax._src import muon as muon_lib
+
+  params = {"blocks": {"kernel": jnp.zeros((3, 6, 4))}, "attn": {"query": {"kernel": jnp.zeros((6, 2, 4))}},
+            "head": {"kernel": jnp.zeros((4, 3))}}
+  dims = muon_lib.muon_dimension_numbers(numbers, {"blocks/kernel": sk.Layout((0,), stack=1)})(params)
+  assert dims["blocks"]["kernel"] == optax.contrib.MuonDimensionNumbers((1,), (2,))
+  assert dims["attn"]["query"]["kernel"] == optax.contrib.MuonDimensionNumbers((0,), (1, 2))
+  assert dims["head"]["kernel"] is None
+  args = dict(input_axes={"blocks/kernel": sk.Layout((0,), stack=1)}, update_every=1, warm_start=False)
+  tx = sk.scsgd_eigen_muon(LR, output_layer="head", **args)
+  eigen = sk.scale_by_eigenbasis_adam(b1=0.95, nesterov=True, kernel_filter=numbers, **args)
+  rng = np.random.default_rng(2)
+  grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+  inputs = {"blocks": {"kernel": jnp.asarray(rng.standard_normal((3, 16, 6)), jnp.float32)},
+            "attn": {"query": {"kernel": jnp.asarray(rng.standard_normal((16, 6)), jnp.float32)}},
+            "head": {"kernel": jnp.asarray(rng.standard_normal((16, 4)), jnp.float32)}}
+  u, _ = tx.update(grads, tx.init(params), params, layer_inputs=inputs)
+  w, _ = eigen.update(grads, eigen.init(params), params, layer_inputs=inputs)
+  for i in range(3):
+    np.testing.assert_allclose(u["blocks"]["kernel"][i], -LR * _newton_schulz(np.asarray(w["blocks"]["kernel"][i])),
+                               rtol=2e-4, atol=1e-6)
+  want = -LR * _newton_schulz(np.asarray(w["attn"]["query"]["kernel"]).reshape(6, 8)).reshape(6, 2, 4)
+  np.testing.assert_allclose(u["attn"]["query"]["kernel"], want, rtol=2e-4, atol=1e-6)
+
+
+def test_grouped_and_plain_kernels_go_to_the_adamw_part():
+  hidden = sk.muon_kernel_filter()
+  from scsgd_jax._src import muon as muon_lib
+
+  axes = {"depthwise/kernel": sk.Layout((0, 1, 2), groups=4), "transposed/kernel": sk.Plain("transposed conv")}
+  keep = muon_lib.muon_kernels(hidden, axes)
+  assert not keep("depthwise/kernel", jnp.zeros((3, 3, 1, 4)))
+  assert not keep("transposed/kernel", jnp.zeros((3, 3, 4, 4)))
+  assert keep("conv/kernel", jnp.zeros((3, 3, 4, 4)))
+
+
+@pytest.mark.parametrize("bad", ["beta", "learning_rate", "muon_weight_dimension_numbers", "weight_decay"])
+def test_muon_arguments_it_sets_itself_are_refused_by_name(bad):
+  with pytest.raises(TypeError, match=f"{bad}="):
+    sk.scsgd_eigen_muon(LR, muon={bad: 0.5})
