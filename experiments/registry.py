@@ -233,6 +233,7 @@ def _eigen_recipe(full: bool) -> Callable[[str], Recipe]:
 
 
 EIGEN_FULL = {"conditioner": "full", "statistics": "dense"}
+EIGEN_TWO_SIDED = {"sides": "both"}
 
 
 def _scsgd_eigen_muon(lr, kwargs, config, forward):
@@ -288,6 +289,14 @@ REGISTRY: dict[str, Entry] = {
     "scsgd_eigen_full": Entry(
         lambda lr, kwargs, config, forward: _scsgd_eigen(lr, {**kwargs, **EIGEN_FULL}, config, forward),
         scsgd_jax.scsgd_eigen, "inputs", _eigen_recipe(True), fixed=EIGEN_FULL),
+    # EKFAC's two factors sketched: the inputs' and the captured output gradients' eigenbases (a probe of the
+    # development task's directions)
+    "scsgd_eigen_two_sided": Entry(
+        lambda lr, kwargs, config, forward: _scsgd_eigen(lr, {**kwargs, **EIGEN_TWO_SIDED}, config, forward),
+        scsgd_jax.scsgd_eigen, "two_sided", lambda kind: Recipe(
+            1e-3, adam_settings(kind), "scsgd_jax.scsgd_eigen with sides='both' (the inputs' and the output "
+            "gradients' eigenbases: EKFAC's two factors, George et al. 2018, sketched): Adam in the two-sided "
+            f"eigenbasis, so Adam's recipe: {adam_source(kind)}"), fixed=EIGEN_TWO_SIDED),
     "scsgd_eigen_muon": Entry(_scsgd_eigen_muon, scsgd_jax.scale_by_eigenbasis_adam, "inputs", lambda kind: Recipe(
         0.02, {**{f"muon_{k}": v for k, v in _muon_settings(kind).items()},
                **{k: v for k, v in adam_settings(kind).items() if k == "b2"}},

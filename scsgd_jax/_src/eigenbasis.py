@@ -19,6 +19,7 @@ import optax
 
 from scsgd_jax._src import captured
 from scsgd_jax._src import checks
+from scsgd_jax._src import defaults
 from scsgd_jax._src import output as output_lib
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
@@ -67,8 +68,8 @@ class ScaleByEigenbasisAdamState(NamedTuple):
     rotations: ``{kernel path: V}``, the eigenbasis in use as a rotation of the conditioning's factor: ``U = Q V``
       (``V`` is ``k x k``; for a dense factor ``U = V``, ``n x n``), a leading axis per slice of a stack; none for a
       diagonal kind (the coordinate basis). Kept instead of ``U`` so the state does not hold ``Q`` twice.
-    output: with ``sides='both'``, the output side's conditioning state (the statistics of the gradient's
-      columns, read along each kernel's output axes); else ``None``.
+    output: with ``sides='both'``, the output side's conditioning state (the statistics of the captured output
+      gradients or of the gradient's columns, read along each kernel's output axes); else ``None``.
     output_rotations: with ``sides='both'``, ``{kernel path: V_out}`` of the kernels rotated on both sides
       (``U_out = Q_out V_out``, ``p x k``); else ``None``.
   """
@@ -283,10 +284,12 @@ def scale_by_eigenbasis_adam(
   ``basis='gradients'`` builds ``U`` from the EMA of the gradient's own Gram matrix ``G G^\top / p``
   (:func:`gradient_rows`; Shampoo's and SOAP's left factor) instead of the inputs' ``C`` (EKFAC's): the same
   statistics, sketch and refresh, fed with the rows of ``G^\top``, so no capture is needed (``layer_inputs`` is
-  read only for its layouts). ``sides='both'`` (with ``basis='gradients'``) rotates on the output side too, by
-  the eigenbasis ``U_out`` (``p x k``) of the EMA of ``G^\top G / n`` kept alike (each kernel read along its
-  output axes): Adam's second moment is kept for ``U^\top G U_out`` (``k x k``), the tail is everything outside
-  that block, and the moments are carried by both sides' overlaps; at full rank on both sides it is SOAP. A
+  read only for its layouts). ``sides='both'`` rotates on the output side too, by the eigenbasis ``U_out``
+  (``p x k``) of an EMA kept alike (each kernel read along its output axes): of the captured output gradients'
+  correlation ``Delta`` with the inputs' basis (EKFAC's two factors; ``update`` then takes ``output_grads=`` as
+  :func:`scsgd_two_sided` does), of ``G^\top G / n`` with the gradients' (SOAP's). Adam's second moment is
+  kept for ``U^\top G U_out`` (``k x k``), the tail is everything outside that block, and the moments are
+  carried by both sides' overlaps; at full rank on both sides it is EKFAC or SOAP. A
   stacked or grouped kernel, or one whose output side has no basis, is rotated on its input side alone. The
   two sides' statistics share ``budget_share``.
 
@@ -305,7 +308,7 @@ def scale_by_eigenbasis_adam(
     tail: the tail's treatment: ``'factored'`` or ``'scalar'`` second moments, or ``'orthogonal'``.
     basis: whose statistics give the basis: ``'inputs'`` (the layer's inputs, EKFAC's) or ``'gradients'``
       (the gradient's rows, SOAP's).
-    sides: ``'input'`` or ``'both'`` (``basis='gradients'`` only: SOAP's two factors).
+    sides: ``'input'`` or ``'both'`` (both factors: EKFAC's with the inputs' basis, SOAP's with the gradients').
     others: what the leaves it does not condition get: ``'adam'``, or ``'identity'`` (passed through, no state:
       for a chain whose next transformation treats them, e.g. Muon's orthogonalization of the conditioned
       kernels, the kernels chosen by ``kernel_filter``, with its AdamW part for the rest).
@@ -325,10 +328,6 @@ def scale_by_eigenbasis_adam(
     raise ValueError(f"basis must be 'inputs' or 'gradients', got {basis!r}.")
   if sides not in ("input", "both"):
     raise ValueError(f"sides must be 'input' or 'both', got {sides!r}.")
-  if sides == "both" and basis != "gradients":
-    raise ValueError("sides='both' takes the output side's basis from the gradient's columns (SOAP's right factor): "
-                     "it needs basis='gradients' (the two-sided conditioning of captured output gradients is "
-                     "scsgd_two_sided's).")
   if others not in ("adam", "identity"):
     raise ValueError(f"others must be 'adam' or 'identity', got {others!r}.")
   if not isinstance(nesterov, bool):
@@ -341,12 +340,13 @@ def scale_by_eigenbasis_adam(
   args = transform.arguments("scale_by_eigenbasis_adam", rank, seed=seed, **conditioning)
   share = budget_share / 2 if sides == "both" else budget_share
   inner, plans = transform.conditioning_and_plans(args, budget_share=share)
-  if sides == "both":  # the same statistics of the gradient's columns, each kernel read along its output axes
+  if sides == "both":  # the output side's statistics (output rows or the gradient's columns) along the output axes
     keep = args["kernel_filter"] or plan_lib.default_kernel_filter
     out_inner, out_plans = transform.conditioning_and_plans(
         {**args, "seed": seed + 1, "input_axes": None,
          "kernel_filter": lambda path, leaf: keep(path, leaf) and output_lib.output_kernel_filter(path, leaf)},
         default_axes=output_lib.default_output_axes, budget_share=share)
+    row_key = jax.random.PRNGKey(seed + 2)  # the captured output rows' sampling (basis='inputs')
 
   def both_sides(tree, kernel_plans) -> dict[str, plan_lib.KernelPlan]:
     """The output side's plans of the kernels rotated on both sides: one unstacked, ungrouped layer whose input
@@ -401,7 +401,7 @@ def scale_by_eigenbasis_adam(
         output=output_state,
         output_rotations=None if output_state is None else rotations_of(output_state.factors, two))
 
-  def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
+  def update_fn(updates, state, params=None, *, layer_inputs=None, output_grads=None, **extra_args):
     kernel_plans = plans(updates, getattr(layer_inputs, "input_axes", None))
     if basis == "gradients":  # the statistics of the gradient's own rows (SOAP's left factor), no capture read
       layer_inputs = gradient_rows(updates, kernel_plans, getattr(layer_inputs, "input_axes", None))
@@ -410,8 +410,16 @@ def scale_by_eigenbasis_adam(
                                          **extra_args)
     two, output_state = both_sides(updates, kernel_plans), None
     if sides == "both":
-      _, output_state = out_inner.update(updates, state.output, params,
-                                         layer_inputs=gradient_rows(updates, out_plans(updates)))
+      if basis == "gradients":
+        rows = gradient_rows(updates, out_plans(updates))
+      elif output_grads is None:
+        raise ValueError(
+            "scale_by_eigenbasis_adam(sides='both', basis='inputs').update needs the keyword argument `output_grads`: "
+            "the loss's gradient with respect to the output perturbations (scsgd_jax.output_perturbations_nnx / "
+            "_linen passed to the capture), as scsgd_two_sided's update; or basis='gradients' (no capture).")
+      else:
+        rows = output_lib.sample_rows(output_grads, jax.random.fold_in(row_key, state.count), defaults.MAX_ROWS)
+      _, output_state = out_inner.update(updates, state.output, params, layer_inputs=rows)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     paths = [plan_lib.path_to_str(p) for p, _ in flat]
     nus = treedef.flatten_up_to(state.nu)

@@ -69,6 +69,16 @@ def scale_by_output_conditioning(
   return output_conditioning(args, output_axes=output_axes, max_rows=max_rows)
 
 
+def sample_rows(output_grads, key: jax.Array, max_rows: Optional[int]):
+  """Each kernel's captured output-gradient rows as ``(rows, p)``, at most ``max_rows`` of them sampled uniformly
+  (stream ``i`` of ``key`` for the ``i``-th leaf)."""
+  leaves, treedef = jax.tree_util.tree_flatten(output_grads)
+  sampled = [patches.sample_rows(r.reshape(-1, r.shape[-1]), max_rows, patches.stream_key(key, i))
+             if getattr(r, "ndim", 0) >= 2 else r  # anything else: the inner transformation names the culprit
+             for i, r in enumerate(leaves)]
+  return jax.tree_util.tree_unflatten(treedef, sampled)
+
+
 def output_conditioning(args: dict[str, Any], *, output_axes: plan_lib.InputAxes = None,
                         max_rows: Optional[int] = defaults.MAX_ROWS,
                         budget_share: float = 1.0) -> optax.GradientTransformationExtraArgs:
@@ -87,13 +97,7 @@ def output_conditioning(args: dict[str, Any], *, output_axes: plan_lib.InputAxes
           "scale_by_output_conditioning.update needs the keyword argument `output_grads`: the loss's gradient "
           "with respect to the output perturbations (scsgd_jax.output_perturbations_nnx / _linen passed to the "
           "capture), e.g. tx.update(grads, state, params, layer_inputs=layer_inputs, output_grads=output_grads).")
-    key = jax.random.fold_in(row_key, state.count)
-
-    leaves, treedef = jax.tree_util.tree_flatten(output_grads)
-    sampled = [patches.sample_rows(r.reshape(-1, r.shape[-1]), max_rows, patches.stream_key(key, i))
-               if getattr(r, "ndim", 0) >= 2 else r  # anything else: the inner transformation names the culprit
-               for i, r in enumerate(leaves)]
-    output_grads = jax.tree_util.tree_unflatten(treedef, sampled)
+    output_grads = sample_rows(output_grads, jax.random.fold_in(row_key, state.count), max_rows)
     return inner.update(updates, state, params, layer_inputs=output_grads)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)

@@ -121,6 +121,25 @@ def test_eigen_rows_are_the_library_alias_at_adamws_recipe_and_full_rank():
   assert settings == registry.adam_settings("transformer")
 
 
+def test_eigen_two_sided_row_is_the_library_alias_on_both_sides():
+  """scsgd_eigen_two_sided (the EKFAC probe) captures the output gradients and equals scsgd_eigen(sides='both')
+  built by hand: the same update from the same inputs and output rows."""
+  config = helpers.smoke_config()
+  config.optimizer.name = "scsgd_eigen_two_sided"
+  config.optimizer.scsgd_eigen_two_sided = optimizers.sub_config("scsgd_eigen_two_sided", update_every=1)
+  opt = optimizers.create(config)
+  assert opt.capture == "two_sided"
+  by_hand = scsgd_jax.scsgd_eigen(optimizers.learning_rate(config), sides="both", update_every=1, seed=config.seed)
+  params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
+  rng = np.random.default_rng(0)
+  grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+  extra = {"layer_inputs": {"dense": {"kernel": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32)}},
+           "output_grads": {"dense": {"kernel": jnp.asarray(rng.standard_normal((8, 3)), jnp.float32)}}}
+  got, _ = opt.tx.update(grads, opt.tx.init(params), params, **extra)
+  want, _ = by_hand.update(grads, by_hand.init(params), params, **extra)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+
+
 def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
   """The factory's scsgd_graft equals chain(graft(normalized RMSprop, conditioning), Nesterov SGD 0.9)
   built by hand from the library, with the sub-config's graft_decay reaching RMSprop."""

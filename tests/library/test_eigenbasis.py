@@ -132,6 +132,34 @@ def test_both_sides_at_full_rank_is_soap():
     u_old, w_old = u, w
 
 
+def test_both_sides_of_the_captured_rows_at_full_rank_is_ekfac():
+  """sides='both' with the inputs' basis, k = n and k = p: U, U_out the eigenvectors of each step's C = X^T X / m
+  and Delta = D^T D / m of the captured output-gradient rows (EKFAC's two factors, numpy eigh); Adam's second
+  moment kept for U^T G U_out, the step in the bases refreshed with its own rows (the inputs' order), the
+  moments carried by both overlaps first; three steps."""
+  rng = np.random.default_rng(12)
+  n, p, m_rows = 5, 4, 40
+  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, conditioner="full", sides="both", **EXACT)
+  params = {"dense": {"kernel": jnp.zeros((n, p))}}
+  state = tx.init(params)
+  m, v = np.zeros((n, p)), np.zeros((n, p))
+  u_old, w_old = np.eye(n), np.eye(p)
+  for t in range(1, 4):
+    x = rng.standard_normal((m_rows, n)) * np.linspace(0.5, 3.0, n)
+    d = rng.standard_normal((m_rows, p)) * np.linspace(2.0, 0.3, p)
+    g = x.T @ d / m_rows
+    out, state = jax.jit(tx.update)({"dense": {"kernel": jnp.asarray(g, jnp.float32)}}, state, params,
+                                    layer_inputs={"dense": {"kernel": jnp.asarray(x, jnp.float32)}},
+                                    output_grads={"dense": {"kernel": jnp.asarray(d, jnp.float32)}})
+    u, w = np.linalg.eigh(x.T @ x / m_rows)[1], np.linalg.eigh(d.T @ d / m_rows)[1]
+    v = _carry_both(v, u, u_old, w, w_old)
+    m = B1 * m + (1 - B1) * g
+    v = B2 * v + (1 - B2) * (u.T @ g @ w) ** 2
+    want = u @ ((u.T @ m @ w / (1 - B1 ** t)) / (np.sqrt(v / (1 - B2 ** t)) + EPS)) @ w.T
+    np.testing.assert_allclose(out["dense"]["kernel"], want, rtol=2e-3, atol=1e-5)
+    u_old, w_old = u, w
+
+
 def test_both_sides_sketched_with_the_scalar_tail_equals_numpy():
   """sides='both', k = 2 on each side: U = Q V, U_out = Q_out V_out from the state's factors; Adam on the k x k
   block U^T G U_out in the bases before the step, the rest of G (the tail) scaled by one scalar second moment;
@@ -168,9 +196,9 @@ def test_both_sides_sketched_with_the_scalar_tail_equals_numpy():
     u, w = u_new, w_new
 
 
-def test_both_sides_leave_a_stacked_kernel_to_its_input_side_and_need_the_gradient_basis():
+def test_both_sides_leave_a_stacked_kernel_to_its_input_side_and_the_inputs_basis_needs_output_grads():
   """A stacked kernel is rotated on its input side alone under sides='both': its updates equal sides='input''s;
-  sides='both' with the inputs' basis is refused, naming what it needs."""
+  sides='both' with the inputs' basis and no captured output gradients is refused, naming what it needs."""
   rng = np.random.default_rng(11)
   n, p = 6, 3
   make = lambda sides: sk.scale_by_eigenbasis_adam(2, conditioner="sketched", basis="gradients", sides=sides,
@@ -186,8 +214,11 @@ def test_both_sides_leave_a_stacked_kernel_to_its_input_side_and_need_the_gradie
       o, states[i] = tx.update(g, states[i], params)
       outs.append(o["dense"]["kernel"])
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-7)
-  with pytest.raises(ValueError, match="sides='both'.*basis='gradients'"):
-    sk.scale_by_eigenbasis_adam(sides="both")
+  tx = sk.scale_by_eigenbasis_adam(sides="both")  # the inputs' basis: the output side reads captured rows
+  params = {"dense": {"kernel": jnp.zeros((n, p))}}
+  with pytest.raises(ValueError, match="output_grads"):
+    tx.update({"dense": {"kernel": jnp.ones((n, p))}}, tx.init(params), params,
+              layer_inputs={"dense": {"kernel": jnp.ones((4, n))}})
 
 
 def test_orthogonalize_is_the_newton_schulz_iteration_and_keeps_the_column_space():
