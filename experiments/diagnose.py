@@ -6,8 +6,8 @@ The development task's order-2 Markov source (``experiments.develop``), learned 
 a transformer LM (``config.diagnose.model``: 3-D attention kernels, the step benchmark's TransformerLM). Each
 variant of ``config.diagnose.variants`` (an optimizer and settings over its recipe) runs at each rate of ``config.diagnose.rates`` (the head to head's
 schedule and recipes), and every ``record_every`` steps records, per conditioned kernel: the gradient's norm,
-the parameter change's norm relative to the kernel's (``rel_step``), and for SCSGD its conditioner
-(:func:`scsgd_jax.kernel_diagnostics`: ``inverse_max``, ``spread``, ``tail_inverse``). A diverged run records
+the parameter change's norm relative to the kernel's (``rel_step``; :func:`scsgd_jax.update_diagnostics`), and
+for SCSGD its conditioner (:func:`scsgd_jax.kernel_diagnostics`: ``inverse_max``, ``spread``, ``tail_inverse``). A diverged run records
 the step and the kernels whose relative step grew most before it. Written: ``diagnose.json`` and
 ``rel_step.png`` (relative step per kernel over training, one panel per optimizer at the rate named by
 ``config.diagnose.plot_rate``).
@@ -37,12 +37,6 @@ from experiments import step as step_lib
 FLAGS = flags.FLAGS
 
 
-def _norms(tree) -> dict[str, float]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): float(jnp.linalg.norm(leaf))
-          for path, leaf in flat}
-
-
 def run(config: ml_collections.ConfigDict, label: str, rate: float, table: np.ndarray, heldout: np.ndarray) -> dict:
   """One run of variant ``label`` at peak ``rate`` (seed ``config.seed``): its records and final held-out loss."""
   d = config.diagnose
@@ -68,11 +62,10 @@ def run(config: ml_collections.ConfigDict, label: str, rate: float, table: np.nd
     x, y = jnp.asarray(batch[:, :-1]), jnp.asarray(batch[:, 1:])
     new_params, rest, opt_state, loss, _ = step(params, rest, opt_state, x, y, jax.random.fold_in(key, i))
     if i % d.record_every == 0 or not np.isfinite(float(loss)):
-      grads = _norms(grad_fn(params, x, y))
-      moved = _norms(jax.tree.map(lambda a, b: a - b, new_params, params))
-      weights = _norms(params)
+      sizes = scsgd_jax.update_diagnostics(grad_fn(params, x, y), jax.tree.map(lambda a, b: a - b, new_params, params),
+                                           params, kernel_filter=lambda path, leaf: path in kernels)
       row = {"step": i, "loss": float(loss), "kernels": {
-          p: {"grad": grads[p], "rel_step": moved[p] / max(weights[p], 1e-12)} for p in grads if p in kernels}}
+          p: {"grad": float(d["grad_norm"]), "rel_step": float(d["relative_step"])} for p, d in sizes.items()}}
       if name.startswith("scsgd"):
         for p, diag in scsgd_jax.kernel_diagnostics(opt_state).items():
           row["kernels"].setdefault(p, {}).update(

@@ -22,6 +22,7 @@ from scsgd_jax._src.layers import layer_rows as layer_rows
 from scsgd_jax._src.capture_linen import output_perturbations_linen as output_perturbations_linen
 from scsgd_jax._src.capture_nnx import output_perturbations_nnx as output_perturbations_nnx
 from scsgd_jax._src.diagnostics import kernel_diagnostics as kernel_diagnostics
+from scsgd_jax._src.diagnostics import update_diagnostics as update_diagnostics
 from scsgd_jax._src.graft import GraftState as GraftState
 from scsgd_jax._src.graft import scale_by_grafting as scale_by_grafting
 from scsgd_jax._src.graft import scale_by_normalized_rms as scale_by_normalized_rms

@@ -1,16 +1,17 @@
-r"""Per-kernel diagnostics of the conditioning: what each conditioner amplifies and what the outlier guard clipped,
-as arrays a training loop logs and plots."""
+r"""Per-kernel diagnostics: what each conditioner amplifies and what the outlier guard clipped, and how large each
+kernel's gradient and step are, as arrays a training loop logs and plots."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
+from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
 
-__all__ = ["kernel_diagnostics"]
+__all__ = ["kernel_diagnostics", "update_diagnostics"]
 
 
 def _spectrum(factor: sketch.Factor) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -62,4 +63,35 @@ def kernel_diagnostics(state: Any) -> dict[str, dict[str, jax.Array]]:
     high, low, tail = spectrum(factor)
     out[path] = {"inverse_max": high, "inverse_min": low, "spread": high / jnp.maximum(low, 1e-30),
                  "tail_inverse": tail, "clipped_rows": inner.clipped_rows[path]}
+  return out
+
+
+def update_diagnostics(grads: Any, updates: Any, params: Any,
+                       kernel_filter: Optional[Callable[[str, Any], bool]] = None) -> dict[str, dict[str, jax.Array]]:
+  r"""Each kernel's gradient and step, summarized for logging beside :func:`kernel_diagnostics` (under ``jit``).
+
+  For each kernel path (``kernel_filter``, default :func:`default_kernel_filter`; the names the conditioning's
+  state uses): ``grad_norm`` ``|G|``, ``update_norm`` ``|U|`` (``updates``: what ``tx.update`` returned, the
+  change ``optax.apply_updates`` makes), ``param_norm`` ``|W|`` and ``relative_step`` ``|U| / |W|`` (0 for a zero
+  kernel): Frobenius norms. A layer whose relative step runs far above the others' is the one a rate too high
+  blows up first.
+
+  >>> import jax.numpy as jnp, scsgd_jax
+  >>> w = {'dense': {'kernel': jnp.ones((2, 2))}}
+  >>> d = scsgd_jax.update_diagnostics(w, {'dense': {'kernel': 0.1 * jnp.ones((2, 2))}}, w)
+  >>> round(float(d['dense/kernel']['relative_step']), 6)
+  0.1
+  """
+  keep = kernel_filter or plan_lib.default_kernel_filter
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  grads, updates = treedef.flatten_up_to(grads), treedef.flatten_up_to(updates)
+  out = {}
+  for (path, w), g, u in zip(flat, grads, updates):
+    name = plan_lib.path_to_str(path)
+    if not keep(name, w):
+      continue
+    norm = lambda x: jnp.linalg.norm(jnp.ravel(x).astype(jnp.float32))
+    w_norm, u_norm = norm(w), norm(u)
+    out[name] = {"grad_norm": norm(g), "update_norm": u_norm, "param_norm": w_norm,
+                 "relative_step": jnp.where(w_norm > 0, u_norm / jnp.where(w_norm > 0, w_norm, 1.0), 0.0)}
   return out
