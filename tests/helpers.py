@@ -16,6 +16,18 @@ def orthonormal(rng, n, k):
   return q
 
 
+def newton_schulz(x, eps=1e-7):
+  """Muon's quintic Newton-Schulz iteration by hand (optax's coefficients, 5 steps from x / (|x|_F + eps)), on the
+  wide orientation."""
+  wide = x.shape[0] <= x.shape[1]
+  y = x if wide else x.T
+  y = y / (np.linalg.norm(y) + eps)
+  for _ in range(5):
+    s = y @ y.T
+    y = 3.4445 * y + (-4.7750 * s + 2.0315 * s @ s) @ y
+  return y if wide else y.T
+
+
 def im2col(x, window, stride=(1, 1), dilation=(1, 1), pads=((0, 0), (0, 0))):
   """Loop im2col of NHWC input: one row per output position, features in (kh, kw, cin) order."""
   (kh, kw), (sh, sw), (dh, dw) = window, stride, dilation

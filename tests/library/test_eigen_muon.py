@@ -10,6 +10,7 @@ import optax.contrib
 import pytest
 
 import scsgd_jax as sk
+from tests import helpers
 
 EXACT = dict(statistics="dense", ema_rate=1.0, statistics_every=1, update_every=1, warm_start=False,
              eigenvalue_floor=0.0, outlier_threshold=float("inf"))
@@ -17,15 +18,8 @@ LR, ADAM_LR, BETA, B2 = 0.02, 3e-3, 0.95, 0.99
 
 
 def _newton_schulz(x):
-  """Muon's quintic Newton-Schulz iteration by hand (optax's coefficients, 5 steps, from x / |x|_F), on the wide
-  orientation, then optax's width scale sqrt(max(1, fan_out / fan_in))."""
-  wide = x.shape[0] <= x.shape[1]
-  y = x if wide else x.T
-  y = y / (np.linalg.norm(y) + 1e-8)
-  for _ in range(5):
-    s = y @ y.T
-    y = 3.4445 * y + (-4.7750 * s + 2.0315 * s @ s) @ y
-  return (y if wide else y.T) * np.sqrt(max(1.0, x.shape[1] / x.shape[0]))
+  """Muon's iteration by hand (optax's eps), then optax's width scale sqrt(max(1, fan_out / fan_in))."""
+  return helpers.newton_schulz(x, eps=1e-8) * np.sqrt(max(1.0, x.shape[1] / x.shape[0]))
 
 
 def _params():

@@ -10,6 +10,7 @@ import pytest
 from flax import serialization
 
 import scsgd_jax as sk
+from tests import helpers
 
 B1, B2, EPS = 0.9, 0.99, 1e-8
 # C of the latest batch alone (rate 1), folded and refreshed at every step from step 0, no floor, no guard
@@ -30,17 +31,6 @@ def _run(tx, batches, n=6, p=3):
     u, state = jax.jit(tx.update)(grads, state, params, layer_inputs={"dense": {"kernel": jnp.asarray(x, jnp.float32)}})
     outs.append(jax.tree.map(np.asarray, u))
   return outs, state
-
-
-def _newton_schulz(x):
-  """Muon's quintic Newton-Schulz iteration, by hand: 5 steps from x / |x|_F on the wide orientation."""
-  wide = x.shape[0] <= x.shape[1]
-  y = x if wide else x.T
-  y = y / (np.linalg.norm(y) + 1e-7)
-  for _ in range(5):
-    s = y @ y.T
-    y = 3.4445 * y + (-4.7750 * s + 2.0315 * s @ s) @ y
-  return y if wide else y.T
 
 
 def _carry(v, new, old, tail_col=None):
@@ -229,7 +219,7 @@ def test_orthogonalize_is_the_newton_schulz_iteration_and_keeps_the_column_space
   for shape in ((6, 3), (3, 6)):
     x = rng.standard_normal(shape)
     got = np.asarray(eb.orthogonalize(jnp.asarray(x, jnp.float32)), np.float64)
-    np.testing.assert_allclose(got, _newton_schulz(x), rtol=1e-3, atol=1e-5)
+    np.testing.assert_allclose(got, helpers.newton_schulz(x), rtol=1e-3, atol=1e-5)
     sv = np.linalg.svd(got, compute_uv=False)
     assert sv.min() > 0.6 and sv.max() < 1.25, sv
   u = np.linalg.qr(rng.standard_normal((6, 2)))[0]
@@ -275,7 +265,7 @@ def test_sketched_basis_with_its_tail_equals_numpy(tail):
     ml = u.T @ m_hat
     want = u @ (ml / (np.sqrt(lead / c2) + EPS))
     if tail == "orthogonal":
-      want = want + 0.2 * np.sqrt(6) * _newton_schulz(m_hat - u @ ml)
+      want = want + 0.2 * np.sqrt(6) * helpers.newton_schulz(m_hat - u @ ml)
       assert state.nu["dense"]["kernel"].row is None and state.nu["dense"]["kernel"].col is None
     else:
       want = want + (m_hat - u @ ml) / (np.sqrt(v_tail / c2) + EPS)
