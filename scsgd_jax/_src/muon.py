@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import jax
 import optax
@@ -23,16 +23,10 @@ def muon_kernel_filter(output_layer: str = "") -> Callable[[str, Any], bool]:
 
 
 def _layout(input_axes: plan_lib.InputAxes, path: str, leaf):
-  """The kernel's ``Layout`` as the conditioning reads it at ``init`` (``None``: left plain)."""
-  entry = input_axes.get(path) if isinstance(input_axes, Mapping) else None
-  if isinstance(entry, plan_lib.Plain):
+  """The kernel's ``Layout`` as the conditioning reads it at ``init`` (:func:`axes_of`; ``None``: left plain)."""
+  if plan_lib._plain(input_axes, path) is not None:
     return None
-  if isinstance(entry, plan_lib.Layout):
-    return entry
-  if entry is not None:
-    return plan_lib.Layout(tuple(entry))
-  axes = input_axes(path, leaf) if callable(input_axes) else plan_lib.default_input_axes(path, leaf)
-  return plan_lib.Layout(tuple(axes))
+  return plan_lib.axes_of(path, leaf, input_axes)
 
 
 def muon_kernels(kernel_filter: Callable[[str, Any], bool], input_axes: plan_lib.InputAxes = None):
@@ -60,7 +54,7 @@ def muon_dimension_numbers(kernel_filter: Callable[[str, Any], bool], input_axes
       return None
     layout = _layout(input_axes, name, leaf)
     stack = tuple(range(layout.stack))
-    reduction = tuple(layout.stack + a % (leaf.ndim - layout.stack) for a in layout.input_axes)
+    reduction = tuple(layout.stack + a for a in layout.input_axes)
     output = tuple(a for a in range(leaf.ndim) if a not in reduction and a not in stack)
     return optax.contrib.MuonDimensionNumbers(reduction_axis=reduction, output_axis=output)
 
