@@ -110,7 +110,7 @@ def test_without_momentum_is_muon_at_beta_zero():
 
 def test_stacked_and_attention_kernels_orthogonalized_as_the_eigenbasis_reads_them():
   """A layer stack (Layout stack=1) is orthogonalized slice by slice; an attention q/k/v kernel (in, heads, dim)
-  as the (in, heads * dim) matrix of its input axis (the default's view of it)."""
+  as the (in, heads * dim) matrix of its input axis (the default's view of it); a conv kernel as its patches'."""
   numbers = sk.muon_kernel_filter("head")
   from scsgd_jax._src import muon as muon_lib
 
@@ -120,6 +120,8 @@ def test_stacked_and_attention_kernels_orthogonalized_as_the_eigenbasis_reads_th
   assert dims["blocks"]["kernel"] == optax.contrib.MuonDimensionNumbers((1,), (2,))
   assert dims["attn"]["query"]["kernel"] == optax.contrib.MuonDimensionNumbers((0,), (1, 2))
   assert dims["head"]["kernel"] is None
+  conv = muon_lib.muon_dimension_numbers(numbers)({"conv": {"kernel": jnp.zeros((5, 5, 3, 8))}})
+  assert conv["conv"]["kernel"] == optax.contrib.MuonDimensionNumbers((0, 1, 2), (3,))  # im2col's (kh kw cin, cout)
   args = dict(input_axes={"blocks/kernel": sk.Layout((0,), stack=1)}, update_every=1, warm_start=False)
   tx = sk.scsgd_eigen_muon(LR, output_layer="head", **args)
   eigen = sk.scale_by_eigenbasis_adam(b1=0.95, nesterov=True, kernel_filter=numbers, **args)
