@@ -154,3 +154,17 @@ def test_grouped_and_plain_kernels_go_to_the_adamw_part():
 def test_muon_arguments_it_sets_itself_are_refused_by_name(bad):
   with pytest.raises(TypeError, match=f"{bad}="):
     sk.scsgd_eigen_muon(LR, muon={bad: 0.5})
+
+
+def test_state_round_trips_through_flax_serialization():
+  """The state without Muon's buffer (mu=None) restores from msgpack into a fresh optimizer's state, and training
+  goes on from it as from the original."""
+  from flax import serialization
+
+  tx = sk.scsgd_eigen_muon(LR, output_layer="head", update_every=1)
+  outs, state = _run(tx, steps=2)
+  restored = serialization.from_bytes(tx.init(_params()), serialization.to_bytes(state))
+  grads, inputs = next(_steps(np.random.default_rng(5), 1))
+  a, _ = jax.jit(tx.update)(grads, state, _params(), layer_inputs=inputs)
+  b, _ = jax.jit(tx.update)(grads, restored, _params(), layer_inputs=inputs)
+  jax.tree.map(np.testing.assert_array_equal, a, b)
