@@ -13,13 +13,12 @@ times are measured by ``benchmark_step``.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import jax
 import ml_collections
 from absl import flags
-
-import importlib
 
 from experiments import benchmark
 from experiments import cli

@@ -165,14 +165,19 @@ def _kfac(lr, kwargs, config, forward):
   return peers.kfac(lr, apply_fn=forward.apply_fn, example_batch=forward.example_batch, **kwargs)
 
 
-def _muon(lr, kwargs, config, forward):
-  """Muon; its AdamW part (embeddings, head, vectors) follows ``config.schedule`` with peak
-  ``adam_learning_rate`` when that is set (the benchmark's: AdamW's own tuned rate), else Muon's rate."""
+def _adam_part_scheduled(kwargs, config) -> dict:
+  """Muon's arguments with its AdamW part's rate (``adam_learning_rate``, when set: the benchmark's, AdamW's own
+  tuned rate) following ``config.schedule`` as its peak."""
   from experiments import optimizers  # the schedule of the config: optimizers imports this module
 
   if kwargs.get("adam_learning_rate") is not None:
     kwargs["adam_learning_rate"] = optimizers.learning_rate(config, kwargs["adam_learning_rate"])
-  return peers.muon(lr, **kwargs)
+  return kwargs
+
+
+def _muon(lr, kwargs, config, forward):
+  """Muon; its AdamW part (embeddings, head, vectors) at :func:`_adam_part_scheduled`'s rate, else Muon's."""
+  return peers.muon(lr, **_adam_part_scheduled(kwargs, config))
 
 
 def _scsgd_muon(lr, kwargs, config, forward):
@@ -240,13 +245,9 @@ def _scsgd_eigen_muon(lr, kwargs, config, forward):
   """``scsgd_jax.scsgd_eigen_muon`` (``muon_*``: the Muon peer's arguments, as :func:`_muon` takes them: its
   momentum ``muon_beta`` becomes the eigenbasis Adam's Nesterov first moment; the AdamW part's rate follows
   ``config.schedule``)."""
-  from experiments import optimizers  # the schedule of the config: optimizers imports this module
-
-  muon_args = _pop_prefixed(kwargs, "muon_")
-  own = {name: muon_args.pop(name) for name in ("beta", "output_layer", "weight_decay") if name in muon_args}
-  if muon_args.get("adam_learning_rate") is not None:
-    own["adam_learning_rate"] = optimizers.learning_rate(config, muon_args.pop("adam_learning_rate"))
-  muon_args.pop("adam_learning_rate", None)
+  muon_args = _adam_part_scheduled(_pop_prefixed(kwargs, "muon_"), config)
+  own = {name: muon_args.pop(name) for name in ("beta", "output_layer", "weight_decay", "adam_learning_rate")
+         if name in muon_args}
   return scsgd_jax.scsgd_eigen_muon(lr, seed=config.seed, muon=muon_args, **own, **kwargs)
 
 

@@ -412,12 +412,9 @@ def scale_by_eigenbasis_adam(
     if sides == "both":
       if basis == "gradients":
         rows = gradient_rows(updates, out_plans(updates))
-      elif output_grads is None:
-        raise ValueError(
-            "scale_by_eigenbasis_adam(sides='both', basis='inputs').update needs the keyword argument `output_grads`: "
-            "the loss's gradient with respect to the output perturbations (scsgd_jax.output_perturbations_nnx / "
-            "_linen passed to the capture), as scsgd_two_sided's update; or basis='gradients' (no capture).")
       else:
+        output_lib.check_output_grads(output_grads, "scale_by_eigenbasis_adam(sides='both', basis='inputs')",
+                                      "; or basis='gradients' (no capture)")
         rows = output_lib.sample_rows(output_grads, jax.random.fold_in(row_key, state.count), defaults.MAX_ROWS)
       _, output_state = out_inner.update(updates, state.output, params, layer_inputs=rows)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)

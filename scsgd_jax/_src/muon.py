@@ -74,8 +74,11 @@ def without_momentum(muon: optax.GradientTransformation) -> optax.GradientTransf
   def is_muon(x):
     return isinstance(x, optax.contrib.MuonState)
 
+  def dropped(state):
+    return jax.tree.map(lambda s: s._replace(mu=None) if is_muon(s) else s, state, is_leaf=is_muon)
+
   def init(params):
-    return jax.tree.map(lambda s: s._replace(mu=None) if is_muon(s) else s, muon.init(params), is_leaf=is_muon)
+    return dropped(muon.init(params))
 
   def update(updates, state, params=None, **extra):
     shapes = jax.eval_shape(muon.init, updates)
@@ -83,6 +86,6 @@ def without_momentum(muon: optax.GradientTransformation) -> optax.GradientTransf
         lambda s, shape: s._replace(mu=jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), shape.mu))
         if is_muon(s) else s, state, shapes, is_leaf=is_muon)
     updates, full = muon.update(updates, full, params, **extra)
-    return updates, jax.tree.map(lambda s: s._replace(mu=None) if is_muon(s) else s, full, is_leaf=is_muon)
+    return updates, dropped(full)
 
   return optax.GradientTransformationExtraArgs(init, update)

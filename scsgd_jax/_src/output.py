@@ -69,6 +69,15 @@ def scale_by_output_conditioning(
   return output_conditioning(args, output_axes=output_axes, max_rows=max_rows)
 
 
+def check_output_grads(output_grads, who: str, otherwise: str = "") -> None:
+  """Raises ``ValueError`` naming ``who`` when its update got no ``output_grads`` (``otherwise``: an alternative)."""
+  if output_grads is None:
+    raise ValueError(
+        f"{who}.update needs the keyword argument `output_grads`: the loss's gradient with respect to the output "
+        "perturbations (scsgd_jax.output_perturbations_nnx / _linen passed to the capture), e.g. tx.update(grads, "
+        f"state, params, layer_inputs=layer_inputs, output_grads=output_grads){otherwise}.")
+
+
 def sample_rows(output_grads, key: jax.Array, max_rows: Optional[int]):
   """Each kernel's captured output-gradient rows as ``(rows, p)``, at most ``max_rows`` of them sampled uniformly
   (stream ``i`` of ``key`` for the ``i``-th leaf)."""
@@ -92,11 +101,7 @@ def output_conditioning(args: dict[str, Any], *, output_axes: plan_lib.InputAxes
 
   def update_fn(updates, state, params=None, *, output_grads=None, **extra_args):
     del extra_args
-    if output_grads is None:
-      raise ValueError(
-          "scale_by_output_conditioning.update needs the keyword argument `output_grads`: the loss's gradient "
-          "with respect to the output perturbations (scsgd_jax.output_perturbations_nnx / _linen passed to the "
-          "capture), e.g. tx.update(grads, state, params, layer_inputs=layer_inputs, output_grads=output_grads).")
+    check_output_grads(output_grads, "scale_by_output_conditioning")
     output_grads = sample_rows(output_grads, jax.random.fold_in(row_key, state.count), max_rows)
     return inner.update(updates, state, params, layer_inputs=output_grads)
 
