@@ -7,6 +7,10 @@ cheap one for the tail ``G - U U^T G`` that the sketch leaves out (Adafactor's f
 or one scalar as Sketchy); the update is Adam's, taken in those coordinates and rotated back. Leaves the
 conditioning does not read (biases, norms, and the diagonal kinds: embeddings, whose eigenbasis is the
 coordinate one) get Adam itself.
+
+The memory rule (``statistics='auto'``) counts everything the eigenbasis keeps per kernel in place of Adam's
+second moment (statistics, factor, rotated moments, tail, rotation) against that moment's floats, so the state
+stays within Adam's.
 """
 
 from __future__ import annotations
@@ -111,6 +115,24 @@ def _rank(plan: plan_lib.KernelPlan) -> Optional[int]:
   if plan.kind in ("diagonal", "embedding"):
     return None
   return plan.n if plan.rank is None else plan.rank
+
+
+def _kept_beside(tail: Tail, side: str = "input"):
+  """The memory rule's ``extra`` (:class:`~scsgd_jax._src.plan.Spec`'s): what the eigenbasis keeps for one
+  ``(n, p)`` slice planned ``(kind, k)`` beside the statistics and factor, in place of Adam's second moment: the
+  rotated second moment (``k p``), the tail's (``n + p``, one float, or none) and the rotation (``k^2``); on the
+  output side (``sides='both'``) its rotation alone. ``None`` for the diagonal kinds: their basis is the coordinate
+  one, so the kernel gets Adam itself and keeps no statistics."""
+
+  def extra(kind: str, n: int, k: Optional[int], p: int) -> Optional[int]:
+    if kind in ("diagonal", "embedding"):
+      return None
+    width = n if k is None else k
+    if side == "output":
+      return width * width
+    return width * p + (0 if width == n else {"factored": n + p, "scalar": 1, "orthogonal": 0}[tail]) + width * width
+
+  return extra
 
 
 def _fresh_moments(plan: plan_lib.KernelPlan, p: int, tail: Tail,
@@ -257,7 +279,7 @@ def scale_by_eigenbasis_adam(
     basis: Basis = "inputs",
     sides: Sides = "input",
     others: Literal["adam", "identity"] = "adam",
-    budget_share: float = 0.5,
+    budget_share: float = 1.0,
     seed: int = 0,
     **conditioning,
 ) -> optax.GradientTransformationExtraArgs:
@@ -296,8 +318,10 @@ def scale_by_eigenbasis_adam(
   Cost: three ``(k x n) (n x p)`` products a step per kernel (``O(n k p)``, the conditioning's own order), and
   an ``eigh`` of ``k x k`` per refresh. State: Adam's first moment (``n p``), the rotated second moment
   (``k p``), the tail (``n + p``), the basis as a rotation of the factor's ``Q`` (``k^2``), the conditioning's
-  factor and statistics, which take ``budget_share`` of its memory rule's budget under ``statistics='auto'``
-  (default half).
+  factor and statistics. Under ``statistics='auto'`` the memory rule counts all but the first moment against
+  ``budget_share`` of Adam's second moment (per kernel, or over the kernels with ``budget='model'``): each kernel
+  gets the best statistics and rank that fit, so the state is at most Adam's. A kernel whose only fit would be
+  diagonal statistics (a coordinate basis) gets Adam itself, keeping no statistics.
 
   ``update`` takes ``layer_inputs=`` as :func:`scale_by_sketched_conditioning` does.
 
@@ -312,7 +336,8 @@ def scale_by_eigenbasis_adam(
     others: what the leaves it does not condition get: ``'adam'``, or ``'identity'`` (passed through, no state:
       for a chain whose next transformation treats them, e.g. Muon's orthogonalization of the conditioned
       kernels, the kernels chosen by ``kernel_filter``, with its AdamW part for the rest).
-    budget_share: the statistics' share of the memory rule's budget (``statistics='auto'``).
+    budget_share: the share of Adam's second moment that the statistics, factor, rotated moments and rotation
+      may take (``statistics='auto'``; with ``sides='both'`` the two sides split it).
     seed: seed of the conditioning's PRNG key.
     **conditioning: :func:`scale_by_sketched_conditioning`'s other arguments.
 
@@ -339,13 +364,13 @@ def scale_by_eigenbasis_adam(
     checks.check_float("eps", eps, low=0.0)
   args = transform.arguments("scale_by_eigenbasis_adam", rank, seed=seed, **conditioning)
   share = budget_share / 2 if sides == "both" else budget_share
-  inner, plans = transform.conditioning_and_plans(args, budget_share=share)
+  inner, plans = transform.conditioning_and_plans(args, budget_share=share, extra=_kept_beside(tail))
+  keep = args["kernel_filter"] or plan_lib.default_kernel_filter
   if sides == "both":  # the output side's statistics (output rows or the gradient's columns) along the output axes
-    keep = args["kernel_filter"] or plan_lib.default_kernel_filter
     out_inner, out_plans = transform.conditioning_and_plans(
         {**args, "seed": seed + 1, "input_axes": None,
          "kernel_filter": lambda path, leaf: keep(path, leaf) and output_lib.output_kernel_filter(path, leaf)},
-        default_axes=output_lib.default_output_axes, budget_share=share)
+        default_axes=output_lib.default_output_axes, budget_share=share, extra=_kept_beside(tail, "output"))
     row_key = jax.random.PRNGKey(seed + 2)  # the captured output rows' sampling (basis='inputs')
 
   def both_sides(tree, kernel_plans) -> dict[str, plan_lib.KernelPlan]:
@@ -365,14 +390,22 @@ def scale_by_eigenbasis_adam(
         out[path] = o
     return out
 
+  def adam_leaves(tree, kernel_plans) -> set[str]:
+    """The leaves that get Adam itself: those not conditioned (with ``others='adam'``) and the kernels
+    ``kernel_filter`` selects that the memory rule leaves unplanned (their basis would be the coordinate one)."""
+    chosen = plan_lib.kernel_paths(tree, keep)
+    return {p for p in map(plan_lib.path_to_str, (q for q, _ in jax.tree_util.tree_flatten_with_path(tree)[0]))
+            if p not in kernel_plans and (others == "adam" or p in chosen)}
+
   def moments_tree(params, kernel_plans, two=None):
     two = two or {}
+    adam = adam_leaves(params, kernel_plans)
 
     def one(path, leaf):
       key = plan_lib.path_to_str(path)
       plan = kernel_plans.get(key)
       if plan is None:
-        return jnp.zeros_like(leaf) if others == "adam" else optax.MaskedNode()
+        return jnp.zeros_like(leaf) if key in adam else optax.MaskedNode()
       width = leaf.size // (plan.n * (plan.slices or 1))
       return _fresh_moments(plan, width, tail, two.get(key))
 
@@ -394,8 +427,8 @@ def scale_by_eigenbasis_adam(
         count=jnp.zeros([], jnp.int32),
         conditioning=conditioning_state,
         mu=jax.tree_util.tree_map_with_path(
-            lambda p, x: jnp.zeros_like(x) if others == "adam" or plan_lib.path_to_str(p) in kernel_plans
-            else optax.MaskedNode(), params),
+            lambda p, x, keep=adam_leaves(params, kernel_plans) | set(kernel_plans): jnp.zeros_like(x)
+            if plan_lib.path_to_str(p) in keep else optax.MaskedNode(), params),
         nu=moments_tree(params, kernel_plans, two),
         rotations=rotations_of(conditioning_state.factors, kernel_plans),
         output=output_state,

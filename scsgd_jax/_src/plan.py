@@ -135,6 +135,11 @@ class Spec(NamedTuple):
   choices: "StatisticsChoices"
   default_axes: Callable[[str, Any], tuple[int, ...]] = None  # None: default_input_axes (the output side: its own)
   share: float = 1.0  # the fraction of the memory rule's budget this transformation's statistics may take
+  # A transformation built on the conditioning that keeps more per kernel (the eigenbasis' moments and rotation):
+  # extra(kind, n, k, p) -> the floats it keeps for one (n, p) slice planned (kind, k) beside the statistics and
+  # factor, counted by the memory rule, or None where that kind is of no use to it (the kernel is then not
+  # planned). With it, the model's budget is its kernels' floats alone (its other leaves keep Adam's own).
+  extra: Optional[Callable[[str, int, Optional[int], int], Optional[int]]] = None
 
 
 class StatisticsChoices:
@@ -355,21 +360,28 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
     stacks[path] = tuple(leaf.shape[:layout.stack])
     n = dims[path] = _input_dim(leaf, layout)
     count[path] = _slices(leaf, layout)
+    width = leaf.size // (n * count[path])  # one slice's p
     if path.rsplit("/", 1)[-1] == "embedding" and not custom:
-      decided[path] = ("embedding", 0)
+      if spec.extra is None or spec.extra("embedding", n, 0, width) is not None:
+        decided[path] = ("embedding", 0)
       continue
     fixed = _fixed(spec, path, n)
     if fixed is None:
       shapes[path] = (n, leaf.size // n)  # the bound n * p of all slices
-      opts[path] = [o._replace(floats=o.floats * count[path])
-                    for o in options(n, spec.rank, spec.oversample, _full(spec, n))]
+      opts[path] = [o._replace(floats=(o.floats + extra) * count[path])
+                    for o in options(n, spec.rank, spec.oversample, _full(spec, n))
+                    for extra in [0 if spec.extra is None else spec.extra(o.kind, n, o.rank, width)]
+                    if extra is not None]
     else:
       decided[path] = fixed
   if opts:
-    # budget='model': Adam's state beyond SGD's momentum, one float per parameter, less this state's scalars
-    # (count and key beyond Adam's count, a clipped-row counter per kernel) and the embeddings' statistics.
-    # With share < 1 (two transformations splitting the budget) this one gets that fraction of the floats.
-    floats = math.floor(spec.share * sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree))) - 2 - len(layouts)
+    # budget='model': Adam's state beyond SGD's momentum, one float per parameter (with spec.extra: per parameter
+    # of the kernels planned), less this state's scalars (count and key beyond Adam's count, a clipped-row
+    # counter per kernel) and the embeddings' statistics. With share < 1 (two transformations splitting the
+    # budget) this one gets that fraction of the floats.
+    pool = jax.tree.leaves(tree) if spec.extra is None else [tree_leaf for p, tree_leaf in kernel_paths(
+        tree, spec.kernel_filter).items() if p in shapes or p in decided]
+    floats = math.floor(spec.share * sum(int(np.size(leaf)) for leaf in pool)) - 2 - len(layouts)
     floats -= sum(count[p] * state_floats("embedding", dims[p], 0, 0)
                   for p, (kind, _) in decided.items() if kind == "embedding")
     for path, i in allot(shapes, opts, floats, spec.budget, spec.share).items():
@@ -401,14 +413,18 @@ def slice_phases(kernel_plans: Mapping[str, KernelPlan], update_every: int, stag
 def unconditioned(tree, spec: Spec, plans: Mapping[str, KernelPlan]) -> dict[str, str]:
   """``{path: why}`` of every Flax kernel or embedding of ``tree`` (:func:`default_kernel_filter`'s) that
   gets no conditioning: excluded by ``kernel_filter``, a layer ``input_axes`` says is :class:`Plain`, or left
-  plain by the memory rule (no statistics fit its budget under ``statistics='auto'``)."""
+  plain by the memory rule (no statistics fit its budget under ``statistics='auto'``; with ``spec.extra``, none
+  of use: an embedding, or a kernel that fits only diagonal statistics)."""
   out = {}
   for path, leaf in kernel_paths(tree).items():
     if path not in plans:
       why = _plain(spec.input_axes, path)
       out[path] = ("not conditioned: excluded by kernel_filter" if not spec.kernel_filter(path, leaf) else
                    f"not conditioned: {why}" if why is not None else
-                   "not conditioned: no statistics fit its memory budget (statistics='auto')")
+                   "not conditioned: its basis is the coordinate one (token frequencies)"
+                   if spec.extra is not None and path.rsplit("/", 1)[-1] == "embedding" else
+                   "not conditioned: no statistics fit its memory budget (statistics='auto')"
+                   + (", none of use beside its moments" if spec.extra is not None else ""))
   return out
 
 
@@ -436,12 +452,16 @@ def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[s
     elif plan.kind == "streaming":
       k = min(plan.rank, n - 1)
     kind = "dense" if plan.kind == "custom" else plan.kind
-    cost = lambda n, k: state_floats(kind, n, k, min((k or 0) + spec.oversample, n))
-    budget = max((plan.slices or 1) * cost(plan.n, plan.rank), math.floor(spec.share * leaf.size))
+
+    def cost(n, k, slices):  # all slices' floats (with spec.extra: what the transformation keeps beside)
+      extra = 0 if spec.extra is None else spec.extra(kind, n, k, leaf.size // (n * slices)) or 0
+      return slices * (state_floats(kind, n, k, min((k or 0) + spec.oversample, n)) + extra)
+
+    budget = max(cost(plan.n, plan.rank, plan.slices or 1), math.floor(spec.share * leaf.size))
     if spec.statistics == "auto" and plan.kind == "streaming":
-      while k > 1 and slices * cost(n, k) > budget:  # the same kind of statistics at the rank that fits
+      while k > 1 and cost(n, k, slices) > budget:  # the same kind of statistics at the rank that fits
         k -= 1
-    if k == 0 and plan.kind == "streaming" or (spec.statistics == "auto" and slices * cost(n, k) > budget):
+    if k == 0 and plan.kind == "streaming" or (spec.statistics == "auto" and cost(n, k, slices) > budget):
       raise ValueError(
           f"kernel '{path}' {tuple(leaf.shape)}: its layer reads it as {layout} (n={n}), but init, which sees "
           f"only the parameters, planned it as {plan.layout()} (n={plan.n}) with '{plan.describe()}', a "

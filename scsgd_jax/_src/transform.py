@@ -202,9 +202,11 @@ def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_ax
 
 
 def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.default_input_axes,
-                           budget_share: float = 1.0):
+                           budget_share: float = 1.0, extra=None):
   """:func:`conditioning` and its plans: ``plans(tree, captured_axes=None) -> {path: KernelPlan}``, the plans its
-  ``init`` and ``update`` use for a tree of that structure (cached), for a transformation built on it."""
+  ``init`` and ``update`` use for a tree of that structure (cached), for a transformation built on it;
+  ``extra``: what that transformation keeps per kernel beside the statistics, for the memory rule
+  (:class:`~scsgd_jax._src.plan.Spec`'s)."""
   a = types.SimpleNamespace(**args)
   static = resolve_static_args(rank=a.rank, update_every=a.update_every, full_max_dim=a.full_max_dim,
                                oversample=a.oversample, power_iterations=a.power_iterations,
@@ -220,7 +222,7 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
                                        eigenvalue_floor=a.eigenvalue_floor)
   spec = plan_lib.Spec(static["rank"], static["update_every"], static["full_max_dim"], static["oversample"],
                        a.conditioner, a.statistics, a.budget, a.stagger, a.kernel_filter or plan_lib.default_kernel_filter,
-                       a.input_axes, choices, default_axes, budget_share)
+                       a.input_axes, choices, default_axes, budget_share, extra)
   plans = state_lib.PlanCache(spec)
 
   def init_fn(params):

@@ -375,3 +375,69 @@ def test_others_identity_passes_unconditioned_leaves_through_without_state():
   state = sk.scale_by_eigenbasis_adam(2, others="identity", **kw).init({"dense": {"kernel": jnp.zeros((6, 3)),
                                                                             "bias": jnp.zeros(3)}})
   assert jax.tree.leaves(state.mu["dense"]["bias"]) == [] and jax.tree.leaves(state.nu["dense"]["bias"]) == []
+
+
+def _floats(tree) -> int:
+  """Floats of a state's arrays of more than one element (its scalars, counts and key, aside)."""
+  return sum(a.size for a in jax.tree.leaves(tree) if a.size > 1 and jnp.issubdtype(a.dtype, jnp.floating))
+
+
+@pytest.mark.parametrize("tail", ["factored", "scalar", "orthogonal"])
+def test_memory_rule_takes_the_largest_rank_whose_whole_state_fits_adams(tail):
+  """budget='kernel': the rank the memory rule picks for a (96, 40) kernel is the largest whose measured state
+  (first moment, rotated second moment, tail, rotation, statistics, factor) fits Adam's 2 n p floats: the state
+  built at that rank fits, at one rank more it does not."""
+  n, p = 96, 40
+  params = {"dense": {"kernel": jnp.zeros((n, p))}}
+  state = sk.scsgd_eigen(1e-3, budget="kernel", tail=tail).init(params)
+  summary = state[0].summary()["dense/kernel"]
+  assert "streaming" in summary, summary
+  k = int(summary.split("rank ")[1].split(",")[0])
+  fixed = lambda rank: sk.scsgd_eigen(1e-3, rank, statistics="streaming", tail=tail).init(params)
+  assert _floats(state) == _floats(fixed(k)) <= 2 * n * p < _floats(fixed(k + 1))
+
+
+def test_a_kernel_fitting_only_diagonal_statistics_gets_adam_and_keeps_no_statistics():
+  """A (784, 10) kernel (logistic regression on MNIST: no rank-1 sketch fits its n p floats) keeps no statistics
+  and is updated exactly as optax.scale_by_adam's, also with others='identity' (the kernels kernel_filter selects are
+  this transformation's); the state is Adam's floats."""
+  rng = np.random.default_rng(7)
+  params = {"dense": {"kernel": jnp.zeros((784, 10)), "bias": jnp.zeros(10)}}
+  ref = optax.scale_by_adam(b1=B1, b2=B2, eps=EPS)
+  for others in ("adam", "identity"):
+    tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, others=others)
+    state, ref_state = tx.init(params), ref.init(params)
+    assert state.conditioning.statistics == {} and "memory budget" in state.summary()["dense/kernel"]
+    assert _floats(state) == _floats(ref_state) - (10 if others == "identity" else 0) * 2
+    for _ in range(3):
+      grads = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), jnp.float32), params)
+      inputs = {"dense": {"kernel": jnp.asarray(rng.standard_normal((8, 784)), jnp.float32)}}
+      out, state = jax.jit(tx.update)(grads, state, params, layer_inputs=inputs)
+      want, ref_state = ref.update(grads, ref_state, params)
+      np.testing.assert_allclose(out["dense"]["kernel"], want["dense"]["kernel"], rtol=1e-5, atol=1e-7)
+
+
+def _transformer_params(d=64, vocab=50, blocks=2):
+  dense = lambda n, p: {"kernel": jnp.zeros((n, p)), "bias": jnp.zeros(p)}
+  tree = {"embed": {"embedding": jnp.zeros((vocab, d))}, "head": dense(d, vocab)}
+  for i in range(blocks):
+    tree[f"block{i}"] = {"attn": dense(d, 3 * d), "proj": dense(d, d), "fc1": dense(d, 4 * d),
+                         "fc2": dense(4 * d, d), "norm": {"scale": jnp.ones(d)}}
+  return tree
+
+
+def _lenet_params():
+  return {"conv1": {"kernel": jnp.zeros((5, 5, 1, 20))}, "conv2": {"kernel": jnp.zeros((5, 5, 20, 50))},
+          "dense1": {"kernel": jnp.zeros((800, 500))}, "dense2": {"kernel": jnp.zeros((500, 10))}}
+
+
+@pytest.mark.parametrize("params", [_transformer_params(), _lenet_params(),
+                                    {"dense": {"kernel": jnp.zeros((784, 10)), "bias": jnp.zeros(10)}}],
+                         ids=["transformer", "lenet", "logistic"])
+def test_default_state_is_at_most_adams_on_every_model(params):
+  """The default memory rule (budget='model') keeps the eigenbasis' whole state within Adam's floats, and in
+  front of Muon within AdamW's (Muon's AdamW part holding the leaves Muon does not orthogonalize)."""
+  adam = _floats(optax.adam(1e-3).init(params))
+  assert _floats(sk.scsgd_eigen(1e-3).init(params)) <= adam
+  ns_coefficients = 3  # Muon keeps its Newton-Schulz coefficients in its state
+  assert _floats(sk.scsgd_eigen_muon(1e-3, output_layer="head").init(params)) <= adam + ns_coefficients
