@@ -37,6 +37,7 @@ VERSIONS_KEY = "versions"  # in config.json: the packages the run was made with
 #: before it: a record without the key ran with that value (adding an argument leaves old rows valid; a later
 #: change of its default does not)
 ADDED_ARGUMENTS = {"normalize": "none", "basis": "inputs", "sides": "input"}
+LIBRARY_DEFAULT = " (library default)"  # the suffix of a difference in a resolved library default alone
 
 
 def check_path(workdir: str, flag: str = "--workdir") -> str:
@@ -93,7 +94,7 @@ def config_differences(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
   # i.e. when a library default changed
   prefix = f"{RESOLVED_KEY}."
   keys_differ = any(not k.startswith(prefix) for k, _, _ in diff)
-  return [(f"{k[len(prefix):]} (library default)", x, y) if k.startswith(prefix) else (k, x, y) for k, x, y in diff
+  return [(k[len(prefix):] + LIBRARY_DEFAULT, x, y) if k.startswith(prefix) else (k, x, y) for k, x, y in diff
           if not (keys_differ and k.startswith(prefix))]
 
 

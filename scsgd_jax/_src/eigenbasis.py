@@ -279,7 +279,7 @@ def scale_by_eigenbasis_adam(
     basis: Basis = "inputs",
     sides: Sides = "input",
     others: Literal["adam", "identity"] = "adam",
-    budget_share: float = 1.0,
+    memory_share: float = 1.0,
     seed: int = 0,
     **conditioning,
 ) -> optax.GradientTransformationExtraArgs:
@@ -313,13 +313,13 @@ def scale_by_eigenbasis_adam(
   kept for ``U^\top G U_out`` (``k x k``), the tail is everything outside that block, and the moments are
   carried by both sides' overlaps; at full rank on both sides it is EKFAC or SOAP. A
   stacked or grouped kernel, or one whose output side has no basis, is rotated on its input side alone. The
-  two sides' statistics share ``budget_share``.
+  two sides split ``memory_share``.
 
   Cost: three ``(k x n) (n x p)`` products a step per kernel (``O(n k p)``, the conditioning's own order), and
   an ``eigh`` of ``k x k`` per refresh. State: Adam's first moment (``n p``), the rotated second moment
   (``k p``), the tail (``n + p``), the basis as a rotation of the factor's ``Q`` (``k^2``), the conditioning's
   factor and statistics. Under ``statistics='auto'`` the memory rule counts all but the first moment against
-  ``budget_share`` of Adam's second moment (per kernel, or over the kernels with ``budget='model'``): each kernel
+  ``memory_share`` of Adam's second moment (per kernel, or over the kernels with ``budget='model'``): each kernel
   gets the best statistics and rank that fit, so the state is at most Adam's. A kernel whose only fit would be
   diagonal statistics (a coordinate basis) gets Adam itself, keeping no statistics.
 
@@ -336,7 +336,7 @@ def scale_by_eigenbasis_adam(
     others: what the leaves it does not condition get: ``'adam'``, or ``'identity'`` (passed through, no state:
       for a chain whose next transformation treats them, e.g. Muon's orthogonalization of the conditioned
       kernels, the kernels chosen by ``kernel_filter``, with its AdamW part for the rest).
-    budget_share: the share of Adam's second moment that the statistics, factor, rotated moments and rotation
+    memory_share: the share of Adam's second moment that the statistics, factor, rotated moments and rotation
       may take (``statistics='auto'``; with ``sides='both'`` the two sides split it).
     seed: seed of the conditioning's PRNG key.
     **conditioning: :func:`scale_by_sketched_conditioning`'s other arguments.
@@ -363,7 +363,8 @@ def scale_by_eigenbasis_adam(
   if not isinstance(eps, jax.Array):
     checks.check_float("eps", eps, low=0.0)
   args = transform.arguments("scale_by_eigenbasis_adam", rank, seed=seed, **conditioning)
-  share = budget_share / 2 if sides == "both" else budget_share
+  checks.check_float("memory_share", memory_share, low=0.0, high=1.0, low_open=True)
+  share = memory_share / 2 if sides == "both" else memory_share
   inner, plans = transform.conditioning_and_plans(args, budget_share=share, extra=_kept_beside(tail))
   keep = args["kernel_filter"] or plan_lib.default_kernel_filter
   if sides == "both":  # the output side's statistics (output rows or the gradient's columns) along the output axes

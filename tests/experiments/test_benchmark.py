@@ -381,3 +381,31 @@ def test_a_run_whose_metrics_miss_an_evaluation_is_trained_again_from_scratch(ho
   assert [r["step"] for r in out["rows"]] == [10, 20, 30]
   assert calls == [None, None]  # the second training started from no workdir at all
   assert benchmark.missing_evaluations(cfg, [{"step": 30, "test_loss": 1.0}]) == [10, 20]
+
+
+def test_frozen_code_keeps_its_rows_whose_library_defaults_moved_on_and_no_others(tmp_path):
+  """Under benchmark.frozen_code a committed record of that code version whose settings differ from today's in a
+  library default alone stands; a record of another version, a changed config key, or no frozen_code: run again."""
+  config = _config()
+  harness = benchmark.Harness(config, str(tmp_path / "work"), str(tmp_path / "results"), "cmd")
+  point = benchmark.Point(0.1)
+  now = train.record(benchmark.run_config(config, "scsgd", point, 0))
+  key = benchmark.key("scsgd", point, 0)
+
+  def write(code_hash, edit):
+    cfg = json.loads(json.dumps(now))
+    edit(cfg)
+    rec = {"config": cfg, "rows": [], "diverged": False, "commit": "c", "optimizer": "scsgd", "learning_rate": 0.1,
+           "joint": {}, "seed": 0, "code_hash": code_hash}
+    os.makedirs(os.path.dirname(harness.path(key)), exist_ok=True)
+    with open(harness.path(key), "w") as f:
+      json.dump(rec, f)
+
+  default_moved = lambda cfg: cfg["resolved"]["optimizer.scsgd"].update(rank=7)
+  key_changed = lambda cfg: cfg["optimizer"]["scsgd"].update(rank=7)
+  for frozen, code_hash, edit, kept in [(None, "h1", default_moved, False), ("h1", "h1", default_moved, True),
+                                        ("h1", "h2", default_moved, False), ("h1", "h1", key_changed, False),
+                                        (None, "h1", lambda cfg: None, True)]:
+    config.benchmark.frozen_code = frozen
+    write(code_hash, edit)
+    assert (harness.committed("scsgd", point, 0) is not None) == kept, (frozen, code_hash)
