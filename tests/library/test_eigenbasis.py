@@ -339,6 +339,10 @@ def test_bad_tail_is_refused():
     sk.scale_by_eigenbasis_adam(basis="outputs")
   with pytest.raises(TypeError, match="scale_by_eigenbasis_adam"):
     sk.scale_by_eigenbasis_adam(momentum=0.9)
+  with pytest.raises(ValueError, match="memory_share"):
+    sk.scale_by_eigenbasis_adam(memory_share=0.0)
+  with pytest.raises(TypeError, match="budget_share"):  # its meaning changed: memory_share counts the whole state
+    sk.scale_by_eigenbasis_adam(budget_share=0.5)
 
 
 @pytest.mark.parametrize("kw", [dict(conditioner="full"), dict(conditioner="sketched", rank=2),
