@@ -267,13 +267,14 @@ def options(n: int, rank: int, oversample: int, full: bool) -> list[Option]:
 
 
 def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], floats: int,
-          budget: str, share: float = 1.0) -> dict[str, int]:
+          budget: str, share: float = 1.0, unplanned: Optional[Mapping[str, int]] = None) -> dict[str, int]:
   """Each kernel's option (an index into its list; ``len`` = none fits) under the memory rule.
 
   Every kernel takes its best option that fits in its own ``n * p`` floats (``share * n * p`` when two
   transformations split the budget); with ``budget='model'`` the ``floats`` the model has left over then
   go to the kernels of smallest ``n`` first (cheapest to upgrade), each taking its best option that the
-  leftover pays for.
+  leftover pays for. ``unplanned``: the floats a kernel that gets no option still keeps (a transformation that
+  gives it Adam's second moment instead; default none).
   """
   chosen = {}
   for path, kernel_opts in opts.items():
@@ -285,7 +286,7 @@ def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], flo
     return chosen
 
   def cost(path):
-    return opts[path][chosen[path]].floats if chosen[path] < len(opts[path]) else 0
+    return opts[path][chosen[path]].floats if chosen[path] < len(opts[path]) else (unplanned or {}).get(path, 0)
 
   left = floats - sum(cost(path) for path in opts)
   for path in sorted(opts, key=lambda q: shapes[q][0]):
@@ -384,7 +385,9 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
     floats = math.floor(spec.share * sum(int(np.size(leaf)) for leaf in pool)) - 2 - len(layouts)
     floats -= sum(count[p] * state_floats("embedding", dims[p], 0, 0)
                   for p, (kind, _) in decided.items() if kind == "embedding")
-    for path, i in allot(shapes, opts, floats, spec.budget, spec.share).items():
+    # with spec.extra a kernel left unplanned keeps Adam's second moment: its share of the floats stays its own
+    kept = None if spec.extra is None else {p: math.floor(spec.share * n * p_) for p, (n, p_) in shapes.items()}
+    for path, i in allot(shapes, opts, floats, spec.budget, spec.share, kept).items():
       if i < len(opts[path]):  # else nothing fits: plain SGD
         decided[path] = (opts[path][i].kind, opts[path][i].rank)
   ordered = [p for p in layouts if p in decided]  # the tree's order

@@ -436,11 +436,13 @@ def _lenet_params():
 
 
 @pytest.mark.parametrize("params", [_transformer_params(), _lenet_params(),
-                                    {"dense": {"kernel": jnp.zeros((784, 10)), "bias": jnp.zeros(10)}}],
-                         ids=["transformer", "lenet", "logistic"])
+                                    {"dense": {"kernel": jnp.zeros((784, 10)), "bias": jnp.zeros(10)}},
+                                    {"wide": {"kernel": jnp.zeros((784, 10))}, "dense": {"kernel": jnp.zeros((64, 64))}}],
+                         ids=["transformer", "lenet", "logistic", "unplanned_beside_planned"])
 def test_default_state_is_at_most_adams_on_every_model(params):
   """The default memory rule (budget='model') keeps the eigenbasis' whole state within Adam's floats, and in
-  front of Muon within AdamW's (Muon's AdamW part holding the leaves Muon does not orthogonalize)."""
+  front of Muon within AdamW's (Muon's AdamW part holding the leaves Muon does not orthogonalize); a kernel left
+  unplanned keeps Adam's second moment, so its floats pay for no other kernel's statistics."""
   adam = _floats(optax.adam(1e-3).init(params))
   assert _floats(sk.scsgd_eigen(1e-3).init(params)) <= adam
   ns_coefficients = 3  # Muon keeps its Newton-Schulz coefficients in its state
