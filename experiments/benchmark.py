@@ -213,7 +213,8 @@ class Harness:
     now = train.record(run_config(self.config, name, point, seed, self.extra(name)))
     diff = workdir_lib.config_differences(rec["config"], now)
     frozen = self.config.benchmark.get("frozen_code")
-    if diff and frozen and rec.get("code_hash") == frozen and all(k.endswith(workdir_lib.LIBRARY_DEFAULT) for k, _, _ in diff):
+    defaults_only = all(k.endswith(workdir_lib.LIBRARY_DEFAULT) for k, _, _ in diff)
+    if diff and frozen and rec.get("code_hash") == frozen and defaults_only:
       # the table's code version: the library's defaults moved on after its rows ran, the rows stand as run
       return rec
     if diff:

@@ -428,8 +428,8 @@ def scale_by_eigenbasis_adam(
         count=jnp.zeros([], jnp.int32),
         conditioning=conditioning_state,
         mu=jax.tree_util.tree_map_with_path(
-            lambda p, x, keep=adam_leaves(params, kernel_plans) | set(kernel_plans): jnp.zeros_like(x)
-            if plan_lib.path_to_str(p) in keep else optax.MaskedNode(), params),
+            lambda p, x, held=adam_leaves(params, kernel_plans) | set(kernel_plans): jnp.zeros_like(x)
+            if plan_lib.path_to_str(p) in held else optax.MaskedNode(), params),
         nu=moments_tree(params, kernel_plans, two),
         rotations=rotations_of(conditioning_state.factors, kernel_plans),
         output=output_state,

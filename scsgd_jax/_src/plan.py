@@ -267,26 +267,28 @@ def options(n: int, rank: int, oversample: int, full: bool) -> list[Option]:
 
 
 def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], floats: int,
-          budget: str, share: float = 1.0, unplanned: Optional[Mapping[str, int]] = None) -> dict[str, int]:
+          budget: str, share: float = 1.0, unplanned_keeps: bool = False) -> dict[str, int]:
   """Each kernel's option (an index into its list; ``len`` = none fits) under the memory rule.
 
   Every kernel takes its best option that fits in its own ``n * p`` floats (``share * n * p`` when two
   transformations split the budget); with ``budget='model'`` the ``floats`` the model has left over then
   go to the kernels of smallest ``n`` first (cheapest to upgrade), each taking its best option that the
-  leftover pays for. ``unplanned``: the floats a kernel that gets no option still keeps (a transformation that
-  gives it Adam's second moment instead; default none).
+  leftover pays for. ``unplanned_keeps``: a kernel that gets no option still keeps its own ``share * n * p``
+  floats (a transformation that gives it Adam's second moment instead), so they pay for no other kernel.
   """
+  own = {path: math.floor(share * n * p) for path, (n, p) in shapes.items()}
   chosen = {}
   for path, kernel_opts in opts.items():
-    n, p = shapes[path]
     # 'model': 3 = this kernel's clipped-row counter and, were it alone, the count and key beyond Adam's.
-    bound = math.floor(share * n * p) - (3 if budget == "model" else 0)
+    bound = own[path] - (3 if budget == "model" else 0)
     chosen[path] = next((i for i, o in enumerate(kernel_opts) if o.floats <= bound), len(kernel_opts))
   if budget == "kernel":
     return chosen
 
   def cost(path):
-    return opts[path][chosen[path]].floats if chosen[path] < len(opts[path]) else (unplanned or {}).get(path, 0)
+    if chosen[path] < len(opts[path]):
+      return opts[path][chosen[path]].floats
+    return own[path] if unplanned_keeps else 0
 
   left = floats - sum(cost(path) for path in opts)
   for path in sorted(opts, key=lambda q: shapes[q][0]):
@@ -353,7 +355,7 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
   grouped kernel is planned per slice, its memory that of all its slices."""
   custom = isinstance(spec.statistics, stats_lib.CorrelationStatistics)
   decided: dict[str, tuple[str, Optional[int]]] = {}
-  layouts, dims, shapes, opts, count, stacks = {}, {}, {}, {}, {}, {}
+  layouts, dims, shapes, opts, count, stacks, sizes = {}, {}, {}, {}, {}, {}, {}
   for path, leaf in kernel_paths(tree, spec.kernel_filter).items():
     if _plain(spec.input_axes, path) is not None:
       continue
@@ -361,6 +363,7 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
     stacks[path] = tuple(leaf.shape[:layout.stack])
     n = dims[path] = _input_dim(leaf, layout)
     count[path] = _slices(leaf, layout)
+    sizes[path] = leaf.size
     width = leaf.size // (n * count[path])  # one slice's p
     if path.rsplit("/", 1)[-1] == "embedding" and not custom:
       if spec.extra is None or spec.extra("embedding", n, 0, width) is not None:
@@ -380,14 +383,13 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
     # of the kernels planned), less this state's scalars (count and key beyond Adam's count, a clipped-row
     # counter per kernel) and the embeddings' statistics. With share < 1 (two transformations splitting the
     # budget) this one gets that fraction of the floats.
-    pool = jax.tree.leaves(tree) if spec.extra is None else [tree_leaf for p, tree_leaf in kernel_paths(
-        tree, spec.kernel_filter).items() if p in shapes or p in decided]
-    floats = math.floor(spec.share * sum(int(np.size(leaf)) for leaf in pool)) - 2 - len(layouts)
+    pool = (sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree)) if spec.extra is None else
+            sum(sizes[p] for p in sizes if p in shapes or p in decided))
+    floats = math.floor(spec.share * pool) - 2 - len(layouts)
     floats -= sum(count[p] * state_floats("embedding", dims[p], 0, 0)
                   for p, (kind, _) in decided.items() if kind == "embedding")
     # with spec.extra a kernel left unplanned keeps Adam's second moment: its share of the floats stays its own
-    kept = None if spec.extra is None else {p: math.floor(spec.share * n * p_) for p, (n, p_) in shapes.items()}
-    for path, i in allot(shapes, opts, floats, spec.budget, spec.share, kept).items():
+    for path, i in allot(shapes, opts, floats, spec.budget, spec.share, unplanned_keeps=spec.extra is not None).items():
       if i < len(opts[path]):  # else nothing fits: plain SGD
         decided[path] = (opts[path][i].kind, opts[path][i].rank)
   ordered = [p for p in layouts if p in decided]  # the tree's order
