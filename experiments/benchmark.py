@@ -229,6 +229,7 @@ class Harness:
     if rec is not None:
       return rec
     k = key(name, point, seed)
+    self.check_code_version(k)
     cfg = run_config(self.config, name, point, seed, self.extra(name))
     workdir = os.path.join(self.workdir, k)
     rec = train_one(cfg, workdir, self.config.benchmark.report_split)
@@ -242,6 +243,17 @@ class Harness:
           + (" (diverged)" if rec["diverged"] else ""),
           flush=True)
     return rec
+
+  def check_code_version(self, what: str) -> None:
+    """Under ``benchmark.frozen_code`` a row is trained only by that version of the library and training code:
+    a checkout of another would write a row of another version into the table (refused before any work)."""
+    frozen = self.config.benchmark.get("frozen_code")
+    running = report.provenance()["code_hash"]
+    if frozen and running != frozen:
+      raise errors.ConfigError(
+          f"{what}: this table's rows run code version {frozen} (config.benchmark.frozen_code), this checkout's "
+          f"library and training code is {running}: run the harness from a checkout of that version (a `git "
+          "worktree` of a commit whose code hashes to it), or give the table today's version and run every row.")
 
   def choose(self, name: str) -> tuple[Point, dict[Point, float]]:
     """The tuned point of ``name`` (running its seed-0 grid as needed) and every grid point's loss; with

@@ -409,3 +409,29 @@ def test_frozen_code_keeps_its_rows_whose_library_defaults_moved_on_and_no_other
     config.benchmark.frozen_code = frozen
     write(code_hash, edit)
     assert (harness.committed("scsgd", point, 0) is not None) == kept, (frozen, code_hash)
+
+
+def test_frozen_code_refuses_to_train_on_another_code_version(tmp_path, monkeypatch):
+  """A table pinned to a code version gets no row trained by another (the error names the run and both versions,
+  and comes before any training); the pinned version trains."""
+  config = _config()
+  harness = benchmark.Harness(config, str(tmp_path / "work"), str(tmp_path / "results"), "cmd")
+  monkeypatch.setattr(benchmark.report, "provenance", lambda: {"code_hash": "today"})
+  trained = []
+
+  class Trained(Exception):
+    pass
+
+  def train_one(*args, **kwargs):
+    trained.append(args)
+    raise Trained
+
+  monkeypatch.setattr(benchmark, "train_one", train_one)
+  config.benchmark.frozen_code = "pinned"
+  with pytest.raises(errors.ConfigError, match=r"scsgd/lr0.1_seed0: .*pinned.*today"):
+    harness.run("scsgd", benchmark.Point(0.1), 0)
+  assert not trained
+  config.benchmark.frozen_code = "today"
+  with pytest.raises(Trained):
+    harness.run("scsgd", benchmark.Point(0.1), 0)
+  assert len(trained) == 1
