@@ -339,8 +339,9 @@ def test_ran_with_pins_what_the_coarse_rows_ran_and_the_finer_protocol_runs_the_
 
 def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   assert benchmark.task_names("configs/benchmark_fine/shakespeare.py") == [
-      "convex", "mnist", "shakespeare", "shakespeare_large"]
-  for task, cadence in (("shakespeare", 10), ("mnist", 25), ("convex", 25), ("shakespeare_large", 25)):
+      "convex", "mnist", "shakespeare", "shakespeare_large", "shakespeare_state_rule"]
+  for task, cadence in (("shakespeare", 10), ("mnist", 25), ("convex", 25), ("shakespeare_large", 25),
+                        ("shakespeare_state_rule", 10)):
     config = importlib.import_module(f"configs.benchmark_fine.{task}").get_config()
     assert config.eval_every == cadence and len(config.benchmark.seeds) >= 3, task
     with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
@@ -352,6 +353,11 @@ def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   for path in large.benchmark.centre_from:  # the larger task's grids centre on what these chose
     assert os.path.isdir(os.path.join(path, benchmark.RUNS)), path
   assert benchmark.learning_rates(large, "muon") == [0.00632, 0.02, 0.0632]
+  # the state-rule table: the re-planned eigenbasis rows tune around the finer table's choices, the others take them
+  state_rule = importlib.import_module("configs.benchmark_fine.shakespeare_state_rule").get_config()
+  assert state_rule.num_steps == fine.num_steps and state_rule.schedule == fine.schedule
+  assert benchmark.learning_rates(state_rule, "scsgd_eigen_muon") == [0.00632, 0.02, 0.0632]
+  assert benchmark.best_point(benchmark.earlier_grid(state_rule.benchmark.points_from, "muon")).learning_rate == 0.02
 
 
 @pytest.mark.parametrize("holes", [1, 2])
