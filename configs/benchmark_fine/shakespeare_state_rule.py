@@ -3,9 +3,9 @@ eigenbasis keeps its whole state within Adam's (the memory rule that counts the 
 and the rotation; the finer tables ran the version before it, whose eigenbasis rows hold more than Adam's state): the
 eigenbasis rows, the first peer (Muon), the target's rows (AdamW, Nesterov SGD) and plain SCSGD, five seeds, all
 of one code version. The eigenbasis rows plan otherwise than there, so they tune again on three rates half a
-decade apart around the rate each chose in the finer table (one more past an end that wins); the other rows'
-steps did not change, so the finer table's rates stand. It says whether that table's ranking holds on the
-version a user installs today."""
+decade apart around the rate each chose in the finer table (one more past an end that wins), plain SCSGD too (its
+rate there came from a grid of the earlier version); the others take the coarse protocol's rates, as the finer
+table did. It says whether that table's ranking holds on the version a user installs today."""
 
 from configs.benchmark_fine import shakespeare
 
@@ -15,9 +15,8 @@ CODE = "b298a2205499b59b"  # experiments/report.py's code hash of the version th
 
 def get_config():
   config = shakespeare.get_config()
-  config.benchmark.points_from = "experiments/results/benchmark_fine/shakespeare"
-  config.benchmark.retune = ("scsgd_eigen", "scsgd_eigen_muon")  # the memory rule re-planned them
-  config.benchmark.centre_from = (config.benchmark.points_from,)
+  config.benchmark.retune = ("scsgd_eigen", "scsgd_eigen_muon", "scsgd")  # the memory rule re-planned the first two
+  config.benchmark.centre_from = ("experiments/results/benchmark_fine/shakespeare",)
   config.benchmark.grid = (0.316, 1.0, 3.16)
   config.benchmark.extend_edge = 1
   config.benchmark.frozen_code = CODE

@@ -357,6 +357,7 @@ def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   state_rule = importlib.import_module("configs.benchmark_fine.shakespeare_state_rule").get_config()
   assert state_rule.num_steps == fine.num_steps and state_rule.schedule == fine.schedule
   assert benchmark.learning_rates(state_rule, "scsgd_eigen_muon") == [0.00632, 0.02, 0.0632]
+  assert benchmark.learning_rates(state_rule, "scsgd") == [0.0999, 0.316, 0.999]
   assert benchmark.best_point(benchmark.earlier_grid(state_rule.benchmark.points_from, "muon")).learning_rate == 0.02
 
 
