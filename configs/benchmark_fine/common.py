@@ -27,3 +27,23 @@ def finer(config, task: str, cadence: int):
   # after (the eigenbasis' memory rule): its records stand as run, a row re-run today is another version
   config.benchmark.frozen_code = "31933587bb6f6f5d"
   return config
+
+
+# experiments/report.py's code hash of the library version that keeps the eigenbasis' whole state within Adam's
+# (the memory rule that counts the rotated second moment, the tail and the rotation)
+STATE_RULE_CODE = "b298a2205499b59b"
+
+
+def on_state_rule_version(config, task: str, rows: tuple[str, ...], retune: tuple[str, ...]):
+  """``config`` (a finer table of ``task``) as the table of ``rows`` on the state-rule version, all of one code
+  version: the rows in ``retune`` (the eigenbasis rows, which that version plans otherwise, and any whose step
+  changed) tune again on three rates half a decade apart around the rate each chose in ``task``'s finer table
+  (one more past an end that wins); the others take the coarse protocol's rates, as the finer table did."""
+  config.benchmark.retune = retune
+  config.benchmark.centre_from = (f"experiments/results/benchmark_fine/{task}",)
+  config.benchmark.grid = (0.316, 1.0, 3.16)
+  config.benchmark.extend_edge = 1
+  config.benchmark.frozen_code = STATE_RULE_CODE
+  config.benchmark.all_optimizers = rows
+  config.benchmark.optimizers = rows
+  return config

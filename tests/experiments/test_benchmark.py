@@ -339,9 +339,10 @@ def test_ran_with_pins_what_the_coarse_rows_ran_and_the_finer_protocol_runs_the_
 
 def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   assert benchmark.task_names("configs/benchmark_fine/shakespeare.py") == [
-      "convex", "mnist", "shakespeare", "shakespeare_large", "shakespeare_state_rule"]
+      "convex", "convex_state_rule", "mnist", "mnist_state_rule", "shakespeare", "shakespeare_large",
+      "shakespeare_state_rule"]
   for task, cadence in (("shakespeare", 10), ("mnist", 25), ("convex", 25), ("shakespeare_large", 25),
-                        ("shakespeare_state_rule", 10)):
+                        ("shakespeare_state_rule", 10), ("mnist_state_rule", 25), ("convex_state_rule", 25)):
     config = importlib.import_module(f"configs.benchmark_fine.{task}").get_config()
     assert config.eval_every == cadence and len(config.benchmark.seeds) >= 3, task
     with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
@@ -359,6 +360,12 @@ def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   assert benchmark.learning_rates(state_rule, "scsgd_eigen_muon") == [0.00632, 0.02, 0.0632]
   assert benchmark.learning_rates(state_rule, "scsgd") == [0.0999, 0.316, 0.999]
   assert benchmark.best_point(benchmark.earlier_grid(state_rule.benchmark.points_from, "muon")).learning_rate == 0.02
+  # LeNet/MNIST's: the eigenbasis rows around the finer table's choices, the rest (no embedding) at their rates
+  mnist_rule = importlib.import_module("configs.benchmark_fine.mnist_state_rule").get_config()
+  assert mnist_rule.benchmark.retune == ("scsgd_eigen", "scsgd_eigen_muon")
+  assert benchmark.learning_rates(mnist_rule, "scsgd_eigen_muon") == [0.002, 0.00632, 0.02]
+  assert benchmark.learning_rates(mnist_rule, "scsgd_eigen") == [0.000999, 0.00316, 0.00999]
+  assert {config.benchmark.frozen_code for config in (state_rule, mnist_rule)} == {"b298a2205499b59b"}
 
 
 @pytest.mark.parametrize("holes", [1, 2])
