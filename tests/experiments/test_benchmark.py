@@ -340,9 +340,10 @@ def test_ran_with_pins_what_the_coarse_rows_ran_and_the_finer_protocol_runs_the_
 def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   assert benchmark.task_names("configs/benchmark_fine/shakespeare.py") == [
       "convex", "convex_state_rule", "mnist", "mnist_state_rule", "shakespeare", "shakespeare_large",
-      "shakespeare_state_rule"]
+      "shakespeare_large_state_rule", "shakespeare_state_rule"]
   for task, cadence in (("shakespeare", 10), ("mnist", 25), ("convex", 25), ("shakespeare_large", 25),
-                        ("shakespeare_state_rule", 10), ("mnist_state_rule", 25), ("convex_state_rule", 25)):
+                        ("shakespeare_state_rule", 10), ("mnist_state_rule", 25), ("convex_state_rule", 25),
+                        ("shakespeare_large_state_rule", 25)):
     config = importlib.import_module(f"configs.benchmark_fine.{task}").get_config()
     assert config.eval_every == cadence and len(config.benchmark.seeds) >= 3, task
     with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
@@ -365,7 +366,13 @@ def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   assert mnist_rule.benchmark.retune == ("scsgd_eigen", "scsgd_eigen_muon")
   assert benchmark.learning_rates(mnist_rule, "scsgd_eigen_muon") == [0.002, 0.00632, 0.02]
   assert benchmark.learning_rates(mnist_rule, "scsgd_eigen") == [0.000999, 0.00316, 0.00999]
-  assert {config.benchmark.frozen_code for config in (state_rule, mnist_rule)} == {"b298a2205499b59b"}
+  # the larger task's: the eigenbasis in front of Muon around its choice there, the others at their larger-task rates
+  large_rule = importlib.import_module("configs.benchmark_fine.shakespeare_large_state_rule").get_config()
+  assert large_rule.num_steps == large.num_steps and large_rule.benchmark.seeds == large.benchmark.seeds
+  assert benchmark.learning_rates(large_rule, "scsgd_eigen_muon") == [0.002, 0.00632, 0.02]
+  assert benchmark.best_point(benchmark.earlier_grid(large_rule.benchmark.points_from, "kfac")) == benchmark.Point(
+      0.316, (("damping", 0.001),))
+  assert {config.benchmark.frozen_code for config in (state_rule, mnist_rule, large_rule)} == {"b298a2205499b59b"}
 
 
 @pytest.mark.parametrize("holes", [1, 2])

@@ -1,0 +1,17 @@
+"""The larger transformer task's table (configs/benchmark_fine/shakespeare_large.py) on the library version whose
+eigenbasis keeps its whole state within Adam's (configs/benchmark_fine/common.py): its six rows, three seeds, all
+of one code version. The eigenbasis in front of Muon tunes again on three rates around the rate it chose there;
+the others take the rates their grids chose there (their code did not change)."""
+
+from configs.benchmark_fine import common
+from configs.benchmark_fine import shakespeare_large
+
+# the eigenbasis row first (the one the version changed), then the first peer and the target's rows
+ROWS = ("scsgd_eigen_muon", "muon", "adamw", "sgd", "kfac", "scsgd")
+
+
+def get_config():
+  config = common.on_state_rule_version(shakespeare_large.get_config(), "shakespeare_large", ROWS,
+                                        retune=("scsgd_eigen_muon",))
+  config.benchmark.points_from = "experiments/results/benchmark_fine/shakespeare_large"
+  return config
