@@ -38,7 +38,8 @@ def on_state_rule_version(config, task: str, rows: tuple[str, ...], retune: tupl
   """``config`` (a finer table of ``task``) as the table of ``rows`` on the state-rule version, all of one code
   version: the rows in ``retune`` (the eigenbasis rows, which that version plans otherwise, and any whose step
   changed) tune again on three rates half a decade apart around the rate each chose in ``task``'s finer table
-  (one more past an end that wins); the others take the coarse protocol's rates, as the finer table did."""
+  (one more past an end that wins); the others take the rates of ``config.benchmark.points_from`` (for the
+  tasks of configs/benchmark/, the coarse protocol's, as the finer table did)."""
   config.benchmark.retune = retune
   config.benchmark.centre_from = (f"experiments/results/benchmark_fine/{task}",)
   config.benchmark.grid = (0.316, 1.0, 3.16)

@@ -1,8 +1,7 @@
 """LeNet/MNIST's finer table (configs/benchmark_fine/mnist.py) on the library version whose eigenbasis keeps its
-whole state within Adam's (configs/benchmark_fine/common.py): the eigenbasis rows, the rows within 10% of the
-first there (K-FAC, SCSGD in front of Muon, Muon), the target's rows (AdamW, Nesterov SGD), plain SCSGD and
-NAdamW, five seeds, all of one code version. Only the eigenbasis rows tune again (the model has no embedding, so
-no other row's step changed)."""
+whole state within Adam's (configs/benchmark_fine/common.py): the eigenbasis rows, the first there (K-FAC, SCSGD
+in front of Muon), Muon, the target's rows (AdamW, Nesterov SGD), plain SCSGD and NAdamW, five seeds, all of one
+code version. Only the eigenbasis rows tune again (the model has no embedding, so no other row's step changed)."""
 
 from configs.benchmark_fine import common
 from configs.benchmark_fine import mnist
