@@ -28,6 +28,11 @@ def final(record: dict, key_: str = "test_loss") -> float:
   return evals[-1][key_] if evals else float("inf")
 
 
+def cpu(record: dict) -> str:
+  """The processor the run trained on (``unrecorded`` for a record without its machine)."""
+  return record.get("machine", {}).get("cpu", UNRECORDED)
+
+
 def median(values):
   return float(np.median(values)) if values else None
 
@@ -82,6 +87,7 @@ def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
         "state_bytes": recs[0]["state_bytes"],
         "diverged_seeds": sum(r["diverged"] for r in recs),
         "load_average_1min_max": max(max(r["load_average_1min"]) for r in recs),
+        "machines": sorted({cpu(r) for r in recs}),
         "grid": {p.tag(): v for p, v in sorted(o["tried"].items())},
     }
   # the table compares like with like only if every row ran the same library and training code
@@ -90,9 +96,14 @@ def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
   common = counts.most_common(1)[0][0] if counts else None
   for o in out["optimizers"].values():
     o["other_code"] = len(counts) > 1 and o["code_hashes"] != [common]
-  sgd_ms = step_ms.get("sgd")
+  # step times compare only on one machine: a row's ratio to SGD is given only if all its seeds and all SGD's
+  # ran on one processor, the same
+  out["machines"] = sorted({c for o in out["optimizers"].values() for c in o["machines"]})
+  sgd = out["optimizers"].get("sgd")
   for s in out["optimizers"].values():
-    s["step_time_vs_sgd"] = s["step_ms_median"] / sgd_ms if sgd_ms and s["step_ms_median"] else None
+    same = sgd is not None and len(sgd["machines"]) == 1 and s["machines"] == sgd["machines"]
+    s["step_time_vs_sgd"] = (s["step_ms_median"] / sgd["step_ms_median"]
+                             if same and sgd["step_ms_median"] and s["step_ms_median"] else None)
   return out
 
 
@@ -136,7 +147,13 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
     figs.append(report.save_figure(fig, results_dir, f"loss_vs_{x}"))
   b = config.benchmark
   s_ = summary["optimizers"]
+  machines = summary["machines"]
   lines = report.header(f"Head to head: {config.model} on {config.dataset}", command, m) + [
+      *([f"**The rows ran on {len(machines)} machines**, not only the one above, which wrote this report "
+         "(processor: rows): " + "; ".join(
+          f"{c}: " + ", ".join(n for n in rank(summary) if c in s_[n]["machines"]) for c in machines)
+         + ". ms/step compares rows of one machine only; vs SGD is given only for a row that ran where SGD ran.\n"]
+        if len(machines) > 1 else []),
       f"Budget {config.num_steps} iterations at batch {config.batch_size}; schedule {dict(config.schedule)} "
       f"(peak = the tuned rate); trained on `{config.train_split}`, chosen on `{config.eval_split}`, reported on "
       f"`{b.report_split}`. Rates: each optimizer's authors' rate x {list(b.grid)}, one full-budget run per "
@@ -170,8 +187,9 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
     lines += ["", f"Not run yet (or not complete): {', '.join(missing)}."]
   lines += ["", "(edge): the chosen rate is at an end of the grid even after growing it, so the grid may not "
             "bracket the best rate. ms/step: training seconds per step (compilation, evaluation and checkpoints "
-            "excluded), median of seeds; the rows ran on this machine one after another, the load average "
-            "of each is in results.json (`load_average_1min_max`).", "",
+            "excluded), median of seeds; the rows ran one after another on "
+            + (f"{machines[0]}" if len(machines) == 1 else "the machines named above")
+            + ", the load average of each is in results.json (`load_average_1min_max`).", "",
             f"Every grid point (final {config.eval_split} loss, seed 0; inf = diverged):", "",
             "| optimizer | grid |", "| --- | --- |"]
   for name in rank(summary):

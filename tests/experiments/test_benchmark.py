@@ -70,7 +70,7 @@ def test_each_run_carries_its_authors_settings_and_the_schedule():
   assert benchmark.key("kfac", benchmark.Point(0.01, (("damping", 0.1),)), 1) == "kfac/lr0.01_damping0.1_seed1"
 
 
-def _record(losses, ms_per_step, report_loss=None, commit="abc", diverged=False, code_hash=None):
+def _record(losses, ms_per_step, report_loss=None, commit="abc", diverged=False, code_hash=None, cpu=None):
   rows = [{"step": 100 * (i + 1), "train_time": ms_per_step * 0.1 * (i + 1), "test_loss": v, "test_error": v / 10}
           for i, v in enumerate(losses)]
   rec = {"rows": rows, "diverged": diverged, "state_bytes": 100, "commit": commit, "load_average_1min": [0.5, 1.0],
@@ -79,6 +79,8 @@ def _record(losses, ms_per_step, report_loss=None, commit="abc", diverged=False,
     rec["report"] = {"loss": report_loss, "error": report_loss / 10}
   if code_hash is not None:
     rec["code_hash"] = code_hash
+  if cpu is not None:
+    rec["machine"] = {"cpu": cpu}
   return rec
 
 
@@ -128,6 +130,29 @@ def test_rows_of_other_library_or_training_code_are_marked():
   assert mixed["code_hashes"] == {"aa": 2, "bb": 1, benchmark_report.UNRECORDED: 1}
   assert {n for n, o in mixed["optimizers"].items() if o["other_code"]} == {"scsgd", "muon"}
   assert (mixed["optimizers"]["scsgd"]["code_hashes"], mixed["optimizers"]["sgd"]["code_hashes"]) == (["bb"], ["aa"])
+
+
+def test_step_time_ratios_only_between_rows_of_one_machine(tmp_path):
+  """Rows that ran on different processors have no step-time ratio: each row lists its machines, the ratio to
+  SGD stays only for a row whose every seed ran on the one processor all of SGD's seeds ran on."""
+  config = _config()
+  p = benchmark.Point
+
+  def opt(ms, cpus):
+    return {"point": p(0.01), "tried": {p(0.01): 0.1},
+            "seeds": {i: _record([0.5, 0.4], ms, 0.41, cpu=c) for i, c in enumerate(cpus)}}
+
+  results = {"sgd": opt(10, ["intel", "intel"]), "adamw": opt(15, ["intel"]), "muon": opt(30, ["amd"]),
+             "scsgd": opt(20, ["amd", "intel"])}
+  s = benchmark_report.summarize(config, results, {})
+  assert s["machines"] == ["amd", "intel"]
+  ratios = {n: o["step_time_vs_sgd"] for n, o in s["optimizers"].items()}
+  assert ratios == {"sgd": pytest.approx(1.0), "adamw": pytest.approx(1.5), "muon": None, "scsgd": None}
+  assert s["optimizers"]["scsgd"]["machines"] == ["amd", "intel"]
+  text = open(benchmark_report.write_report(config, results, {}, str(tmp_path), "cmd")).read()
+  assert "**The rows ran on 2 machines**" in text and "amd: " in text and "one after another on the machines" in text
+  one = benchmark_report.summarize(config, {"sgd": opt(10, ["intel"]), "adamw": opt(15, ["intel"])}, {})
+  assert one["machines"] == ["intel"] and one["optimizers"]["adamw"]["step_time_vs_sgd"] == pytest.approx(1.5)
 
 
 def test_records_carry_the_code_hash_of_library_and_training_code(tmp_path):
