@@ -15,6 +15,7 @@ stays within Adam's.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, NamedTuple, Optional
 
 import jax
@@ -312,8 +313,10 @@ def scale_by_eigenbasis_adam(
   :func:`scsgd_two_sided` does), of ``G^\top G / n`` with the gradients' (SOAP's). Adam's second moment is
   kept for ``U^\top G U_out`` (``k x k``), the tail is everything outside that block, and the moments are
   carried by both sides' overlaps; at full rank on both sides it is EKFAC or SOAP. A
-  stacked or grouped kernel, or one whose output side has no basis, is rotated on its input side alone. The
-  two sides split ``memory_share``.
+  stacked or grouped kernel, one whose input side has no basis, or one whose output side has none, is rotated on
+  its input side alone; the output side keeps statistics only for the kernels whose input side init plans with a
+  basis as one layer (pass ``input_axes`` for a layout init cannot read from the parameters, such as a scanned
+  stack). The two sides split ``memory_share``.
 
   Cost: three ``(k x n) (n x p)`` products a step per kernel (``O(n k p)``, the conditioning's own order), and
   an ``eigh`` of ``k x k`` per refresh. State: Adam's first moment (``n p``), the rotated second moment
@@ -367,12 +370,24 @@ def scale_by_eigenbasis_adam(
   share = memory_share / 2 if sides == "both" else memory_share
   inner, plans = transform.conditioning_and_plans(args, budget_share=share, extra=_kept_beside(tail))
   keep = args["kernel_filter"] or plan_lib.default_kernel_filter
-  if sides == "both":  # the output side's statistics (output rows or the gradient's columns) along the output axes
-    out_inner, out_plans = transform.conditioning_and_plans(
+  row_key = jax.random.PRNGKey(seed + 2)  # the captured output rows' sampling (sides='both', basis='inputs')
+
+  @functools.lru_cache(maxsize=None)
+  def output_side(rotatable: frozenset[str]):
+    """The output side's conditioning and plans (output rows or the gradient's columns, along the output axes) of
+    the kernels in ``rotatable``: no statistics, and no share of the memory, for a kernel it would never rotate."""
+    return transform.conditioning_and_plans(
         {**args, "seed": seed + 1, "input_axes": None,
-         "kernel_filter": lambda path, leaf: keep(path, leaf) and output_lib.output_kernel_filter(path, leaf)},
+         "kernel_filter": lambda path, leaf: (path in rotatable and keep(path, leaf)
+                                              and output_lib.output_kernel_filter(path, leaf))},
         default_axes=output_lib.default_output_axes, budget_share=share, extra=_kept_beside(tail, "output"))
-    row_key = jax.random.PRNGKey(seed + 2)  # the captured output rows' sampling (basis='inputs')
+
+  def output_of(tree):
+    """``output_side`` of the kernels of ``tree`` that init's plans rotate on the input side as one layer (a basis,
+    unstacked, ungrouped). A kernel that the first update re-plans (a layout init could not read, e.g. a stack)
+    keeps the output side init gave it, unread: ``input_axes`` plans it at init (the re-planning warning says so)."""
+    return output_side(frozenset(p for p, plan in plans(tree).items()
+                                 if _rank(plan) is not None and plan.slices is None))
 
   def both_sides(tree, kernel_plans) -> dict[str, plan_lib.KernelPlan]:
     """The output side's plans of the kernels rotated on both sides: one unstacked, ungrouped layer whose input
@@ -381,7 +396,7 @@ def scale_by_eigenbasis_adam(
       return {}
     leaves = {plan_lib.path_to_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
     out = {}
-    for path, o in out_plans(tree).items():
+    for path, o in output_of(tree)[1](tree).items():
       plan = kernel_plans.get(path)
       if plan is None or _rank(plan) is None or _rank(o) is None or plan.slices is not None or o.slices is not None:
         continue
@@ -423,7 +438,7 @@ def scale_by_eigenbasis_adam(
     kernel_plans = plans(params)
     conditioning_state = inner.init(params)
     two = both_sides(params, kernel_plans)
-    output_state = out_inner.init(params) if sides == "both" else None
+    output_state = output_of(params)[0].init(params) if sides == "both" else None
     return ScaleByEigenbasisAdamState(
         count=jnp.zeros([], jnp.int32),
         conditioning=conditioning_state,
@@ -444,6 +459,7 @@ def scale_by_eigenbasis_adam(
                                          **extra_args)
     two, output_state = both_sides(updates, kernel_plans), None
     if sides == "both":
+      out_inner, out_plans = output_of(updates)
       if basis == "gradients":
         rows = gradient_rows(updates, out_plans(updates))
       else:

@@ -197,6 +197,7 @@ def test_both_sides_leave_a_stacked_kernel_to_its_input_side_and_the_inputs_basi
   txs = [make("both"), make("input")]
   states = [tx.init(params) for tx in txs]
   assert states[0].output_rotations == {} and states[1].output is None
+  assert states[0].output.statistics == {} and states[0].output.factors == {}  # no output side it never reads
   for _ in range(2):
     g = {"dense": {"kernel": jnp.asarray(rng.standard_normal((2, n, p)), jnp.float32)}}
     outs = []
@@ -209,6 +210,31 @@ def test_both_sides_leave_a_stacked_kernel_to_its_input_side_and_the_inputs_basi
   with pytest.raises(ValueError, match="output_grads"):
     tx.update({"dense": {"kernel": jnp.ones((n, p))}}, tx.init(params), params,
               layer_inputs={"dense": {"kernel": jnp.ones((4, n))}})
+
+
+def test_both_sides_keep_output_statistics_only_for_the_kernels_they_rotate_on_both_sides():
+  """In a tree with a stacked kernel and a kernel ``kernel_filter`` leaves to Adam beside a plain one, the output
+  side keeps statistics for the plain kernel alone (its memory rule sees no other), and the plain kernel's
+  updates equal those of sides='both' on it alone (SOAP at full rank, tested against numpy above)."""
+  rng = np.random.default_rng(12)
+  n, p = 6, 3
+  make = lambda: sk.scale_by_eigenbasis_adam(
+      conditioner="full", basis="gradients", sides="both",
+      input_axes={"stack/kernel": sk.Layout((0,), stack=1)},
+      kernel_filter=lambda path, leaf: path.endswith("kernel") and not path.startswith("head"), **EXACT)
+  params = {"plain": {"kernel": jnp.zeros((n, p))}, "stack": {"kernel": jnp.zeros((2, n, p))},
+            "head": {"kernel": jnp.zeros((p, n))}}
+  alone = {"plain": params["plain"]}
+  tx, tx_alone = make(), make()
+  state, state_alone = tx.init(params), tx_alone.init(alone)
+  assert set(state.output.statistics) == set(state.output.factors) == {"plain/kernel"}
+  assert set(state.conditioning.factors) == {"plain/kernel", "stack/kernel"}
+  for _ in range(3):
+    g = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), jnp.float32), params)
+    out, state = tx.update(g, state, params)
+    out_alone, state_alone = tx_alone.update({"plain": g["plain"]}, state_alone, alone)
+    np.testing.assert_allclose(out["plain"]["kernel"], out_alone["plain"]["kernel"], rtol=1e-5, atol=1e-7)
+  assert set(state.output_rotations) == {"plain/kernel"}
 
 
 def test_orthogonalize_is_the_newton_schulz_iteration_and_keeps_the_column_space():
