@@ -56,14 +56,13 @@ def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
   baselines = [n for n in config.benchmark.target_from if n in finals] or list(finals)
   target = min(finals[n] for n in baselines)
   out = {"target": target, "target_from": baselines, "anchors": anchors, "optimizers": {}}
-  step_ms = {}
   for name, o in results.items():
     recs = list(o["seeds"].values())
     hits = [report.first_at_or_below(r["rows"], target) for r in recs]
     its = [h[0] for h in hits if h[0] is not None]
     secs = [h[1] for h in hits if h[1] is not None]
     lasts = [r["rows"][-1] for r in recs if r["rows"] and not r["diverged"]]
-    step_ms[name] = median([1e3 * r["train_time"] / r["step"] for r in lasts])
+    step_ms = median([1e3 * r["train_time"] / r["step"] for r in lasts])
     lrs = sorted({p.learning_rate for p in o["tried"] if p.joint == o["point"].joint})
     reports = [r["report"] for r in recs] if all("report" in r for r in recs) else []  # each seed's, or none
     out["optimizers"][name] = {
@@ -83,7 +82,7 @@ def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
         "report_loss_median": median([r["loss"] for r in reports]),
         "report_error_median": median([r["error"] for r in reports]),
         "report_loss_range": spread([r["loss"] for r in reports]),
-        "step_ms_median": step_ms[name],
+        "step_ms_median": step_ms,
         "state_bytes": recs[0]["state_bytes"],
         "diverged_seeds": sum(r["diverged"] for r in recs),
         "load_average_1min_max": max(max(r["load_average_1min"]) for r in recs),
