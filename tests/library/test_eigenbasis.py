@@ -214,8 +214,8 @@ def test_both_sides_leave_a_stacked_kernel_to_its_input_side_and_the_inputs_basi
 
 def test_both_sides_keep_output_statistics_only_for_the_kernels_they_rotate_on_both_sides():
   """In a tree with a stacked kernel and a kernel ``kernel_filter`` leaves to Adam beside a plain one, the output
-  side keeps statistics for the plain kernel alone (its memory rule sees no other), and the plain kernel's
-  updates equal those of sides='both' on it alone (SOAP at full rank, tested against numpy above)."""
+  side keeps statistics for the plain kernel alone, and the plain kernel's updates equal those of sides='both' on
+  it alone (SOAP at full rank, tested against numpy above)."""
   rng = np.random.default_rng(12)
   n, p = 6, 3
   make = lambda: sk.scale_by_eigenbasis_adam(
