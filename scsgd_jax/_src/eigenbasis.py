@@ -382,12 +382,22 @@ def scale_by_eigenbasis_adam(
                                               and output_lib.output_kernel_filter(path, leaf))},
         default_axes=output_lib.default_output_axes, budget_share=share, extra=_kept_beside(tail, "output"))
 
+  def rotatable(tree) -> frozenset[str]:
+    """The kernels of ``tree`` that init's plans rotate on the input side as one layer (a basis, unstacked,
+    ungrouped). A kernel that the first update re-plans (a layout init could not read, e.g. a stack) keeps the
+    output side init gave it, unread: ``input_axes`` plans it at init (the re-planning warning says so)."""
+    return frozenset(p for p, plan in plans(tree).items() if _rank(plan) is not None and plan.slices is None)
+
   def output_of(tree):
-    """``output_side`` of the kernels of ``tree`` that init's plans rotate on the input side as one layer (a basis,
-    unstacked, ungrouped). A kernel that the first update re-plans (a layout init could not read, e.g. a stack)
-    keeps the output side init gave it, unread: ``input_axes`` plans it at init (the re-planning warning says so)."""
-    return output_side(frozenset(p for p, plan in plans(tree).items()
-                                 if _rank(plan) is not None and plan.slices is None))
+    return output_side(rotatable(tree))
+
+  def output_summary(tree, output_state):
+    """``output_state`` whose plan summary says why the output side leaves a kernel to its input side alone."""
+    alone = {p for p in plan_lib.kernel_paths(tree, lambda path, leaf: keep(path, leaf) and
+                                                output_lib.output_kernel_filter(path, leaf))} - rotatable(tree)
+    why = "no output side: rotated on its input side alone (a stack, feature groups, or no basis there)"
+    return output_state._replace(plan=state_lib.PlanSummary(
+        (p, why if p in alone else d) for p, d in output_state.plan.items))
 
   def both_sides(tree, kernel_plans) -> dict[str, plan_lib.KernelPlan]:
     """The output side's plans of the kernels rotated on both sides: one unstacked, ungrouped layer whose input
@@ -438,7 +448,7 @@ def scale_by_eigenbasis_adam(
     kernel_plans = plans(params)
     conditioning_state = inner.init(params)
     two = both_sides(params, kernel_plans)
-    output_state = output_of(params)[0].init(params) if sides == "both" else None
+    output_state = output_summary(params, output_of(params)[0].init(params)) if sides == "both" else None
     return ScaleByEigenbasisAdamState(
         count=jnp.zeros([], jnp.int32),
         conditioning=conditioning_state,
@@ -467,6 +477,7 @@ def scale_by_eigenbasis_adam(
                                       "; or basis='gradients' (no capture)")
         rows = output_lib.sample_rows(output_grads, jax.random.fold_in(row_key, state.count), defaults.MAX_ROWS)
       _, output_state = out_inner.update(updates, state.output, params, layer_inputs=rows)
+      output_state = output_summary(updates, output_state)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     paths = [plan_lib.path_to_str(p) for p, _ in flat]
     nus = treedef.flatten_up_to(state.nu)

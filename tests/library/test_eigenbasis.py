@@ -229,12 +229,25 @@ def test_both_sides_keep_output_statistics_only_for_the_kernels_they_rotate_on_b
   state, state_alone = tx.init(params), tx_alone.init(alone)
   assert set(state.output.statistics) == set(state.output.factors) == {"plain/kernel"}
   assert set(state.conditioning.factors) == {"plain/kernel", "stack/kernel"}
+  assert "input side alone" in dict(state.output.plan.items)["stack/kernel"]
   for _ in range(3):
     g = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), jnp.float32), params)
     out, state = tx.update(g, state, params)
     out_alone, state_alone = tx_alone.update({"plain": g["plain"]}, state_alone, alone)
     np.testing.assert_allclose(out["plain"]["kernel"], out_alone["plain"]["kernel"], rtol=1e-5, atol=1e-7)
   assert set(state.output_rotations) == {"plain/kernel"}
+
+
+def test_both_sides_memory_rule_pools_only_the_kernels_rotated_on_both_sides():
+  """Under the memory rule pooled over the model, a stacked kernel (rotated on its input side alone) lends the
+  output side no memory: the plain kernel's output plan is the one it gets alone, and the stack has none."""
+  make = lambda: sk.scale_by_eigenbasis_adam(basis="gradients", sides="both", budget="model",
+                                             input_axes={"stack/kernel": sk.Layout((0,), stack=1)})
+  mixed = {"plain": {"kernel": jnp.zeros((96, 64))}, "stack": {"kernel": jnp.zeros((4, 96, 64))}}
+  got = dict(make().init(mixed).output.plan.items)
+  alone = dict(make().init({"plain": mixed["plain"]}).output.plan.items)
+  assert got["plain/kernel"] == alone["plain/kernel"], (got, alone)
+  assert "input side alone" in got["stack/kernel"]
 
 
 def test_orthogonalize_is_the_newton_schulz_iteration_and_keeps_the_column_space():
