@@ -4,12 +4,15 @@ hold more than Adam's state): the eigenbasis rows, the first peer (Muon), the ta
 and plain SCSGD, five seeds, all of one code version (configs/benchmark_fine/common.py). Plain SCSGD tunes again
 too (its rate there came from a grid of the earlier version). It says whether that table's ranking holds on the
 version a user installs today. Then the other rows within 20% of the first on the coarse table (K-FAC, NAdamW,
-the conditioning in front of Muon), at the rates that table chose: their step is the same on both versions."""
+the conditioning in front of Muon), at the rates that table chose: their step is the same on both versions; and
+the two peers the coarse table lacks, tuned here: PSGD Kron and Adam in the full eigenbasis (SOAP/EKFAC's input
+side, what the sketch costs or saves)."""
 
 from configs.benchmark_fine import common
 from configs.benchmark_fine import shakespeare
 
-ROWS = ("scsgd_eigen_muon", "scsgd_eigen", "muon", "adamw", "sgd", "scsgd", "kfac", "nadamw", "scsgd_muon")
+ROWS = ("scsgd_eigen_muon", "scsgd_eigen", "muon", "adamw", "sgd", "scsgd", "kfac", "nadamw", "scsgd_muon", "psgd_kron",
+        "scsgd_eigen_full")
 
 
 def get_config():
