@@ -371,6 +371,7 @@ def scale_by_eigenbasis_adam(
   inner, plans = transform.conditioning_and_plans(args, budget_share=share, extra=_kept_beside(tail))
   keep = args["kernel_filter"] or plan_lib.default_kernel_filter
   row_key = jax.random.PRNGKey(seed + 2)  # the captured output rows' sampling (sides='both', basis='inputs')
+  on_output_side = lambda path, leaf: keep(path, leaf) and output_lib.output_kernel_filter(path, leaf)
 
   @functools.lru_cache(maxsize=None)
   def output_side(rotatable: frozenset[str]):
@@ -378,8 +379,7 @@ def scale_by_eigenbasis_adam(
     the kernels in ``rotatable``: no statistics, and no share of the memory, for a kernel it would never rotate."""
     return transform.conditioning_and_plans(
         {**args, "seed": seed + 1, "input_axes": None,
-         "kernel_filter": lambda path, leaf: (path in rotatable and keep(path, leaf)
-                                              and output_lib.output_kernel_filter(path, leaf))},
+         "kernel_filter": lambda path, leaf: path in rotatable and on_output_side(path, leaf)},
         default_axes=output_lib.default_output_axes, budget_share=share, extra=_kept_beside(tail, "output"))
 
   def rotatable(tree) -> frozenset[str]:
@@ -393,8 +393,7 @@ def scale_by_eigenbasis_adam(
 
   def output_summary(tree, output_state):
     """``output_state`` whose plan summary says why the output side leaves a kernel to its input side alone."""
-    alone = {p for p in plan_lib.kernel_paths(tree, lambda path, leaf: keep(path, leaf) and
-                                                output_lib.output_kernel_filter(path, leaf))} - rotatable(tree)
+    alone = set(plan_lib.kernel_paths(tree, on_output_side)) - rotatable(tree)
     why = "no output side: rotated on its input side alone (a stack, feature groups, or no basis there)"
     return output_state._replace(plan=state_lib.PlanSummary(
         (p, why if p in alone else d) for p, d in output_state.plan.items))
