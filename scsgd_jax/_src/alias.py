@@ -228,7 +228,9 @@ def scsgd_eigen_muon(
                                    weight_decay=weight_decay, **muon))
 
   with Muon's momentum buffer left out of the state (:func:`without_momentum`: at ``beta=0`` it is never
-  read; the eigenbasis Adam's Nesterov first moment, at Muon's ``beta``, takes its place). The hidden kernels
+  read; the eigenbasis Adam's Nesterov first moment, at Muon's ``beta``, takes its place), and Muon's counters
+  and Newton-Schulz coefficients too (each counter reads the eigenbasis' count, the coefficients come from
+  Muon's constructor): the same updates as the chain bit for bit. The hidden kernels
   (``kernel_filter``, default every kernel of :func:`default_kernel_filter` but the embedding tables and the
   layer whose path contains ``output_layer``, as Muon's authors prescribe) are conditioned and orthogonalized,
   each as the matrix of its input axes (a layer stack's slices each their own); Muon's AdamW part (rate
@@ -236,7 +238,7 @@ def scsgd_eigen_muon(
   scale. ``update`` takes ``layer_inputs=`` as :func:`scsgd` does.
 
   State: :func:`scale_by_eigenbasis_adam`'s for the hidden kernels (within Adam's for the sketched basis), Adam's
-  for the rest. Cost: the eigenbasis's three ``(k x n) (n x p)`` products and Muon's Newton-Schulz iterations.
+  moments for the rest, one counter: within AdamW's under the default memory rule. Cost: the eigenbasis's three ``(k x n) (n x p)`` products and Muon's Newton-Schulz iterations.
 
   Args:
     learning_rate: Muon's rate.
@@ -263,10 +265,10 @@ def scsgd_eigen_muon(
                       f"argument where it has one ({', '.join(_MUON_OWN)}).")
   chosen = conditioning.pop("kernel_filter", None) or muon_lib.muon_kernel_filter(output_layer)
   hidden = muon_lib.muon_kernels(chosen, conditioning.get("input_axes"))
-  return optax.chain(
+  return muon_lib.behind(
       eigenbasis.scale_by_eigenbasis_adam(rank, b1=beta, b2=b2, eps=eps, nesterov=True, others="identity",
                                           kernel_filter=hidden, **conditioning),
-      muon_lib.without_momentum(optax.contrib.muon(
+      optax.contrib.muon(
           learning_rate, beta=0.0, adam_learning_rate=adam_learning_rate, weight_decay=weight_decay,
           muon_weight_dimension_numbers=muon_lib.muon_dimension_numbers(hidden, conditioning.get("input_axes")),
-          **muon)))
+          **muon))

@@ -65,8 +65,8 @@ class ScaleByEigenbasisAdamState(NamedTuple):
   """State of :func:`scale_by_eigenbasis_adam`.
 
   Attributes:
-    count: updates applied so far (``int32``), Adam's bias correction.
-    conditioning: the conditioning's state (statistics and factors; :class:`ScaleBySketchedConditioningState`).
+    conditioning: the conditioning's state (statistics, factors, and the count of updates applied so far, which
+      Adam's bias correction reads: :class:`ScaleBySketchedConditioningState`).
     mu: Adam's first moment, in the parameters' own coordinates (a tree like the parameters).
     nu: Adam's second moment: a tree like the parameters with an :class:`EigenMoments` at each conditioned
       kernel (its rotated coordinates) and Adam's own elsewhere.
@@ -79,13 +79,17 @@ class ScaleByEigenbasisAdamState(NamedTuple):
       (``U_out = Q_out V_out``, ``p x k``); else ``None``.
   """
 
-  count: jax.Array
   conditioning: ScaleBySketchedConditioningState
   mu: optax.Updates
   nu: Any
   rotations: dict[str, jax.Array]
   output: Optional[ScaleBySketchedConditioningState] = None
   output_rotations: Optional[dict[str, jax.Array]] = None
+
+  @property
+  def count(self) -> jax.Array:
+    """Updates applied so far (``int32``): the conditioning's count, the one counter the state keeps."""
+    return self.conditioning.count
 
   def summary(self) -> dict[str, str]:
     """How each kernel is conditioned (the conditioning's :meth:`~ScaleBySketchedConditioningState.summary`)."""
@@ -449,7 +453,6 @@ def scale_by_eigenbasis_adam(
     two = both_sides(params, kernel_plans)
     output_state = output_summary(params, output_of(params)[0].init(params)) if sides == "both" else None
     return ScaleByEigenbasisAdamState(
-        count=jnp.zeros([], jnp.int32),
         conditioning=conditioning_state,
         mu=jax.tree_util.tree_map_with_path(
             lambda p, x, held=adam_leaves(params, kernel_plans) | set(kernel_plans): jnp.zeros_like(x)
@@ -492,7 +495,7 @@ def scale_by_eigenbasis_adam(
         **{p: r for p, r in (state.output_rotations or {}).items() if p in two},
         **{p: r for p, r in rotations_of(output_state.factors, two).items()
            if p in restart or p not in (state.output_rotations or {})}}
-    count = optax.safe_increment(state.count)
+    count = optax.safe_increment(state.count)  # the conditioning's count before this update
     first_corr, second_corr = 1.0 - b1 ** count, 1.0 - b2 ** count
     mus = [m if isinstance(m, optax.MaskedNode) else (b1 * m + (1.0 - b1) * g).astype(m.dtype)
            for m, (_, g) in zip(treedef.flatten_up_to(state.mu), flat)]
@@ -584,7 +587,7 @@ def scale_by_eigenbasis_adam(
       out.append(direction.astype(g.dtype))
       new_nus.append(v)
     return treedef.unflatten(out), ScaleByEigenbasisAdamState(
-        count=count, conditioning=conditioning_state, mu=treedef.unflatten(mus),
+        conditioning=conditioning_state, mu=treedef.unflatten(mus),
         nu=treedef.unflatten(new_nus), rotations=new_rotations, output=output_state,
         output_rotations=None if output_state is None else new_out_rotations)
 

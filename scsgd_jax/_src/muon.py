@@ -61,6 +61,38 @@ def muon_dimension_numbers(kernel_filter: Callable[[str, Any], bool], input_axes
   return lambda params: jax.tree_util.tree_map_with_path(numbers, params)
 
 
+def _is_muon(x) -> bool:
+  return isinstance(x, optax.contrib.MuonState)
+
+
+def _has_count(x) -> bool:
+  return isinstance(x, tuple) and "count" in getattr(x, "_fields", ())
+
+
+def _with_counts(state, count):
+  """``state`` with every optax state's ``count`` field (Muon's, its AdamW part's, a schedule's) set to ``count``."""
+
+  def one(s):
+    return type(s)(*(count if f == "count" else _with_counts(v, count) for f, v in zip(s._fields, s)))
+
+  return jax.tree.map(lambda s: one(s) if _has_count(s) else s, state, is_leaf=_has_count)
+
+
+def _lean(state, counts: bool):
+  """Muon's state less its momentum buffers and, with ``counts``, its Newton-Schulz coefficients (constants of its
+  constructor) and its counters (each the number of updates applied so far)."""
+  drop = {"mu": None, **({"ns_coeffs": None} if counts else {})}
+  state = jax.tree.map(lambda s: s._replace(**drop) if _is_muon(s) else s, state, is_leaf=_is_muon)
+  return _with_counts(state, None) if counts else state
+
+
+def _refilled(kept, fresh, count=None):
+  """``kept`` (a :func:`_lean` state) with each field it left out taken from ``fresh`` (Muon's ``init``: zero
+  momentum, its coefficients) and, given ``count``, every counter set to it."""
+  full = jax.tree.map(lambda k, f: f if k is None else k, kept, fresh, is_leaf=lambda x: x is None)
+  return full if count is None else _with_counts(full, count)
+
+
 def without_momentum(muon: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
   """``muon`` (an ``optax.contrib.muon`` built with ``beta=0``) without its momentum buffers in the state.
 
@@ -71,21 +103,36 @@ def without_momentum(muon: optax.GradientTransformation) -> optax.GradientTransf
 
   muon = optax.with_extra_args_support(muon)
 
-  def is_muon(x):
-    return isinstance(x, optax.contrib.MuonState)
-
-  def dropped(state):
-    return jax.tree.map(lambda s: s._replace(mu=None) if is_muon(s) else s, state, is_leaf=is_muon)
-
   def init(params):
-    return dropped(muon.init(params))
+    return _lean(muon.init(params), counts=False)
 
   def update(updates, state, params=None, **extra):
-    shapes = jax.eval_shape(muon.init, updates)
-    full = jax.tree.map(
-        lambda s, shape: s._replace(mu=jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), shape.mu))
-        if is_muon(s) else s, state, shapes, is_leaf=is_muon)
+    updates, full = muon.update(updates, _refilled(state, muon.init(updates)), params, **extra)
+    return updates, _lean(full, counts=False)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def behind(first: optax.GradientTransformation, muon: optax.GradientTransformation
+           ) -> optax.GradientTransformationExtraArgs:
+  """``optax.chain(first, without_momentum(muon))`` whose Muon part keeps only its AdamW part's moments.
+
+  ``first``'s state has a ``count`` (updates applied so far; the eigenbasis Adam's is its conditioning's). Every
+  counter of Muon's state (Muon's own, unread at ``beta = 0``; its AdamW part's bias correction; a schedule's)
+  counts the same updates, so the state keeps none and the update hands Muon ``first``'s; its Newton-Schulz
+  coefficients come from ``muon.init``. The same arithmetic bit for bit as the chain, with one counter in the
+  state where AdamW keeps its own (the state is a tuple, ``(first's, Muon's)``, as the chain's)."""
+  first, muon = optax.with_extra_args_support(first), optax.with_extra_args_support(muon)
+
+  def init(params):
+    return first.init(params), _lean(muon.init(params), counts=True)
+
+  def update(updates, state, params=None, **extra):
+    first_state, muon_state = state
+    count = first_state.count  # before this update: what each of Muon's counters would hold
+    updates, first_state = first.update(updates, first_state, params, **extra)
+    full = _refilled(muon_state, muon.init(updates), count)
     updates, full = muon.update(updates, full, params, **extra)
-    return updates, dropped(full)
+    return updates, (first_state, _lean(full, counts=True))
 
   return optax.GradientTransformationExtraArgs(init, update)

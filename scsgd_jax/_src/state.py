@@ -4,7 +4,7 @@ and the plans it is kept for (computed once per tree of shapes, re-planned once 
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,8 @@ class ScaleBySketchedConditioningState(NamedTuple):
 
   Attributes:
     count: number of updates applied so far (``int32``).
-    key: PRNG key, split at every refresh for the sketches' Gaussian matrices.
+    key: PRNG key, split at every refresh for the sketches' Gaussian matrices; ``None`` when no kernel is
+      conditioned (nothing to sketch: the state then holds no more than the count).
     statistics: ``{kernel path: statistics}`` (e.g. an :class:`~scsgd_jax.EmaState` of the
       dense ``C``, or the streaming sketch), one per conditioned kernel.
     factors: ``{kernel path: Factor}``, the conditioner currently applied.
@@ -59,7 +60,7 @@ class ScaleBySketchedConditioningState(NamedTuple):
   """
 
   count: jax.Array
-  key: jax.Array
+  key: Optional[jax.Array]
   statistics: dict[str, Any]
   factors: dict[str, sketch.Factor]
   clipped_rows: dict[str, jax.Array]
@@ -138,7 +139,8 @@ def summary_of(kernel_plans, notes=()) -> PlanSummary:
 
 
 def fresh_kernel_states(kernel_plans, seed: int):
-  """The state key and each kernel's ``(statistics, factor, clipped rows)`` before any data."""
+  """The state key (``None`` without kernels) and each kernel's ``(statistics, factor, clipped rows)`` before any
+  data."""
   keys = jax.random.split(jax.random.PRNGKey(seed), len(kernel_plans) + 1)
 
   def statistics(plan, key):
@@ -146,7 +148,7 @@ def fresh_kernel_states(kernel_plans, seed: int):
       return plan.statistics.init(plan.n, key)
     return jax.vmap(lambda kk: plan.statistics.init(plan.n, kk))(jax.random.split(key, plan.slices))
 
-  return keys[0], {p: (statistics(plan, kk), initial_factor(plan), jnp.zeros([], jnp.int32))
+  return keys[0] if kernel_plans else None, {p: (statistics(plan, kk), initial_factor(plan), jnp.zeros([], jnp.int32))
                    for (p, plan), kk in zip(kernel_plans.items(), keys[1:])}
 
 

@@ -74,23 +74,37 @@ def test_hidden_kernel_is_newton_schulz_of_the_eigenbasis_adam_and_the_rest_adam
       np.testing.assert_allclose(g[path[0]][path[1]], a[path[0]][path[1]], rtol=1e-5, atol=1e-8)
 
 
-def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer():
-  """The alias equals chain(eigenbasis Adam, optax.contrib.muon(beta=0)) bit for bit at the sketch's defaults,
-  and its state is that chain's less Muon's momentum buffer (the hidden kernel's size)."""
+_SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, LR, 2, 6)
+
+
+@pytest.mark.parametrize("rate,conditioning", [(LR, {}), (_SCHEDULE, {}), (_SCHEDULE, dict(conditioner="full", **EXACT))],
+                         ids=["defaults", "schedule", "schedule_conditioned"])
+def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_counters(rate, conditioning):
+  """The alias equals chain(eigenbasis Adam, optax.contrib.muon(beta=0)) bit for bit (at the sketch's defaults,
+  which leave the small hidden kernel to Adam; and with it conditioned), a schedule's rate included, and its state
+  is that chain's less Muon's momentum buffer (the hidden kernel's size), Muon's counters (its own, its AdamW
+  part's, the schedules') and its Newton-Schulz coefficients: one counter is left, the eigenbasis'."""
   hidden = sk.muon_kernel_filter("head")
+  adam_rate = (lambda step: ADAM_LR * rate(step) / LR) if callable(rate) else ADAM_LR
   chain = optax.chain(
-      sk.scale_by_eigenbasis_adam(b1=BETA, b2=B2, nesterov=True, others="identity", kernel_filter=hidden),
-      optax.contrib.muon(LR, beta=0.0, adam_learning_rate=ADAM_LR, adam_b2=B2,
+      sk.scale_by_eigenbasis_adam(b1=BETA, b2=B2, nesterov=True, others="identity", kernel_filter=hidden,
+                                  **conditioning),
+      optax.contrib.muon(rate, beta=0.0, adam_learning_rate=adam_rate, adam_b2=B2,
                          muon_weight_dimension_numbers={"hidden": {"kernel": optax.contrib.MuonDimensionNumbers(0, 1),
                                                                    "bias": None},
                                                         "head": {"kernel": None}, "embed": {"embedding": None}}))
-  tx = sk.scsgd_eigen_muon(LR, beta=BETA, b2=B2, output_layer="head", adam_learning_rate=ADAM_LR,
-                           muon={"adam_b2": B2})
+  tx = sk.scsgd_eigen_muon(rate, beta=BETA, b2=B2, output_layer="head", adam_learning_rate=adam_rate,
+                           muon={"adam_b2": B2}, **conditioning)
   got, got_state = _run(tx, steps=6)
   want, want_state = _run(chain, steps=6)
   for g, w in zip(got, want):
     jax.tree.map(np.testing.assert_array_equal, g, w)
-  assert _nbytes(want_state) - _nbytes(got_state) == 6 * 4 * 4
+  counters = [x for x in jax.tree.leaves(got_state) if x.dtype == jnp.int32 and x.ndim == 0]
+  assert [int(c) for c in counters] == [6] + [0] * (len(counters) - 1)  # the count, then the clipped-row counters
+  assert len(counters) == 1 + len(got_state[0].conditioning.clipped_rows)
+  schedules = 2 if callable(rate) else 0  # Muon's and its AdamW part's scale_by_learning_rate
+  scalars = 4 * (1 + 3 + 1 + schedules)  # Muon's count, its coefficients, its AdamW part's count
+  assert _nbytes(want_state) - _nbytes(got_state) == 6 * 4 * 4 + scalars
 
 
 def test_without_momentum_is_muon_at_beta_zero():

@@ -478,11 +478,18 @@ def _lenet_params():
                                     {"dense": {"kernel": jnp.zeros((784, 10)), "bias": jnp.zeros(10)}},
                                     {"wide": {"kernel": jnp.zeros((784, 10))}, "dense": {"kernel": jnp.zeros((64, 64))}}],
                          ids=["transformer", "lenet", "logistic", "unplanned_beside_planned"])
-def test_default_state_is_at_most_adams_on_every_model(params):
-  """The default memory rule (budget='model') keeps the eigenbasis' whole state within Adam's floats, and in
-  front of Muon within AdamW's (Muon's AdamW part holding the leaves Muon does not orthogonalize); a kernel left
-  unplanned keeps Adam's second moment, so its floats pay for no other kernel's statistics."""
-  adam = _floats(optax.adam(1e-3).init(params))
-  assert _floats(sk.scsgd_eigen(1e-3).init(params)) <= adam
-  ns_coefficients = 3  # Muon keeps its Newton-Schulz coefficients in its state
-  assert _floats(sk.scsgd_eigen_muon(1e-3, output_layer="head").init(params)) <= adam + ns_coefficients
+@pytest.mark.parametrize("rate", [1e-3, optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100)],
+                         ids=["constant", "schedule"])
+def test_default_state_is_at_most_adams_on_every_model(params, rate):
+  """The default memory rule (budget='model') keeps the eigenbasis' whole state within AdamW's, counted in bytes
+  (counters and key included), alone and in front of Muon (Muon's AdamW part holding the leaves Muon does not
+  orthogonalize), at a constant rate and on a schedule (whose counter AdamW keeps too); a kernel left unplanned
+  keeps Adam's second moment, so its floats pay for no other kernel's statistics. With no kernel conditioned
+  (logistic regression's) the state is AdamW's to the byte: one counter, no key."""
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  adamw = nbytes(optax.adamw(rate).init(params))
+  eigen = sk.scsgd_eigen(rate).init(params)
+  eigen_muon = sk.scsgd_eigen_muon(rate, output_layer="head").init(params)
+  assert nbytes(eigen) <= adamw and nbytes(eigen_muon) <= adamw
+  if not eigen[0].conditioning.factors:
+    assert eigen[0].conditioning.key is None and nbytes(eigen) == adamw
