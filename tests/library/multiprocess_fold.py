@@ -9,6 +9,7 @@ import sys
 
 if __name__ == "__main__":
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  os.environ["JAX_PLATFORMS"] = "cpu"  # host CPU devices, also on a machine with an accelerator
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
