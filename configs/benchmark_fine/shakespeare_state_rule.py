@@ -6,13 +6,13 @@ too (its rate there came from a grid of the earlier version). It says whether th
 version a user installs today. Then the other rows within 20% of the first on the coarse table (K-FAC, NAdamW,
 the conditioning in front of Muon), at the rates that table chose: their step is the same on both versions; and
 the two peers the coarse table lacks, tuned here: PSGD Kron and Adam in the full eigenbasis (SOAP/EKFAC's input
-side, what the sketch costs or saves)."""
+side, what the sketch costs or saves); then the coarse table's other SCSGD rows, at the rates it chose."""
 
 from configs.benchmark_fine import common
 from configs.benchmark_fine import shakespeare
 
 ROWS = ("scsgd_eigen_muon", "scsgd_eigen", "muon", "adamw", "sgd", "scsgd", "kfac", "nadamw", "scsgd_muon", "psgd_kron",
-        "scsgd_eigen_full")
+        "scsgd_eigen_full", "scsgd_muon_fresh", "scsgd_adamw", "scsgd_two_sided", "scsgd_two_sided_lean", "scsgd_graft")
 
 
 def get_config():
