@@ -70,7 +70,7 @@ def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: C
   compiled computation however many layers it holds: a loop over the members due at this step (one or a
   few with ``stagger``; all of them at the warm start's early refreshes or with ``stagger=False``).
   """
-  if not kernel_plans:  # nothing to refresh (the state keeps no key then)
+  if key is None:  # the state keeps no key only when init conditioned no kernel: nothing to refresh
     return dict(old_factors), key
   keys = jax.random.split(key, len(kernel_plans) + 1)
   key_of = dict(zip(kernel_plans, keys[1:]))
