@@ -100,14 +100,19 @@ def run(config: ml_collections.ConfigDict, name: str, rate: float, seed: int, ta
 
 
 def probe_settings(text: str) -> dict:
-  """``'update_every=10,ema_rate=0.2'`` as ``{'update_every': 10, 'ema_rate': 0.2}`` (Python literals)."""
-  out = {}
-  for item in filter(None, (t.strip() for t in text.split(","))):
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-      raise ValueError(f"config.develop.settings: {item!r} is not 'name=value' (e.g. 'update_every=10').")
-    out[key.strip()] = ast.literal_eval(value.strip())
-  return out
+  """``'update_every=10,ema_rate=0.2'`` as ``{'update_every': 10, 'ema_rate': 0.2}`` (Python literals, read as a
+  call's keyword arguments, so a value may be a tuple: ``'muon_ns_coeffs=((3.4, -4.8, 2.0), (3.0, -3.2, 1.2))'``)."""
+  if not text.strip():
+    return {}
+  try:
+    call = ast.parse(f"f({text})", mode="eval").body
+  except SyntaxError:
+    call = None
+  if not isinstance(call, ast.Call) or call.args or any(k.arg is None for k in call.keywords):
+    items = [t.strip() for t in text.split(",") if t.strip() and "=" not in t]
+    raise ValueError(f"config.develop.settings: {(items[0] if items else text)!r} is not 'name=value' "
+                     "(e.g. 'update_every=10').")
+  return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
 
 
 def _settings(config) -> dict:

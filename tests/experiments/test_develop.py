@@ -60,6 +60,8 @@ def test_two_step_runs_write_every_rate_seed_and_anchor_and_resume(tmp_path, mon
 def test_probe_settings_reach_the_optimizer_and_are_recorded():
   assert develop.probe_settings("") == {}
   assert develop.probe_settings("update_every=10, ema_rate=0.2") == {"update_every": 10, "ema_rate": 0.2}
+  assert develop.probe_settings("muon_ns_steps=2, muon_ns_coeffs=((3.5, -4.5, 2.0), (2.5, -3.0, 1.0))") == {
+      "muon_ns_steps": 2, "muon_ns_coeffs": ((3.5, -4.5, 2.0), (2.5, -3.0, 1.0))}
   with pytest.raises(ValueError, match="'update_every' is not 'name=value'"):
     develop.probe_settings("update_every")
   config = develop_config.get_config()
