@@ -12,13 +12,10 @@ def get_config():
   config = benchmark_step.get_config()
   config.only = "char_transformer,transformer_lm"
 
-  def polar(steps):
-    return {"muon_ns_steps": steps, "muon_ns_coeffs": peers.POLAR_EXPRESS[:steps]}
-
-  keep = ("sgd", "sgd_again", "muon", "scsgd_eigen", "scsgd_eigen_muon")
+  keep = ("sgd", "sgd_again", "muon", "scsgd_eigen_muon")
   variants = {name: dict(config.variants[name]) for name in keep}
   variants["muon_polar3"] = {"name": "muon", "ns_steps": 3, "ns_coeffs": peers.POLAR_EXPRESS[:3]}
-  variants["scsgd_eigen_muon_polar3"] = {"name": "scsgd_eigen_muon", **polar(3)}
-  variants["scsgd_eigen_muon_polar2"] = {"name": "scsgd_eigen_muon", **polar(2)}
+  variants["scsgd_eigen_muon_polar3"] = {"name": "scsgd_eigen_muon", "muon_ns_steps": 3,
+                                          "muon_ns_coeffs": peers.POLAR_EXPRESS[:3]}
   config.variants = variants
   return config
