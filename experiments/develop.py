@@ -112,7 +112,14 @@ def probe_settings(text: str) -> dict:
     items = [t.strip() for t in text.split(",") if t.strip() and "=" not in t]
     raise ValueError(f"config.develop.settings: {(items[0] if items else text)!r} is not 'name=value' "
                      "(e.g. 'update_every=10').")
-  return {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+  out = {}
+  for k in call.keywords:
+    try:
+      out[k.arg] = ast.literal_eval(k.value)
+    except ValueError:
+      raise ValueError(f"config.develop.settings: {k.arg}={ast.unparse(k.value)} is not a Python literal "
+                       "(quote a string: name='value').") from None
+  return out
 
 
 def _settings(config) -> dict:

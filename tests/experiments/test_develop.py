@@ -64,6 +64,8 @@ def test_probe_settings_reach_the_optimizer_and_are_recorded():
       "muon_ns_steps": 2, "muon_ns_coeffs": ((3.5, -4.5, 2.0), (2.5, -3.0, 1.0))}
   with pytest.raises(ValueError, match="'update_every' is not 'name=value'"):
     develop.probe_settings("update_every")
+  with pytest.raises(ValueError, match="tail=scalar is not a Python literal"):
+    develop.probe_settings("update_every=10, tail=scalar")
   config = develop_config.get_config()
   config.num_steps = 1
   config.develop.heldout_windows = 4
