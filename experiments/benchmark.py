@@ -13,7 +13,8 @@ Protocol (``config.benchmark``):
   past that end (``extend_edge`` steps at most). An optimizer with a second hyperparameter without
   an upstream default (``joint_grid``: K-FAC's damping) tunes it jointly with the rate.
   Then ``seeds[1:]`` at the chosen point; the seed-0 run is one of the seeds. ``centre_from`` (results
-  dirs of another task) centres each row's grid on the point it chose there instead.
+  dirs of another task) centres each row's grid on the point it chose there instead (``centre_as``: on the
+  point another row chose there).
 - **The schedule users train with** (the task config's ``schedule``: warmup then cosine).
 - **Each optimizer as its authors run it**: ``registry.recipe(name, benchmark.kind)``.
 - **Every run is its own unit**: trained in ``<workdir>/<key>``, then its record (command, commit,
@@ -101,9 +102,11 @@ def best_point(tried: dict[Point, float]) -> Point:
 def centre(config, name: str) -> Optional[Point]:
   """The point ``name`` chose on another task, which centres its grid here: ``benchmark.centre_from`` names
   results dirs, the first with a committed seed-0 grid of ``name`` gives it; ``None`` without one (the grid is
-  centred on its authors' rate)."""
+  centred on its authors' rate). ``benchmark.centre_as`` maps a row to the row whose choice centres it (a
+  variant of a row that ran there: three Newton-Schulz steps where that row ran five)."""
+  chosen_by = config.benchmark.get("centre_as", {}).get(name, name)
   for results_dir in config.benchmark.get("centre_from", ()):
-    tried = earlier_grid(results_dir, name)
+    tried = earlier_grid(results_dir, chosen_by)
     if tried:
       return best_point(tried)
   return None

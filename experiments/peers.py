@@ -157,6 +157,26 @@ def muon_dimension_numbers(params, output_layer: str = ""):
   return jax.tree_util.tree_map_with_path(numbers, params)
 
 
+# Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): per-step coefficients of Muon's quintic
+# Newton-Schulz iteration, each step's polynomial the minimax one for the interval the earlier steps left; the five
+# steps the nanoGPT speedrun runs (KellerJordan/modded-nanogpt, with its 2% safety factor). The first ``s`` rows are
+# the greedy ``s``-step schedule: :func:`polar_express`.
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def polar_express(steps: int) -> dict:
+  """``optax.contrib.muon``'s arguments for ``steps`` Newton-Schulz steps at Polar Express's coefficients."""
+  if not 1 <= steps <= len(POLAR_EXPRESS):
+    raise ValueError(f"polar_express: steps={steps} is outside 1..{len(POLAR_EXPRESS)} (the published schedule)")
+  return {"ns_steps": steps, "ns_coeffs": POLAR_EXPRESS[:steps]}
+
+
 @_extends(_muon)
 def muon(learning_rate, output_layer: str = "", adam_learning_rate: float | None = None, **kwargs):
   """``optax.contrib.muon`` with :func:`muon_dimension_numbers` (``output_layer``: the head's name);

@@ -252,6 +252,18 @@ def _scsgd_eigen_muon(lr, kwargs, config, forward):
 
 
 LEAN = {"magnitude": "sign", "split_budget": True}  # scsgd_two_sided at Adam's memory
+POLAR3 = peers.polar_express(3)
+POLAR3_IN_FRONT = {f"muon_{k}": v for k, v in POLAR3.items()}
+POLAR3_NOTE = ("three Newton-Schulz steps at Polar Express's coefficients (Amsel et al. 2025, arXiv:2505.16932, the "
+               "first three the nanoGPT speedrun runs)")
+
+
+def _eigen_muon_recipe(note: str) -> Callable[[str], Recipe]:
+  return lambda kind: Recipe(
+      0.02, {**{f"muon_{k}": v for k, v in _muon_settings(kind).items()},
+             **{k: v for k, v in adam_settings(kind).items() if k == "b2"}},
+      "Adam's scaling in scsgd_jax's sketched eigenbasis of Muon's momentum, in front of Muon's orthogonalization "
+      "(the SOAP-Muon layout), b2 AdamW's, as Muon's recipe: " + MUON + _muon_note(kind) + (f"; {note}" if note else ""))
 CONDITIONING = scsgd_jax.scale_by_sketched_conditioning
 SHAMPOO_PACKAGE = ("precondition-opt",)
 
@@ -298,17 +310,24 @@ REGISTRY: dict[str, Entry] = {
             1e-3, adam_settings(kind), "scsgd_jax.scsgd_eigen with sides='both' (the inputs' and the output "
             "gradients' eigenbases: EKFAC's two factors, George et al. 2018, sketched): Adam in the two-sided "
             f"eigenbasis, so Adam's recipe: {adam_source(kind)}"), fixed=EIGEN_TWO_SIDED),
-    "scsgd_eigen_muon": Entry(_scsgd_eigen_muon, scsgd_jax.scale_by_eigenbasis_adam, "inputs", lambda kind: Recipe(
-        0.02, {**{f"muon_{k}": v for k, v in _muon_settings(kind).items()},
-               **{k: v for k, v in adam_settings(kind).items() if k == "b2"}},
-        "Adam's scaling in scsgd_jax's sketched eigenbasis of Muon's momentum, in front of Muon's "
-        "orthogonalization (the SOAP-Muon layout), b2 AdamW's, as Muon's recipe: " + MUON + _muon_note(kind)),
-        prefixed=("muon_", peers.muon), adam_rate="muon_adam_learning_rate"),
+    "scsgd_eigen_muon": Entry(_scsgd_eigen_muon, scsgd_jax.scale_by_eigenbasis_adam, "inputs", _eigen_muon_recipe(""),
+                              prefixed=("muon_", peers.muon), adam_rate="muon_adam_learning_rate"),
+    # the step rule's form: three Newton-Schulz steps (chosen on the development task) bring its step near Muon's
+    "scsgd_eigen_muon_polar3": Entry(
+        lambda lr, kwargs, config, forward: _scsgd_eigen_muon(lr, {**kwargs, **POLAR3_IN_FRONT}, config, forward),
+        scsgd_jax.scale_by_eigenbasis_adam, "inputs", _eigen_muon_recipe(POLAR3_NOTE + ", chosen on the development "
+                                                                          "task (Muon's five steps replaced)"),
+        fixed=POLAR3_IN_FRONT, prefixed=("muon_", peers.muon), adam_rate="muon_adam_learning_rate"),
     "psgd_kron": Entry(_plain(peers.psgd_kron), peers.psgd_kron, "none", lambda kind: Recipe(
         5e-4, {k: v for k, v in adam_settings(kind).items() if k != "b2"}, PSGD), packages=("psgd-jax",)),
     "muon": Entry(_muon, peers.muon, "none",
                   lambda kind: Recipe(0.02, _muon_settings(kind), MUON + _muon_note(kind)),
                   adam_rate="adam_learning_rate"),
+    "muon_polar3": Entry(lambda lr, kwargs, config, forward: _muon(lr, {**kwargs, **POLAR3}, config, forward),
+                         peers.muon, "none",
+                         lambda kind: Recipe(0.02, _muon_settings(kind), MUON + _muon_note(kind) + "; " + POLAR3_NOTE
+                                             + " (a step-cost variant: on the development task Muon keeps its five)"),
+                         fixed=POLAR3, adam_rate="adam_learning_rate"),
     "scsgd_muon": Entry(_scsgd_muon, CONDITIONING, "inputs", _scsgd_muon_recipe({}),
                         adam_rate="muon_adam_learning_rate"),
     "scsgd_muon_fresh": Entry(_scsgd_muon, CONDITIONING, "inputs", _scsgd_muon_recipe(FRESH_STATISTICS),

@@ -112,6 +112,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     lock.__exit__(None, None, None)
 
 
+def _as_read_back(value):
+  """``value`` as the record's JSON reads back: tuples (Newton-Schulz coefficient rows) as lists."""
+  if isinstance(value, dict):
+    return {k: _as_read_back(v) for k, v in value.items()}
+  return [_as_read_back(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
 def record(config: ml_collections.ConfigDict) -> dict:
   """What ``config.json`` holds: the config, the optimizer's resolved settings and the package versions."""
   recorded = json.loads(config.to_json_best_effort())
@@ -119,7 +126,8 @@ def record(config: ml_collections.ConfigDict) -> dict:
     if isinstance(sub, dict):
       recorded["optimizer"][name] = {k: v for k, v in sub.items() if v is not None}
   return {**recorded,
-          workdir_lib.RESOLVED_KEY: {f"optimizer.{config.optimizer.name}": optimizers.resolved_settings(config)},
+          workdir_lib.RESOLVED_KEY: {f"optimizer.{config.optimizer.name}": _as_read_back(
+              optimizers.resolved_settings(config))},
           workdir_lib.VERSIONS_KEY: optimizers.versions(config.optimizer.name)}
 
 

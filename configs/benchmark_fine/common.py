@@ -48,3 +48,25 @@ def on_state_rule_version(config, task: str, rows: tuple[str, ...], retune: tupl
   config.benchmark.all_optimizers = rows
   config.benchmark.optimizers = rows
   return config
+
+
+# the step rule's tables: the eigenbasis in front of Muon with three Newton-Schulz steps at Polar Express's
+# coefficients (chosen on the development task), beside its five-step row, the first peer and the target's rows
+STEP_RULE_ROWS = ("scsgd_eigen_muon_polar3", "muon", "scsgd_eigen_muon", "adamw", "sgd")
+# experiments/report.py's code hash of the version with the three-step row (the coefficients in experiments/peers.py)
+STEP_RULE_CODE = "TBD"
+
+
+def on_step_rule_version(config, task: str):
+  """``config`` (``task``'s table on the state-rule version) as the step rule's table, all of one code version: the
+  three-step row tunes on three rates half a decade apart around the rate its five-step row chose on that table
+  (one more past an end that wins); the other rows take the rates that table ran (its directory's seed-0 grid)."""
+  state_rule = f"experiments/results/benchmark_fine/{task}_state_rule"
+  config.benchmark.retune = ()
+  config.benchmark.points_from = state_rule
+  config.benchmark.centre_from = (state_rule,)
+  config.benchmark.centre_as = {"scsgd_eigen_muon_polar3": "scsgd_eigen_muon"}
+  config.benchmark.frozen_code = STEP_RULE_CODE
+  config.benchmark.all_optimizers = STEP_RULE_ROWS
+  config.benchmark.optimizers = STEP_RULE_ROWS
+  return config

@@ -340,6 +340,8 @@ def test_centre_from_centres_each_rows_grid_on_the_point_it_chose_on_another_tas
   assert benchmark.learning_rates(config, "kfac") == [0.316, 1.0, 3.16]
   assert benchmark.joint_points(config, "kfac") == [(("damping", 0.001),)]
   assert benchmark.learning_rates(config, "adamw") == [0.000316, 0.001, 0.00316]  # its authors' 1e-3
+  config.benchmark.centre_as = {"adamw": "sgd"}  # a variant of a row: centred on that row's choice
+  assert benchmark.learning_rates(config, "adamw") == [0.0316, 0.1, 0.316]
   config.benchmark.centre_from = ()
   assert len(benchmark.joint_points(config, "kfac")) == 3 and benchmark.learning_rates(config, "sgd")[1] == 0.01
 

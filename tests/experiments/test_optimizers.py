@@ -1,6 +1,7 @@
 """The optimizer factory: schedule, per-optimizer sub-configs passed with **, what update needs."""
 
 import inspect
+import json
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ from configs import default
 from experiments import optimizers
 from experiments import registry
 from experiments import peers
+from experiments import train
+from experiments import workdir
 from tests import helpers
 
 
@@ -313,3 +316,37 @@ def test_lenet_trains_bit_for_bit_at_the_paper_scale_under_the_default_normalize
   default = program(None)
   assert default == program("none")
   assert default != program("all")
+
+
+@pytest.mark.parametrize("name,base", [("muon_polar3", "muon"), ("scsgd_eigen_muon_polar3", "scsgd_eigen_muon")])
+def test_polar3_rows_are_their_rows_with_three_polar_express_steps(name, base):
+  """The three-step rows equal their five-step rows given ``ns_steps=3`` and Polar Express's first three
+  coefficient rows by hand (not the five-step rows' step), and their records write the two settings out."""
+  rng = np.random.default_rng(0)
+  params = {"dense": {"kernel": jnp.ones((6, 8)), "bias": jnp.zeros(8)}, "head": {"kernel": jnp.ones((8, 5))}}
+  grads = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), jnp.float32), params)
+  extra = {} if base == "muon" else {"layer_inputs": {
+      "dense": {"kernel": jnp.asarray(rng.standard_normal((16, 6)), jnp.float32)},
+      "head": {"kernel": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)}}}
+  prefix = "" if base == "muon" else "muon_"
+  by_hand = {f"{prefix}ns_steps": 3, f"{prefix}ns_coeffs": peers.POLAR_EXPRESS[:3]}
+  out, resolved = {}, {}
+  for row, given in ((name, {}), (base, by_hand), (base, {})):
+    config = helpers.smoke_config()
+    config.optimizer.name = row
+    config.optimizer[row] = optimizers.sub_config(row, **{f"{prefix}output_layer": "head"})
+    tx = optimizers.create(config).tx if not given else registry.entry(base).build(
+        optimizers.learning_rate(config), {f"{prefix}output_layer": "head", **given}, config, None)
+    out[row, bool(given)], _ = tx.update(grads, tx.init(params), params, **extra)
+    resolved[row] = optimizers.resolved_settings(config)
+  for a, b in zip(jax.tree.leaves(out[name, False]), jax.tree.leaves(out[base, True])):
+    np.testing.assert_array_equal(a, b)
+  assert not np.allclose(out[name, False]["dense"]["kernel"], out[base, False]["dense"]["kernel"], rtol=1e-3)
+  assert resolved[name][f"{prefix}ns_steps"] == 3 and resolved[base].get(f"{prefix}ns_steps") != 3
+  assert resolved[name][f"{prefix}ns_coeffs"] == peers.POLAR_EXPRESS[:3]
+  # its record as committed (JSON: the coefficient rows as lists) holds today's settings: the run is not redone
+  config = optimizers.complete(helpers.smoke_config())
+  config.optimizer.name = name
+  assert workdir.config_differences(json.loads(json.dumps(train.record(config))), train.record(config)) == []
+  with pytest.raises(ValueError, match="steps=6 is outside 1..5"):
+    peers.polar_express(6)

@@ -1,0 +1,10 @@
+"""The step rule's table of the mnist task (configs/benchmark_fine/mnist_state_rule.py's protocol, one code
+version): the eigenbasis in front of Muon with three Newton-Schulz steps beside its five-step row, Muon and the
+target's rows (configs/benchmark_fine/common.py)."""
+
+from configs.benchmark_fine import common
+from configs.benchmark_fine import mnist_state_rule
+
+
+def get_config():
+  return common.on_step_rule_version(mnist_state_rule.get_config(), "mnist")
