@@ -54,7 +54,7 @@ def on_state_rule_version(config, task: str, rows: tuple[str, ...], retune: tupl
 # coefficients (chosen on the development task), beside its five-step row, the first peer and the target's rows
 STEP_RULE_ROWS = ("scsgd_eigen_muon_polar3", "muon", "scsgd_eigen_muon", "adamw", "sgd")
 # experiments/report.py's code hash of the version with the three-step row (the coefficients in experiments/peers.py)
-STEP_RULE_CODE = "TBD"
+STEP_RULE_CODE = "2751be0fab1dcafc"
 
 
 def on_step_rule_version(config, task: str):
