@@ -366,11 +366,13 @@ def test_ran_with_pins_what_the_coarse_rows_ran_and_the_finer_protocol_runs_the_
 
 def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   assert benchmark.task_names("configs/benchmark_fine/shakespeare.py") == [
-      "convex", "convex_state_rule", "mnist", "mnist_state_rule", "shakespeare", "shakespeare_large",
-      "shakespeare_large_state_rule", "shakespeare_state_rule"]
+      "convex", "convex_state_rule", "convex_step_rule", "mnist", "mnist_state_rule", "mnist_step_rule",
+      "shakespeare", "shakespeare_large", "shakespeare_large_state_rule", "shakespeare_large_step_rule",
+      "shakespeare_state_rule", "shakespeare_step_rule"]
   for task, cadence in (("shakespeare", 10), ("mnist", 25), ("convex", 25), ("shakespeare_large", 25),
                         ("shakespeare_state_rule", 10), ("mnist_state_rule", 25), ("convex_state_rule", 25),
-                        ("shakespeare_large_state_rule", 25)):
+                        ("shakespeare_large_state_rule", 25), ("shakespeare_step_rule", 10), ("mnist_step_rule", 25),
+                        ("convex_step_rule", 25), ("shakespeare_large_step_rule", 25)):
     config = importlib.import_module(f"configs.benchmark_fine.{task}").get_config()
     assert config.eval_every == cadence and len(config.benchmark.seeds) >= 3, task
     with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
