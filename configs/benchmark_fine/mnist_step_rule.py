@@ -1,6 +1,6 @@
-"""The step rule's table of the mnist task (configs/benchmark_fine/mnist_state_rule.py's protocol, one code
-version): the eigenbasis in front of Muon with three Newton-Schulz steps beside its five-step row, Muon and the
-target's rows (configs/benchmark_fine/common.py)."""
+"""The step rule's table of the LeNet/MNIST task (mnist_state_rule.py's protocol, one code version):
+the eigenbasis in front of Muon with three Newton-Schulz steps beside its five-step row, Muon and the target's
+rows (configs/benchmark_fine/common.py)."""
 
 from configs.benchmark_fine import common
 from configs.benchmark_fine import mnist_state_rule

@@ -1,6 +1,6 @@
-"""The step rule's table of the shakespeare task (configs/benchmark_fine/shakespeare_state_rule.py's protocol, one code
-version): the eigenbasis in front of Muon with three Newton-Schulz steps beside its five-step row, Muon and the
-target's rows (configs/benchmark_fine/common.py)."""
+"""The step rule's table of the character transformer task (shakespeare_state_rule.py's protocol, one code version):
+the eigenbasis in front of Muon with three Newton-Schulz steps beside its five-step row, Muon and the target's
+rows (configs/benchmark_fine/common.py)."""
 
 from configs.benchmark_fine import common
 from configs.benchmark_fine import shakespeare_state_rule
