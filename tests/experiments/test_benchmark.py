@@ -268,8 +268,8 @@ def _shakespeare_source(*args, **kwargs):
 @pytest.mark.parametrize("task", ["convex", "mnist", "shakespeare"])
 def test_every_optimizer_takes_steps_on_every_task(task, tmp_path, monkeypatch):
   """Each task's own model and settings, every optimizer of its protocol at its authors' settings, two
-  steps on mock data. The character transformer keeps one of its three blocks (the same layers, a third of
-  the compiling: the slowest test of the suite otherwise)."""
+  steps on mock data. The character transformer keeps one of its three blocks (the same layers, less to
+  compile: with three this was the suite's slowest test)."""
   transformer = models.CharTransformer
   monkeypatch.setattr(models, "CharTransformer", lambda **kwargs: transformer(**{**kwargs, "layers": 1}))
   config = importlib.import_module(f"configs.benchmark.{task}").get_config()
