@@ -1,8 +1,20 @@
+import atexit
 import os
+import shutil
+import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+from tests import helpers
+
+os.environ.setdefault("XLA_FLAGS", helpers.xla_flags(1))
 
 import jax  # noqa: E402
+
+# Many tests build the same programs anew (a new optimizer, a new train step): a compilation cache private to
+# this test process compiles each once. Removed when the process ends; never shared between runs.
+_CACHE = tempfile.mkdtemp(prefix="scsgd-jax-tests-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 # Exact-oracle comparisons are made in float64 numpy; the library itself runs in float32.
 jax.config.update("jax_numpy_rank_promotion", "raise")

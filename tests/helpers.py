@@ -2,6 +2,15 @@
 
 import numpy as np
 
+# The tests compile many small programs and run each a few steps: XLA's CPU backend compiles them faster at
+# LLVM's lowest optimization level (same operations; a test that compares two runs compiles both so).
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def xla_flags(devices: int = 1) -> str:
+  """``XLA_FLAGS`` of a test process: ``devices`` host CPU devices, compiled for speed of compiling."""
+  return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAGS}"
+
 
 def psd_power(c, power):
   """``C^power`` of a symmetric PSD matrix by eigendecomposition (negative eigenvalues clipped to 0)."""

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(workdir, n):
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "PYTHONPATH": ROOT}
+  env = {**os.environ, "XLA_FLAGS": helpers.xla_flags(n), "PYTHONPATH": ROOT}
   out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "experiments", "multidevice_train.py"),
                         str(workdir)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
   assert out.returncode == 0, out.stderr[-3000:]

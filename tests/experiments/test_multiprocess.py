@@ -32,7 +32,7 @@ def _args(workdir, *extra):
 
 
 def _env(devices):
-  return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  return {**os.environ, "XLA_FLAGS": helpers.xla_flags(devices)}
 
 
 def _one_process(workdir, *extra):
