@@ -9,7 +9,8 @@ import json
 import os
 
 if __name__ == "__main__":  # only as a script: pytest's doctest collection imports this module in its workers
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  # test_devices.py passes its flags (tests/helpers.py: 4 devices, compiled for speed of compiling)
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
   os.environ["JAX_PLATFORMS"] = "cpu"  # host CPU devices, also on a machine with an accelerator
 
 import jax  # noqa: E402

@@ -8,7 +8,8 @@ import os
 import sys
 
 if __name__ == "__main__":
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  # test_devices.py passes its flags (tests/helpers.py: 2 devices, compiled for speed of compiling)
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
   os.environ["JAX_PLATFORMS"] = "cpu"  # host CPU devices, also on a machine with an accelerator
 
 import jax  # noqa: E402

@@ -7,12 +7,14 @@ import os
 import subprocess
 import sys
 
+from tests import helpers
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multidevice_check.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_data_parallel_and_fsdp_equal_one_device_and_replicas_stay_identical():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {**os.environ, "XLA_FLAGS": helpers.xla_flags(4)}
   out = subprocess.run([sys.executable, SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
   assert out.returncode == 0, out.stderr[-3000:]
   r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -35,7 +37,7 @@ def test_statistics_fold_every_process_rows_into_one_correlation():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_fold.py")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {**os.environ, "XLA_FLAGS": helpers.xla_flags(2)}
   procs = [subprocess.Popen([sys.executable, script, str(i), str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True) for i in range(2)]
   outs = [p.communicate(timeout=600) for p in procs]
