@@ -28,11 +28,12 @@ def get_config():
       "scsgd_no_fold": {"name": "scsgd", "statistics_every": 10**9},  # phases: all but the fold
       "scsgd_no_stagger": {"name": "scsgd", "stagger": False},  # every kernel refreshing at the same step
   })
-  # name -> one example's shape, classes (text: vocabulary) and batch
+  # name -> one example's shape, classes (text: vocabulary) and batch; 'kind': every variant runs its registry
+  # recipe for that model kind, as the head to head's tables do (none: the run config's, LeNet's)
   config.models = ml_collections.ConfigDict({
       "lenet": {"shape": (28, 28, 1), "classes": 10, "batch": 64},
-      "char_transformer": {"shape": (64,), "classes": 65, "batch": 16},
-      "transformer_lm": {"shape": (64,), "classes": 65, "batch": 16},
+      "char_transformer": {"shape": (64,), "classes": 65, "batch": 16, "kind": "transformer"},
+      "transformer_lm": {"shape": (64,), "classes": 65, "batch": 16, "kind": "transformer"},
       "small_resnet": {"shape": (16, 16, 3), "classes": 10, "batch": 32},
       "dense_256": {"shape": (256,), "classes": 1024, "batch": 256},
       "dense_1024": {"shape": (1024,), "classes": 1024, "batch": 256},
@@ -42,7 +43,7 @@ def get_config():
   config.compile_only = False  # True: each variant's first-step lowering + compilation (benchmark_compile.json)
   # measured for compile time only, besides config.models: the TransformerLM at 6 blocks (the cost per layer),
   # and at 2 and 6 blocks scanned (one nnx.scan over a stack of blocks, as large Flax transformers run them)
-  lm = {"shape": (64,), "classes": 65, "batch": 16}
+  lm = {"shape": (64,), "classes": 65, "batch": 16, "kind": "transformer"}
   config.compile_models = ml_collections.ConfigDict(
       {"transformer_lm_6": lm, "transformer_lm_scan_2": lm, "transformer_lm_scan_6": lm})
   return config

@@ -49,6 +49,7 @@ from experiments import cli
 from experiments import machine
 from experiments import models
 from experiments import optimizers
+from experiments import registry
 from experiments import report
 from experiments import step as step_lib
 
@@ -149,12 +150,17 @@ def first_step_seconds(fn, args) -> dict[str, float]:
   return {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
 
 
-def _variants(config, name: str, shape: tuple, classes: int) -> dict[str, list]:
-  """Every variant's jitted step on a fresh copy of the model, and its state."""
+def _variants(config, name: str, shape: tuple, classes: int, kind: str | None = None) -> dict[str, list]:
+  """Every variant's jitted step on a fresh copy of the model, and its state. ``kind`` (a model's, from
+  :data:`registry.KINDS`): each variant runs its registry recipe for that kind, as the head to head's tables
+  run it (e.g. Muon's head left to its AdamW part on a transformer), the variant's own settings on top; ``None``:
+  the run config's settings alone (LeNet's)."""
   variants: dict[str, list] = {}
   for vname, variant in config.variants.items():
     variant = dict(variant)
     capture = variant.pop("capture", None)
+    if kind is not None:
+      variant = {**registry.recipe(variant["name"], kind).settings, **variant}
     model = _model(name, shape, classes)
     opt = optimizers.create(optimizers.variant(config.run, variant), input_axes=scsgd_jax.input_axes_nnx(model))
     tx, capture = opt.tx, capture or opt.capture
@@ -168,7 +174,7 @@ def compile_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> d
   shape, classes, batch = tuple(spec["shape"]), spec["classes"], spec["batch"]
   xs, ys = _data(name, shape, classes, batch, 1)
   out = {}
-  for vname, (fn, state) in _variants(config, name, shape, classes).items():
+  for vname, (fn, state) in _variants(config, name, shape, classes, spec.get("kind")).items():
     out[vname] = first_step_seconds(fn, (*state, xs[0], ys[0], jax.random.PRNGKey(0)))
   for figures in out.values():
     figures["total_vs_sgd"] = figures["total_s"] / out[BASELINE]["total_s"]
@@ -179,7 +185,7 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
   shape, classes, batch = tuple(spec["shape"]), spec["classes"], spec["batch"]
   period = scsgd_jax.resolve_static_args()["update_every"]  # the library's refresh period
   xs, ys = _data(name, shape, classes, batch, 4)
-  variants = _variants(config, name, shape, classes)
+  variants = _variants(config, name, shape, classes, spec.get("kind"))
   out, sgd_times = {}, None
   for vname in variants:
     if vname == BASELINE:
