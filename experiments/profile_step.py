@@ -5,14 +5,15 @@ Python that emitted it.
   OPENBLAS_NUM_THREADS=1 python -m experiments.profile_step --config configs/profile_step.py --results_dir experiments/results/step_profile
 
 Per model and variant: the step's wall time untraced (``wall_ms``, the mean of ``steps`` steps after
-``warmup``), then ``steps`` steps traced. From the trace, each XLA CPU kernel (a fusion, a GEMM, a copy; not
-the ``while``/``conditional``/``call`` that hold others, whose kernels are counted themselves) is summed per
-step and attributed through the compiled program's stack frames to its innermost Python frame: ``by_file``
-(the file) and ``by_line`` (file, line and function). Kernels without a frame (the runtime's argument
-handling, buffer copies) are filed under ``runtime: <kernel kind>``. The kernel times are CPU time summed over
-the runtime's threads (two here), so they add up to more than the wall time; ``kernels_per_step`` counts the
-kernels executed. ``extra_over`` (a config entry) gives each file's ms and kernels over the baseline variant's.
-Run it alone on the machine: the figures are timings.
+``warmup``; steps are not interleaved with a baseline's here, so ratios of step time come from
+``benchmark_step``), then ``steps`` steps traced. From the trace, each XLA CPU kernel (a fusion, a GEMM, a
+copy; not the ``while``/``conditional``/``call`` that hold others, whose kernels are counted themselves, nor the
+runtime's markers and waits) is summed per step and attributed through the compiled program's stack frames to
+its innermost Python frame: ``by_file`` (the file) and ``by_line`` (file, line and function). Kernels without a
+frame (the runtime's argument handling, buffer copies) are filed under ``runtime: <kernel kind>``. The kernel
+times are CPU time summed over the runtime's threads (two here), so they add up to more than the wall time;
+``kernels_per_step`` counts the kernels executed. ``extra_over`` (a config entry) gives each file's ms and
+kernels over the baseline variant's. Run it alone on the machine: the figures are timings.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from experiments import report
 FLAGS = flags.FLAGS
 # trace events that are not one executed kernel: the profiler's Python frames, the runtime's waits and
 # dispatch, and the kernels that hold others (their inner kernels are events of their own)
-_NOT_A_KERNEL = re.compile(r"(\$|ThunkExecutor|SlinkyThreadPool|PjitFunction|CommonPjRt|end: |cond(\.\d+)?$|"
-                           r"while(\.\d+)?$|call(\.\d+)?$)")
+_NOT_A_KERNEL = re.compile(r"(\$|ThunkExecutor|SlinkyThreadPool|ThreadpoolListener|PjitFunction|CommonPjRt|Wait for |"
+                           r"end: |cond(\.\d+)?$|while(\.\d+)?$|call(\.\d+)?$)")
 
 
 def stack_frames(hlo_text: str) -> dict[str, tuple[str, str, int]]:

@@ -15,25 +15,42 @@ def keep_if_finite(new, old):
   return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
+def _row_norms(rows: jax.Array) -> jax.Array:
+  """Each row's norm, taken with a per-row rescale (rows of 1e18 do not overflow, rows of 1e-18 keep their
+  precision)."""
+  scale = jnp.max(jnp.abs(rows), axis=1)
+  safe = jnp.where(scale > 0, scale, 1.0)
+  norms = safe * jnp.sqrt(jnp.sum(jnp.square(rows / safe[:, None]), axis=1))
+  return jnp.where(scale > 0, norms, 0.0)
+
+
 def guard_rows(rows: jax.Array, reference: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
   """Clips rows whose squared norm exceeds ``threshold * reference`` back to that bound; returns the count.
 
   ``reference`` is the running ``tr C`` (the expected squared row norm); before any
-  data it is the batch's median squared norm (its mean if the median is 0). Norms
-  are taken with a per-row rescale, so rows of 1e18 do not overflow.
+  data it is the batch's median squared norm (its mean if the median is 0). Norms are float32's sums of
+  squares where those are normal numbers, else taken again with a per-row rescale, so rows of 1e18 do not
+  overflow and rows of 1e-18 keep their precision.
   """
-  scale = jnp.max(jnp.abs(rows), axis=1)
-  safe = jnp.where(scale > 0, scale, 1.0)
-  norms = safe * jnp.sqrt(jnp.sum(jnp.square(rows / safe[:, None]), axis=1))
-  norms = jnp.where(scale > 0, norms, 0.0)
-  sq = jnp.square(norms)
-  batch_ref = jnp.median(sq)
-  batch_ref = jnp.where(batch_ref > 0, batch_ref, jnp.mean(sq))
-  ref = jnp.where(reference > 0, reference, batch_ref)
+  sq = jnp.sum(jnp.square(rows), axis=1)
+  info = jnp.finfo(sq.dtype)
+  plain = jnp.all((sq < info.max) & ((sq >= info.tiny / info.eps) | jnp.all(rows == 0, axis=1, keepdims=False)))
+  norms = jax.lax.cond(plain, jnp.sqrt, lambda sq: _row_norms(rows), sq)
+
+  def batch_reference(norms):  # before any data: the batch's median squared norm (its mean if that is 0)
+    sq = jnp.square(norms)
+    median = jnp.median(sq)
+    return jnp.where(median > 0, median, jnp.mean(sq))
+
+  # the running reference typed as the rows are (under shard_map the state is replicated, the rows are not)
+  running = lambda norms: reference.astype(norms.dtype) + jnp.zeros_like(norms[0])
+  ref = jax.lax.cond(reference > 0, running, batch_reference, norms)
   bound = jnp.sqrt(threshold) * jnp.sqrt(ref)  # not sqrt(threshold * ref): that overflows at ref ~ 3e36
   over = norms > bound
   factor = jnp.where(over, bound / jnp.where(over, norms, 1.0), 1.0)
-  return rows * factor[:, None], jnp.sum(over).astype(jnp.int32)
+  count = jnp.sum(over).astype(jnp.int32)
+  # a batch with no row over the bound (the common case) is passed on as it is, not multiplied by ones
+  return jax.lax.cond(count > 0, lambda rows: rows * factor[:, None], lambda rows: rows, rows), count
 
 
 def fold_kernel(plan, state, x, outlier_threshold):

@@ -344,6 +344,22 @@ def test_guard_clips_to_the_bound_at_any_scale(scale, reference):
   assert np.all(np.isfinite(np.asarray(clipped)))
 
 
+@pytest.mark.parametrize("odd_row", [0.0, 1e-21, 1e20])
+@pytest.mark.parametrize("reference", [30.0, 0.0])
+def test_guard_matches_float64_with_zero_tiny_or_huge_rows_among_ordinary_ones(odd_row, reference):
+  """One zero, subnormal-squared or overflowing row in a batch of ordinary ones: the clipped rows against
+  float64, with the running reference and with none (the batch's median squared norm)."""
+  rows64 = np.r_[np.random.default_rng(0).standard_normal((7, 5)), np.full((1, 5), odd_row), np.full((2, 5), 60.0)]
+  rows = jnp.asarray(rows64, jnp.float32)
+  clipped, count = fold.guard_rows(rows, jnp.asarray(reference, jnp.float32), 100.0)
+  norms = np.linalg.norm(np.asarray(rows, np.float64), axis=1)
+  ref = reference if reference > 0 else np.median(norms ** 2)
+  bound = np.sqrt(100.0 * ref)
+  expected = np.asarray(rows, np.float64) * np.where(norms > bound, bound / np.maximum(norms, 1e-300), 1.0)[:, None]
+  assert int(count) == int(np.sum(norms > bound)) >= 2
+  np.testing.assert_allclose(np.asarray(clipped, np.float64), expected, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("warm_start", [False, True])
 def test_state_can_be_donated(warm_start):
   """No buffer appears twice in the state (the paper-mode streaming state once held Omega twice)."""
