@@ -238,7 +238,7 @@ def scsgd_eigen_muon(
   scale. ``update`` takes ``layer_inputs=`` as :func:`scsgd` does.
 
   State: :func:`scale_by_eigenbasis_adam`'s for the hidden kernels (within Adam's for the sketched basis), Adam's
-  moments for the rest, one counter: within AdamW's under the default memory rule. Cost: the eigenbasis's three
+  moments for the rest, one counter: within AdamW's under the default memory rule. Cost: the eigenbasis's five
   ``(k x n) (n x p)`` products and Muon's Newton-Schulz iterations.
 
   Args:

@@ -238,15 +238,16 @@ def orthogonalize(x: jax.Array) -> jax.Array:
 def _direction(q, v, m, g, moments: EigenMoments, b2, correction, eps, tail: Tail = "factored", output=None):
   """One ``(n, p)`` matrix: its second moments updated with ``g`` and Adam's direction of the bias-corrected
   first moment ``m``, in the basis ``U = Q V`` (``q=None``: ``U = V``; ``v=None``: the coordinate basis) and rotated
-  back; ``correction`` is the second moment's bias correction ``1 - b2^t``. ``U`` is applied as two products
-  (``V^T (Q^T x)``), never formed. ``output=(q_out, v_out)``: rotated on the output side too, ``U^T x U_out``."""
+  back; ``correction`` is the second moment's bias correction ``1 - b2^t``. ``U = Q V`` is formed once (``n k^2``)
+  and applied as one product each way. ``output=(q_out, v_out)``: rotated on the output side too, ``U^T x U_out``."""
   ema = lambda v, x: b2 * v + (1.0 - b2) * x
   if v is None:
     lead = ema(moments.lead, jnp.square(g))
     return m / (jnp.sqrt(lead / correction) + eps), moments._replace(lead=lead)
   if output is None:
-    rotate = lambda x: v.T @ (x if q is None else q.T @ x)
-    back = lambda y: v @ y if q is None else q @ (v @ y)
+    u = v if q is None else q @ v  # formed once: three products each way share it
+    rotate = lambda x: u.T @ x
+    back = lambda y: u @ y
     full = q is None
   else:
     q_out, v_out = output
@@ -322,7 +323,8 @@ def scale_by_eigenbasis_adam(
   basis as one layer (pass ``input_axes`` for a layout init cannot read from the parameters, such as a scanned
   stack). The two sides split ``memory_share``.
 
-  Cost: three ``(k x n) (n x p)`` products a step per kernel (``O(n k p)``, the conditioning's own order), and
+  Cost: ``U = Q V`` formed (``n k^2``) and five ``(k x n) (n x p)`` products a step per kernel (two into the basis,
+  three back; three at ``k = n``: ``O(n k p)``, the conditioning's own order), and
   an ``eigh`` of ``k x k`` per refresh. State: Adam's first moment (``n p``), the rotated second moment
   (``k p``), the tail (``n + p``), the basis as a rotation of the factor's ``Q`` (``k^2``), the conditioning's
   factor and statistics. Under ``statistics='auto'`` the memory rule counts all but the first moment against
