@@ -53,11 +53,15 @@ def on_state_rule_version(config, task: str, rows: tuple[str, ...], retune: tupl
 # the step rule's tables: the eigenbasis in front of Muon with three Newton-Schulz steps at Polar Express's
 # coefficients (chosen on the development task), beside its five-step row, the first peer and the target's rows
 STEP_RULE_ROWS = ("scsgd_eigen_muon_polar3", "muon", "scsgd_eigen_muon", "adamw", "sgd")
-# experiments/report.py's code hash of the version with the three-step row (the coefficients in experiments/peers.py)
-STEP_RULE_CODE = "2751be0fab1dcafc"
+# experiments/report.py's code hash of the version the step rule's tables run: the fold's guard on float32's sums
+# of squares, the eigenbasis U = Q V formed once a step (the same updates, to rounding, as the version before)
+STEP_RULE_CODE = "7404a489e98023d7"
+# the version before, with the three-step row's first tables (the coefficients in experiments/peers.py): a table
+# not yet re-run on STEP_RULE_CODE names it
+FIRST_STEP_RULE_CODE = "2751be0fab1dcafc"
 
 
-def on_step_rule_version(config, task: str):
+def on_step_rule_version(config, task: str, code: str = STEP_RULE_CODE):
   """``config`` (``task``'s table on the state-rule version) as the step rule's table, all of one code version: the
   three-step row tunes on three rates half a decade apart around the rate its five-step row chose on that table
   (one more past an end that wins); the other rows take the rates that table ran (its directory's seed-0 grid)."""
@@ -66,7 +70,7 @@ def on_step_rule_version(config, task: str):
   config.benchmark.points_from = state_rule
   config.benchmark.centre_from = (state_rule,)
   config.benchmark.centre_as = {"scsgd_eigen_muon_polar3": "scsgd_eigen_muon"}
-  config.benchmark.frozen_code = STEP_RULE_CODE
+  config.benchmark.frozen_code = code
   config.benchmark.all_optimizers = STEP_RULE_ROWS
   config.benchmark.optimizers = STEP_RULE_ROWS
   return config
