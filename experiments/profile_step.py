@@ -29,8 +29,6 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
-import numpy as np
 from absl import flags
 
 from experiments import benchmark_step
