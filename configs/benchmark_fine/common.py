@@ -56,12 +56,9 @@ STEP_RULE_ROWS = ("scsgd_eigen_muon_polar3", "muon", "scsgd_eigen_muon", "adamw"
 # experiments/report.py's code hash of the version the step rule's tables run: the fold's guard on float32's sums
 # of squares, the eigenbasis U = Q V formed once a step (the same updates, to rounding, as the version before)
 STEP_RULE_CODE = "7404a489e98023d7"
-# the version before, with the three-step row's first tables (the coefficients in experiments/peers.py): a table
-# not yet re-run on STEP_RULE_CODE names it
-FIRST_STEP_RULE_CODE = "2751be0fab1dcafc"
 
 
-def on_step_rule_version(config, task: str, code: str = STEP_RULE_CODE):
+def on_step_rule_version(config, task: str):
   """``config`` (``task``'s table on the state-rule version) as the step rule's table, all of one code version: the
   three-step row tunes on three rates half a decade apart around the rate its five-step row chose on that table
   (one more past an end that wins); the other rows take the rates that table ran (its directory's seed-0 grid)."""
@@ -70,7 +67,7 @@ def on_step_rule_version(config, task: str, code: str = STEP_RULE_CODE):
   config.benchmark.points_from = state_rule
   config.benchmark.centre_from = (state_rule,)
   config.benchmark.centre_as = {"scsgd_eigen_muon_polar3": "scsgd_eigen_muon"}
-  config.benchmark.frozen_code = code
+  config.benchmark.frozen_code = STEP_RULE_CODE
   config.benchmark.all_optimizers = STEP_RULE_ROWS
   config.benchmark.optimizers = STEP_RULE_ROWS
   return config

@@ -7,5 +7,4 @@ from configs.benchmark_fine import mnist_state_rule
 
 
 def get_config():
-  return common.on_step_rule_version(mnist_state_rule.get_config(), "mnist",
-                                     common.FIRST_STEP_RULE_CODE)  # not yet re-run on common.STEP_RULE_CODE
+  return common.on_step_rule_version(mnist_state_rule.get_config(), "mnist")

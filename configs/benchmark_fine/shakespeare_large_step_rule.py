@@ -7,5 +7,4 @@ from configs.benchmark_fine import shakespeare_large_state_rule
 
 
 def get_config():
-  return common.on_step_rule_version(shakespeare_large_state_rule.get_config(), "shakespeare_large",
-                                     common.FIRST_STEP_RULE_CODE)  # not yet re-run on common.STEP_RULE_CODE
+  return common.on_step_rule_version(shakespeare_large_state_rule.get_config(), "shakespeare_large")
