@@ -132,3 +132,27 @@ def assert_same_training(a_dir, b_dir):
   for a, b in zip(*rows):
     for k in {"train_loss", "test_loss"} & a.keys():
       assert abs(a[k] - b[k]) <= (1e-4 if a["step"] <= 20 else 1e-2) * abs(b[k]), (k, a, b)
+
+
+def adam_ratio_bound(b1, b2, t, nesterov=False):
+  """The largest |m_hat| / sqrt(v_hat) Adam reaches at step t, from its weights by Cauchy-Schwarz, summed term by
+  term: m_hat = sum_j w_j g_(t-j), v_hat = sum_j u_j g_(t-j)^2, bound sqrt(sum_j w_j^2 / u_j)."""
+  j = np.arange(t, dtype=np.float64)
+  u = (1 - b2) * b2 ** j / (1 - b2 ** t)
+  if nesterov:  # NAdam: b1 m_t / (1 - b1^(t+1)) + (1 - b1) g_t / (1 - b1^t)
+    w = b1 * (1 - b1) * b1 ** j / (1 - b1 ** (t + 1))
+    w[0] += (1 - b1) / (1 - b1 ** t)
+  else:
+    w = (1 - b1) * b1 ** j / (1 - b1 ** t)
+  return float(np.sqrt(np.sum(w ** 2 / u)))
+
+
+def adam_ratio(m_hat, v_hat, eps, bound):
+  """Adam's ratio m_hat / (sqrt(v_hat) + eps), clipped at its bound (where carried moments would pass it)."""
+  return np.clip(m_hat / (np.sqrt(v_hat) + eps), -bound, bound)
+
+
+def capped(x, limit):
+  """x scaled down to Frobenius norm limit where it is longer."""
+  norm = np.linalg.norm(x)
+  return x if norm <= limit else x * (limit / norm)

@@ -16,6 +16,7 @@ stays within Adam's.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Literal, NamedTuple, Optional
 
 import jax
@@ -32,7 +33,7 @@ from scsgd_jax._src import state as state_lib
 from scsgd_jax._src import transform
 from scsgd_jax._src.state import ScaleBySketchedConditioningState
 
-__all__ = ["EigenMoments", "ScaleByEigenbasisAdamState", "eigenbasis", "scale_by_eigenbasis_adam"]
+__all__ = ["EigenMoments", "ScaleByEigenbasisAdamState", "adam_ratio_bound", "eigenbasis", "scale_by_eigenbasis_adam"]
 
 Tail = Literal["factored", "scalar", "orthogonal"]
 Basis = Literal["inputs", "gradients"]
@@ -68,8 +69,12 @@ class ScaleByEigenbasisAdamState(NamedTuple):
     conditioning: the conditioning's state (statistics, factors, and the count of updates applied so far, which
       Adam's bias correction reads: :class:`ScaleBySketchedConditioningState`).
     mu: Adam's first moment, in the parameters' own coordinates (a tree like the parameters).
-    nu: Adam's second moment: a tree like the parameters with an :class:`EigenMoments` at each conditioned
-      kernel (its rotated coordinates) and Adam's own elsewhere.
+    nu: Adam's second moment of the leaves that get Adam itself (a tree like the parameters, each leaf shaped
+      like its parameter; ``optax.MaskedNode`` at the conditioned kernels and the leaves passed through).
+    moments: ``{kernel path: EigenMoments}``, each conditioned kernel's second moment in its rotated
+      coordinates. Kept apart from ``nu`` so that every leaf of a parameter-shaped tree has its parameter's
+      shape: Flax's ``nnx.Optimizer`` wraps such a leaf in its parameter's variable (its sharding annotation
+      included) and would turn a tuple there into a dict.
     rotations: ``{kernel path: V}``, the eigenbasis in use as a rotation of the conditioning's factor: ``U = Q V``
       (``V`` is ``k x k``; for a dense factor ``U = V``, ``n x n``), a leading axis per slice of a stack; none for a
       diagonal kind (the coordinate basis). Kept instead of ``U`` so the state does not hold ``Q`` twice.
@@ -81,7 +86,8 @@ class ScaleByEigenbasisAdamState(NamedTuple):
 
   conditioning: ScaleBySketchedConditioningState
   mu: optax.Updates
-  nu: Any
+  nu: optax.Updates
+  moments: dict[str, EigenMoments]
   rotations: dict[str, jax.Array]
   output: Optional[ScaleBySketchedConditioningState] = None
   output_rotations: Optional[dict[str, jax.Array]] = None
@@ -235,15 +241,22 @@ def orthogonalize(x: jax.Array) -> jax.Array:
   return y if wide else y.T
 
 
-def _direction(q, v, m, g, moments: EigenMoments, b2, correction, eps, tail: Tail = "factored", output=None):
+def _direction(q, v, m, g, moments: EigenMoments, b2, correction, eps, bound, tail: Tail = "factored",
+               output=None):
   """One ``(n, p)`` matrix: its second moments updated with ``g`` and Adam's direction of the bias-corrected
   first moment ``m``, in the basis ``U = Q V`` (``q=None``: ``U = V``; ``v=None``: the coordinate basis) and rotated
   back; ``correction`` is the second moment's bias correction ``1 - b2^t``. ``U = Q V`` is formed once (``n k^2``)
-  and applied as one product each way. ``output=(q_out, v_out)``: rotated on the output side too, ``U^T x U_out``."""
+  and applied as one product each way. ``output=(q_out, v_out)``: rotated on the output side too, ``U^T x U_out``.
+
+  The step is bounded as Adam's is in its own basis (:func:`adam_ratio_bound`): each rotated coordinate's ratio
+  is clipped at ``bound`` (it can pass it only where a refresh carried the moments into a new basis, whose
+  second moment is then an estimate), and the tail's step at ``bound (sqrt(n p) - sqrt(k p))`` in Frobenius norm,
+  so ``||step||_F <= bound sqrt(n p)``."""
   ema = lambda v, x: b2 * v + (1.0 - b2) * x
+  ratio = lambda x, second: jnp.clip(x / (jnp.sqrt(second / correction) + eps), -bound, bound)
   if v is None:
     lead = ema(moments.lead, jnp.square(g))
-    return m / (jnp.sqrt(lead / correction) + eps), moments._replace(lead=lead)
+    return ratio(m, lead), moments._replace(lead=lead)
   if output is None:
     u = v if q is None else q @ v  # formed once: three products each way share it
     rotate = lambda x: u.T @ x
@@ -258,20 +271,63 @@ def _direction(q, v, m, g, moments: EigenMoments, b2, correction, eps, tail: Tai
     full = q is None and q_out is None
   g_lead, m_lead = rotate(g), rotate(m)
   lead = ema(moments.lead, jnp.square(g_lead))
-  out = back(m_lead / (jnp.sqrt(lead / correction) + eps))
+  out = back(ratio(m_lead, lead))
   if full:  # k = n (on both sides, if both): no tail
     return out, moments._replace(lead=lead)
   m_tail = m - back(m_lead)
+  tail_limit = bound * (math.sqrt(m.size) - math.sqrt(lead.size))
   if tail == "orthogonal":  # COSMOS's tail: orthogonalized, at AdamW's RMS, no state
     scale = _ORTHOGONAL_RMS * jnp.sqrt(float(max(m.shape)))
-    return out + scale * orthogonalize(m_tail), moments._replace(lead=lead)
+    return out + _capped(scale * orthogonalize(m_tail), tail_limit), moments._replace(lead=lead)
   g_tail = g - back(g_lead)
   sq = jnp.square(g_tail)
   if moments.row is None:
     new = EigenMoments(lead, None, ema(moments.col, jnp.mean(sq)))
   else:
     new = EigenMoments(lead, ema(moments.row, jnp.mean(sq, axis=1)), ema(moments.col, jnp.mean(sq, axis=0)))
-  return out + m_tail / (jnp.sqrt(_tail_moment(new) / correction) + eps), new
+  return out + _capped(m_tail / (jnp.sqrt(_tail_moment(new) / correction) + eps), tail_limit), new
+
+
+def _capped(x: jax.Array, limit) -> jax.Array:
+  """``x`` scaled down to Frobenius norm ``limit`` where it is longer."""
+  norm = jnp.linalg.norm(x)
+  return x * jnp.minimum(1.0, limit / jnp.maximum(norm, _TINY))
+
+
+def adam_ratio_bound(b1, b2, count, nesterov: bool = False) -> jax.Array:
+  r"""The largest ``|m_hat| / sqrt(v_hat)`` Adam can take at step ``count`` (``eps = 0``), whatever the gradients.
+
+  With ``m_hat = sum_j w_j g_{t-j}`` and ``v_hat = sum_j u_j g_{t-j}^2`` (bias-corrected EMAs), Cauchy-Schwarz
+  gives ``|m_hat| <= sqrt(sum_j w_j^2 / u_j) sqrt(v_hat)``: with ``r = b1^2 / b2`` and ``S = sum_{j<t} r^j``,
+
+  .. math::
+
+    c_t^2 = \frac{1 - b_2^t}{1 - b_2} \Big(\frac{1 - b_1}{1 - b_1^t}\Big)^2 S
+
+  (NAdam's Nesterov form, ``w_0`` gaining ``(1 - b1) / (1 - b1^t)``, adds its terms alike). About 7.3 for
+  ``(0.9, 0.999)`` late in training, 1 at the first step: Adam's update per coordinate is at most ``c_t`` times
+  the rate, in any basis its moments were kept in.
+  """
+  t = jnp.asarray(count, jnp.float32)
+  r = b1 * b1 / jnp.maximum(b2, _TINY)
+  series = lambda n: jnp.where(jnp.abs(1.0 - r) < 1e-6, n, (1.0 - r ** n) / jnp.where(r == 1.0, 1.0, 1.0 - r))
+  spread = (1.0 - b2 ** t) / (1.0 - b2)
+  if not nesterov:
+    return jnp.sqrt(spread * ((1.0 - b1) / (1.0 - b1 ** t)) ** 2 * series(t))
+  later = b1 * (1.0 - b1) / (1.0 - b1 ** (t + 1.0))
+  first = later + (1.0 - b1) / (1.0 - b1 ** t)
+  return jnp.sqrt(spread * (first ** 2 + later ** 2 * (series(t) - 1.0)))
+
+
+def _checked_moments(moments) -> dict[str, EigenMoments]:
+  """The state's ``moments``, each an :class:`EigenMoments` (a checkpoint restored without its target's types
+  would hold dicts: refused, naming the kernel)."""
+  for path, m in moments.items():
+    if not isinstance(m, EigenMoments):
+      raise TypeError(f"scale_by_eigenbasis_adam's state.moments[{path!r}] is a {type(m).__name__}, not an "
+                      "EigenMoments: restore a checkpoint into the state of tx.init(params) (its target), which "
+                      "keeps the state's types.")
+  return dict(moments)
 
 
 def scale_by_eigenbasis_adam(
@@ -428,19 +484,18 @@ def scale_by_eigenbasis_adam(
     return {p for p in map(plan_lib.path_to_str, (q for q, _ in jax.tree_util.tree_flatten_with_path(tree)[0]))
             if p not in kernel_plans and (others == "adam" or p in chosen)}
 
-  def moments_tree(params, kernel_plans, two=None):
-    two = two or {}
+  def adam_moment(params, kernel_plans):
+    """Adam's zero second moment at the leaves that get Adam itself; ``MaskedNode`` elsewhere."""
     adam = adam_leaves(params, kernel_plans)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.zeros_like(x) if plan_lib.path_to_str(p) in adam else optax.MaskedNode(), params)
 
-    def one(path, leaf):
-      key = plan_lib.path_to_str(path)
-      plan = kernel_plans.get(key)
-      if plan is None:
-        return jnp.zeros_like(leaf) if key in adam else optax.MaskedNode()
-      width = leaf.size // (plan.n * (plan.slices or 1))
-      return _fresh_moments(plan, width, tail, two.get(key))
-
-    return jax.tree_util.tree_map_with_path(one, params)
+  def kernel_moments(params, kernel_plans, two=None) -> dict[str, EigenMoments]:
+    """Each conditioned kernel's zero moments in its rotated coordinates (:func:`_fresh_moments`)."""
+    two = two or {}
+    leaves = {plan_lib.path_to_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return {path: _fresh_moments(plan, leaves[path].size // (plan.n * (plan.slices or 1)), tail, two.get(path))
+            for path, plan in kernel_plans.items()}
 
   def rotations_of(factors, kernel_plans):
     out = {}
@@ -459,7 +514,8 @@ def scale_by_eigenbasis_adam(
         mu=jax.tree_util.tree_map_with_path(
             lambda p, x, held=adam_leaves(params, kernel_plans) | set(kernel_plans): jnp.zeros_like(x)
             if plan_lib.path_to_str(p) in held else optax.MaskedNode(), params),
-        nu=moments_tree(params, kernel_plans, two),
+        nu=adam_moment(params, kernel_plans),
+        moments=kernel_moments(params, kernel_plans, two),
         rotations=rotations_of(conditioning_state.factors, kernel_plans),
         output=output_state,
         output_rotations=None if output_state is None else rotations_of(output_state.factors, two))
@@ -485,12 +541,13 @@ def scale_by_eigenbasis_adam(
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     paths = [plan_lib.path_to_str(p) for p, _ in flat]
     nus = treedef.flatten_up_to(state.nu)
-    shapes = treedef.flatten_up_to(jax.eval_shape(lambda: moments_tree(updates, kernel_plans, two)))
+    moments = _checked_moments(state.moments)
+    shapes = jax.eval_shape(lambda: kernel_moments(updates, kernel_plans, two))
     # a kernel re-planned at the first update (a layout init could not read): its moments and basis start afresh
-    restart = {p for p, f, v in zip(paths, shapes, nus) if not state_lib.same_shapes(f, v)}
+    restart = {p for p, f in shapes.items() if p not in moments or not state_lib.same_shapes(f, moments[p])}
     if restart:
-      fresh = treedef.flatten_up_to(moments_tree(updates, kernel_plans, two))
-      nus = [f if p in restart else v for p, f, v in zip(paths, fresh, nus)]
+      fresh = kernel_moments(updates, kernel_plans, two)
+      moments = {p: fresh[p] if p in restart else moments[p] for p in kernel_plans}
     rotations = {**state.rotations, **{p: r for p, r in rotations_of(conditioning_state.factors, kernel_plans).items()
                                        if p in restart or p not in state.rotations}}
     out_rotations = {} if output_state is None else {
@@ -499,10 +556,11 @@ def scale_by_eigenbasis_adam(
            if p in restart or p not in (state.output_rotations or {})}}
     count = optax.safe_increment(state.count)  # the conditioning's count before this update
     first_corr, second_corr = 1.0 - b1 ** count, 1.0 - b2 ** count
+    bound = adam_ratio_bound(b1, b2, count, nesterov)  # Adam's step per coordinate of its basis, at most
     mus = [m if isinstance(m, optax.MaskedNode) else (b1 * m + (1.0 - b1) * g).astype(m.dtype)
            for m, (_, g) in zip(treedef.flatten_up_to(state.mu), flat)]
 
-    out, new_nus, new_rotations, new_out_rotations = [], [], {}, {}
+    out, new_nus, new_moments, new_rotations, new_out_rotations = [], [], {}, {}, {}
     late = basis == "gradients"
     for path, (_, g), m, v in zip(paths, flat, mus, nus):
       if isinstance(m, optax.MaskedNode):  # others="identity"
@@ -519,6 +577,8 @@ def scale_by_eigenbasis_adam(
         out.append((m_hat / (jnp.sqrt(v / second_corr) + eps)).astype(g.dtype))
         new_nus.append(v)
         continue
+      new_nus.append(v)  # a conditioned kernel's moments are in `moments`
+      v = moments[path]
       r = rotations.get(path)
       new = conditioning_state.factors[path]
       # a refreshed factor gives a new basis, the moments carried into it: before this step's direction for the
@@ -544,12 +604,12 @@ def scale_by_eigenbasis_adam(
             r, r_out, v = rebase((r, r_out, v))
         mm, restore = sketch.kernel_matrix(m_hat, plan.input_axes)
         gm, _ = sketch.kernel_matrix(g32, plan.input_axes)
-        direction, v = _direction(q, r, mm, gm, v, b2, second_corr, eps, tail, (q_out, r_out))
+        direction, v = _direction(q, r, mm, gm, v, b2, second_corr, eps, bound, tail, (q_out, r_out))
         if late and rebase is not None:
           r, r_out, v = rebase((r, r_out, v))
         new_rotations[path], new_out_rotations[path] = r, r_out
         out.append(restore(direction).astype(g.dtype))
-        new_nus.append(v)
+        new_moments[path] = v
         continue
       q, rebase = (new.q if r is not None else None), None
       if r is not None and path not in restart:
@@ -572,7 +632,7 @@ def scale_by_eigenbasis_adam(
       def one(q, r, m_slice, g_slice, moments, plan=plan):
         mm, restore = sketch.kernel_matrix(m_slice, plan.input_axes)
         gm, _ = sketch.kernel_matrix(g_slice, plan.input_axes)
-        direction, moments = _direction(q, r, mm, gm, moments, b2, second_corr, eps, tail)
+        direction, moments = _direction(q, r, mm, gm, moments, b2, second_corr, eps, bound, tail)
         return restore(direction), moments
 
       if plan.slices is None:
@@ -587,10 +647,10 @@ def scale_by_eigenbasis_adam(
       if r is not None:
         new_rotations[path] = r
       out.append(direction.astype(g.dtype))
-      new_nus.append(v)
+      new_moments[path] = v
     return treedef.unflatten(out), ScaleByEigenbasisAdamState(
-        conditioning=conditioning_state, mu=treedef.unflatten(mus),
-        nu=treedef.unflatten(new_nus), rotations=new_rotations, output=output_state,
+        conditioning=conditioning_state, mu=treedef.unflatten(mus), nu=treedef.unflatten(new_nus),
+        moments=new_moments, rotations=new_rotations, output=output_state,
         output_rotations=None if output_state is None else new_out_rotations)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
