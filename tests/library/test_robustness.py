@@ -1,0 +1,117 @@
+"""Every alias on small models of each kind, through Flax's ``nnx.Optimizer`` (the README's step): the eigenbasis
+steps stay within Adam's own bound at every step, refreshes included, and no alias diverges at a rate where its
+base optimizer trains stably on the same model and batches."""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import optax.contrib
+import pytest
+
+import scsgd_jax as sk
+from tests import helpers
+from tests.library import zoo
+
+KINDS = tuple(zoo.MODELS)
+axes = sk.input_axes_nnx
+FAST = dict(update_every=3)  # refreshes at steps 1, 2, 4 (warm start) and every third: the basis moves often
+
+# (transformation at rate 1 of a model, b1, nesterov): Adam in the eigenbasis as each alias runs it
+EIGENBASES = {
+    "scsgd_eigen": (lambda m: sk.scsgd_eigen(1.0, input_axes=axes(m), **FAST), 0.9, False),
+    "full_rank": (lambda m: sk.scsgd_eigen(1.0, conditioner="full", statistics="dense", input_axes=axes(m), **FAST),
+                  0.9, False),
+    # scsgd_eigen_muon's first stage (Nesterov, b1 = Muon's beta), every leaf Adam so every leaf is bounded
+    "eigen_muon_stage": (lambda m: optax.chain(
+        sk.scale_by_eigenbasis_adam(b1=0.95, nesterov=True, kernel_filter=sk.muon_kernel_filter("head"),
+                                    input_axes=axes(m), **FAST), optax.scale(-1.0)), 0.95, True),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("variant", sorted(EIGENBASES))
+def test_eigenbasis_step_is_bounded_as_adams_in_its_own_basis(kind, variant):
+  """At every step t (refreshes included) each leaf's update has ``||u||_F <= c_t lr sqrt(size)``, ``c_t`` Adam's
+  largest ``|m_hat| / sqrt(v_hat)`` for its betas (summed term by term here): Adam's own bound, in any basis."""
+  make, b1, nesterov = EIGENBASES[variant]
+  rate, worst = 1e-3, []
+
+  def check(i, updates, model):
+    c = helpers.adam_ratio_bound(b1, 0.999, i + 1, nesterov)
+    for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]:
+      norm, limit = float(np.linalg.norm(u)), c * rate * np.sqrt(u.size)
+      worst.append((norm / limit, i, jax.tree_util.keystr(path)))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(model))
+
+  zoo.train(kind, make, rate, 12, on_update=check)
+  assert max(worst)[0] <= 1.0 + 1e-5, max(worst)
+
+
+def _aliases():
+  conditioning = lambda m: sk.scale_by_sketched_conditioning(input_axes=axes(m))
+  return {  # name: (optimizer at rate 1 of a model, its base optimizer, needs the output rows)
+      "scsgd": (lambda m: sk.scsgd(1.0, input_axes=axes(m)), "sgd", False),
+      "scsgd_eigen": (lambda m: sk.scsgd_eigen(1.0, input_axes=axes(m)), "adamw", False),
+      "scsgd_eigen_full": (lambda m: sk.scsgd_eigen(1.0, conditioner="full", statistics="dense",
+                                                    input_axes=axes(m)), "adamw", False),
+      "scsgd_eigen_muon": (lambda m: sk.scsgd_eigen_muon(1.0, output_layer="head", input_axes=axes(m)), "muon",
+                           False),
+      "scsgd_two_sided": (lambda m: sk.scsgd_two_sided(1.0, input_axes=axes(m)), "adamw", True),
+      "conditioning_adamw": (lambda m: optax.chain(conditioning(m), optax.adamw(1.0)), "adamw", False),
+      "conditioning_muon": (lambda m: optax.chain(conditioning(m), optax.contrib.muon(1.0)), "muon", False),
+  }
+
+
+# each base as optax builds it, at rate 1 (the rate comes per step), and its grid of rates
+BASES = {
+    "sgd": (lambda m: optax.sgd(1.0, momentum=0.9, nesterov=True), (0.01, 0.03, 0.1)),
+    "adamw": (lambda m: optax.adamw(1.0), (1e-3, 3e-3, 1e-2)),
+    "muon": (lambda m: optax.contrib.muon(1.0), (0.01, 0.03, 0.1)),
+}
+STEPS = 30
+
+
+def _stable(losses) -> bool:
+  """Trained without diverging: every loss finite and the last five's mean below the first loss."""
+  return bool(np.all(np.isfinite(losses)) and np.mean(losses[-5:]) < losses[0])
+
+
+def _trains_stably(losses) -> bool:
+  """Trained, and stably: every loss finite, none above 1.25x the first, the last five's mean at most 0.9x it."""
+  return bool(np.all(np.isfinite(losses)) and max(losses) <= 1.25 * losses[0]
+              and np.mean(losses[-5:]) <= 0.9 * losses[0])
+
+
+def _stable_rates(kind, base):
+  """The grid's rates at which ``base`` trains stably on ``kind``: there, and without diverging at twice the rate (a
+  rate at the edge of the base's stability, where twice it diverges, is no rate it trains stably at)."""
+  return [r for r in BASES[base][1]
+          if _trains_stably(_base_losses(kind, base, r)) and _stable(_base_losses(kind, base, 2 * r))]
+
+
+@functools.lru_cache(maxsize=None)
+def _base_losses(kind, base, rate):
+  return tuple(zoo.train(kind, BASES[base][0], rate, STEPS, capture=False))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("alias", sorted(_aliases()))
+def test_no_alias_diverges_where_its_base_trains(kind, alias):
+  make, base, two_sided = _aliases()[alias]
+  stable = _stable_rates(kind, base)
+  assert stable, f"{base} trains at none of its rates on {kind}: the matrix tests nothing"
+  for rate in stable:
+    losses = zoo.train(kind, make, rate, STEPS, two_sided=two_sided)
+    assert _stable(losses), (alias, kind, rate, losses[:3], losses[-5:], "base:", _base_losses(kind, base, rate)[-1])
+
+
+def test_eigen_trains_the_mlp_at_adams_rates_to_adamws_best():
+  """scsgd_eigen on the ReLU MLP with dead units trains at every rate of Adam's grid, and its best final loss is at
+  or below AdamW's best on the same batches."""
+  eigen = {r: zoo.train("mlp", _aliases()["scsgd_eigen"][0], r, STEPS) for r in BASES["adamw"][1]}
+  adamw = {r: _base_losses("mlp", "adamw", r) for r in BASES["adamw"][1]}
+  assert all(_stable(losses) for losses in eigen.values()), eigen
+  best = lambda runs: min(np.mean(losses[-5:]) for losses in runs.values())
+  assert best(eigen) <= best(adamw), (best(eigen), best(adamw))

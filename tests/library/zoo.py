@@ -1,0 +1,142 @@
+"""Small models of each kind a user trains (a ReLU MLP with dead units, a CNN, a transformer block, a scanned
+stack), each with its batches and its loss, and one NNX training loop for any optimizer: what the robustness
+tests run every alias on."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import scsgd_jax as sk
+
+V, D, T, CLASSES = 11, 16, 6, 5
+
+
+class DeadMLP(nnx.Module):
+  """ReLU MLP 16 -> 32 -> 32 -> 5 whose first layer has a quarter of its units dead (bias -10): the second
+  layer's inputs have zero rows and columns, a rank-deficient C."""
+
+  def __init__(self, rngs):
+    self.l1, self.l2, self.l3 = (nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 32, rngs=rngs),
+                                 nnx.Linear(32, CLASSES, rngs=rngs))
+    self.l1.bias[...] = jnp.where(jnp.arange(32) % 4 == 0, -10.0, 0.0)
+
+  def __call__(self, x):
+    return self.l3(jax.nn.relu(self.l2(jax.nn.relu(self.l1(x)))))
+
+
+class CNN(nnx.Module):
+  def __init__(self, rngs):
+    self.c1 = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+    self.c2 = nnx.Conv(4, 8, (3, 3), strides=2, rngs=rngs)
+    self.head = nnx.Linear(8 * 4 * 4, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    x = jax.nn.relu(self.c2(jax.nn.relu(self.c1(x))))
+    return self.head(x.reshape(x.shape[0], -1))
+
+
+class Block(nnx.Module):
+  def __init__(self, rngs):
+    self.attn = nnx.MultiHeadAttention(2, D, qkv_features=D, decode=False, rngs=rngs)
+    self.norm = nnx.LayerNorm(D, rngs=rngs)
+    self.up, self.down = nnx.Linear(D, 2 * D, rngs=rngs), nnx.Linear(2 * D, D, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(x)
+    return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+class TransformerBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.embed, self.block, self.head = nnx.Embed(V, D, rngs=rngs), Block(rngs), nnx.Linear(D, V, rngs=rngs)
+
+  def __call__(self, ids):
+    return self.head(self.block(self.embed(ids)))
+
+
+class ScannedStack(nnx.Module):
+  """Two blocks made by ``nnx.vmap`` and run by ``nnx.scan``, as Flax's docs scan a transformer."""
+
+  def __init__(self, rngs):
+    self.embed, self.head = nnx.Embed(V, D, rngs=rngs), nnx.Linear(D, V, rngs=rngs)
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return Block(rngs)
+
+    self.blocks = make(rngs)
+
+  def __call__(self, ids):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, block):
+      return block(x)
+
+    return self.head(body(self.embed(ids), self.blocks))
+
+
+def batches(kind: str, steps: int, seed: int = 0, batch: int = 32):
+  """``steps`` batches ``(x, labels)`` for a model of ``kind``: ill-conditioned Gaussian inputs labelled by a fixed
+  random teacher (MLP, CNN), or token sequences whose next token is the current one plus one (the LMs)."""
+  rng = np.random.default_rng(seed)
+  if kind == "mlp":
+    teacher, scale = rng.standard_normal((16, CLASSES)), np.logspace(0, -2, 16)
+    for _ in range(steps):
+      x = rng.standard_normal((batch, 16)) * scale
+      yield jnp.asarray(x, jnp.float32), jnp.asarray(np.argmax(x @ teacher, 1))
+  elif kind == "cnn":
+    teacher = rng.standard_normal((64, CLASSES))
+    for _ in range(steps):
+      x = rng.standard_normal((batch, 8, 8, 1))
+      yield jnp.asarray(x, jnp.float32), jnp.asarray(np.argmax(x.reshape(batch, -1) @ teacher, 1))
+  else:
+    for _ in range(steps):
+      ids = rng.integers(0, V, (batch // 4, T))
+      yield jnp.asarray(ids), jnp.asarray((ids + 1) % V)
+
+
+MODELS = {"mlp": DeadMLP, "cnn": CNN, "transformer": TransformerBlock, "scanned": ScannedStack}
+
+
+def scaled_by_rate() -> optax.GradientTransformationExtraArgs:
+  """The updates times the ``rate=`` extra argument of ``update``: a rate chosen per call, so one compiled step
+  serves a whole grid of rates (every alias is linear in its rate)."""
+
+  def update(updates, state, params=None, *, rate=1.0, **extra):
+    del params, extra
+    return jax.tree.map(lambda u: u * rate, updates), state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def train(kind: str, make_tx, rate: float, steps: int, *, capture=True, two_sided=False, on_update=None):
+  """Losses of ``steps`` NNX steps (the README's step) of a fresh ``MODELS[kind]`` under ``make_tx(model)``
+  chained with :func:`scaled_by_rate` at ``rate``; ``on_update(step, updates, model)`` sees each update."""
+  model = MODELS[kind](nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.chain(make_tx(model), scaled_by_rate()), wrt=nnx.Param)
+  losses = []
+  for i, (x, y) in enumerate(batches(kind, steps)):
+    loss, updates = _step(model, optimizer, x, y, jnp.float32(rate), jax.random.PRNGKey(i), capture, two_sided)
+    losses.append(float(loss))
+    if on_update is not None:
+      on_update(i, updates, model)
+  return losses
+
+
+@nnx.jit(static_argnums=(6, 7))
+def _step(model, optimizer, x, y, rate, key, capture, two_sided):
+  def loss_fn(model, perturbations):
+    if capture:
+      logits, inputs = sk.capture_nnx(model, x, rng=key, output_perturbations=perturbations)
+    else:
+      logits, inputs = model(x), None
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), inputs
+
+  perturbations = sk.output_perturbations_nnx(model, x) if two_sided else None
+  (loss, inputs), (grads, deltas) = nnx.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(model, perturbations)
+  extra = {"layer_inputs": inputs} if capture else {}
+  if two_sided:
+    extra["output_grads"] = deltas
+  return loss, optimizer.update(model, grads, rate=rate, **extra)
