@@ -266,10 +266,10 @@ def scsgd_eigen_muon(
                       f"argument where it has one ({', '.join(_MUON_OWN)}).")
   chosen = conditioning.pop("kernel_filter", None) or muon_lib.muon_kernel_filter(output_layer)
   hidden = muon_lib.muon_kernels(chosen, conditioning.get("input_axes"))
-  return muon_lib.behind(
+  return muon_lib.checked_output_layer(output_layer, muon_lib.behind(
       eigenbasis.scale_by_eigenbasis_adam(rank, b1=beta, b2=b2, eps=eps, nesterov=True, others="identity",
                                           kernel_filter=hidden, **conditioning),
       optax.contrib.muon(
           learning_rate, beta=0.0, adam_learning_rate=adam_learning_rate, weight_decay=weight_decay,
           muon_weight_dimension_numbers=muon_lib.muon_dimension_numbers(hidden, conditioning.get("input_axes")),
-          **muon))
+          **muon)))

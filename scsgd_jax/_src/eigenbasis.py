@@ -42,6 +42,8 @@ _TINY = 1e-30
 # Muon's quintic Newton-Schulz iteration (Jordan et al. 2024): 5 steps take a matrix's singular values near 1
 _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _NS_STEPS = 5
+# the conditioning's arguments that scale C's eigenvalues but keep its eigenvectors: the eigenbasis reads only these
+_NO_EFFECT = ("eigenvalue_floor", "normalize")
 # an orthogonalized (n, p) tail is scaled by this times sqrt(max(n, p)): AdamW's typical update RMS (Liu et al. 2025)
 _ORTHOGONAL_RMS = 0.2
 
@@ -427,12 +429,15 @@ def scale_by_eigenbasis_adam(
       checks.check_float(name, value, low=0.0, high=1.0, high_open=True)
   if not isinstance(eps, jax.Array):
     checks.check_float("eps", eps, low=0.0)
+  for name in _NO_EFFECT:
+    if name in conditioning:
+      raise TypeError(f"scale_by_eigenbasis_adam got {name}=, which changes the conditioner's eigenvalues only: the "
+                      "eigenbasis reads its eigenvectors, which it leaves as they are; drop it.")
   args = transform.arguments("scale_by_eigenbasis_adam", rank, seed=seed, **conditioning)
   checks.check_float("memory_share", memory_share, low=0.0, high=1.0, low_open=True)
   share = memory_share / 2 if sides == "both" else memory_share
   inner, plans = transform.conditioning_and_plans(args, budget_share=share, extra=_kept_beside(tail))
-  keep = args["kernel_filter"] or plan_lib.default_kernel_filter
-  row_key = jax.random.PRNGKey(seed + 2)  # the captured output rows' sampling (sides='both', basis='inputs')
+  keep = plan_lib.kernels_of(args["kernel_filter"], args["input_axes"])
   on_output_side = lambda path, leaf: keep(path, leaf) and output_lib.output_kernel_filter(path, leaf)
 
   @functools.lru_cache(maxsize=None)
@@ -535,7 +540,7 @@ def scale_by_eigenbasis_adam(
       else:
         output_lib.check_output_grads(output_grads, "scale_by_eigenbasis_adam(sides='both', basis='inputs')",
                                       "; or basis='gradients' (no capture)")
-        rows = output_lib.sample_rows(output_grads, jax.random.fold_in(row_key, state.count), defaults.MAX_ROWS)
+        rows = output_lib.sample_rows(output_grads, jax.random.fold_in(jax.random.PRNGKey(seed + 2), state.count), defaults.MAX_ROWS)
       _, output_state = out_inner.update(updates, state.output, params, layer_inputs=rows)
       output_state = output_summary(updates, output_state)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)

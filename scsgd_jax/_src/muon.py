@@ -136,3 +136,20 @@ def behind(first: optax.GradientTransformation, muon: optax.GradientTransformati
     return updates, (first_state, _lean(full, counts=True))
 
   return optax.GradientTransformationExtraArgs(init, update)
+
+
+def checked_output_layer(output_layer: str, tx: optax.GradientTransformationExtraArgs
+                         ) -> optax.GradientTransformationExtraArgs:
+  """``tx`` whose ``init`` refuses an ``output_layer`` that no kernel's path contains (a typo would send the head to
+  Newton-Schulz), naming the kernels it could name."""
+  if not output_layer:
+    return tx
+
+  def init(params):
+    kernels = plan_lib.kernel_paths(params, plan_lib.default_kernel_filter)
+    if not any(output_layer in path for path in kernels):
+      raise ValueError(f"output_layer={output_layer!r} is in no kernel's path; the kernels are {sorted(kernels)}: "
+                       "pass a part of the head's path (or output_layer='' for none).")
+    return tx.init(params)
+
+  return optax.GradientTransformationExtraArgs(init, tx.update)

@@ -97,12 +97,12 @@ def output_conditioning(args: dict[str, Any], *, output_axes: plan_lib.InputAxes
     raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}.")
   args = {**args, "kernel_filter": args["kernel_filter"] or output_kernel_filter, "input_axes": output_axes}
   inner = transform.conditioning(args, default_axes=default_output_axes, budget_share=budget_share)
-  row_key = jax.random.PRNGKey(args["seed"] + 1)
+  row_seed = args["seed"] + 1  # the key is made in the update: a key made here would leak from a jit building tx
 
   def update_fn(updates, state, params=None, *, output_grads=None, **extra_args):
     del extra_args
     check_output_grads(output_grads, "scale_by_output_conditioning")
-    output_grads = sample_rows(output_grads, jax.random.fold_in(row_key, state.count), max_rows)
+    output_grads = sample_rows(output_grads, jax.random.fold_in(jax.random.PRNGKey(row_seed), state.count), max_rows)
     return inner.update(updates, state, params, layer_inputs=output_grads)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)

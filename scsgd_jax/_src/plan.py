@@ -187,6 +187,19 @@ def default_kernel_filter(path: str, leaf: jax.Array) -> bool:
   return (name == "kernel" and ndim >= 2) or (name == "embedding" and ndim == 2)
 
 
+def kernels_of(kernel_filter: Optional[Callable[[str, Any], bool]], input_axes: InputAxes
+               ) -> Callable[[str, Any], bool]:
+  """The kernels conditioned: ``kernel_filter``'s; by default (``None``) Flax's kernels
+  (:func:`default_kernel_filter`) and every matrix an ``input_axes`` mapping names (a model whose kernels Flax's
+  names miss, e.g. Equinox's ``weight``, is conditioned by naming them there)."""
+  if kernel_filter is not None:
+    return kernel_filter
+  if not isinstance(input_axes, Mapping):
+    return default_kernel_filter
+  named = frozenset(input_axes)
+  return lambda path, leaf: default_kernel_filter(path, leaf) or (path in named and getattr(leaf, "ndim", 0) >= 2)
+
+
 def default_input_axes(path: str, leaf: jax.Array) -> tuple[int, ...]:
   """The input axes of a Flax kernel, read from its name and rank.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import math
 import types
+import warnings
 from typing import Any, Callable, Hashable, Literal, Optional, Union
 
 import jax
@@ -221,12 +222,14 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
                                        power_iterations=static["power_iterations"],
                                        eigenvalue_floor=a.eigenvalue_floor)
   spec = plan_lib.Spec(static["rank"], static["update_every"], static["full_max_dim"], static["oversample"],
-                       a.conditioner, a.statistics, a.budget, a.stagger, a.kernel_filter or plan_lib.default_kernel_filter,
+                       a.conditioner, a.statistics, a.budget, a.stagger, plan_lib.kernels_of(a.kernel_filter, a.input_axes),
                        a.input_axes, choices, default_axes, budget_share, extra)
   plans = state_lib.PlanCache(spec)
 
   def init_fn(params):
     kernel_plans = plans(params)
+    if not kernel_plans and default_axes is plan_lib.default_input_axes:  # the input side: say it, once a model
+      warn_nothing_conditioned(params)
     key, fresh = state_lib.fresh_kernel_states(kernel_plans, a.seed)
     return ScaleBySketchedConditioningState(
         count=jnp.zeros([], jnp.int32),
@@ -268,6 +271,18 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
         clipped_rows=clipped)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn), plans
+
+
+def warn_nothing_conditioned(params) -> None:
+  """A warning (once per model) that no leaf of ``params`` is conditioned, naming the leaves the filter saw."""
+  matrices = [plan_lib.path_to_str(p) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+              if np.ndim(leaf) >= 2]
+  warnings.warn(
+      f"scsgd_jax: no leaf is conditioned, so every leaf gets plain updates: the kernel filter took none of the "
+      f"parameters' matrices {matrices[:8]}{' ...' if len(matrices) > 8 else ''}. Flax names kernels 'kernel' and "
+      "'embedding'; for other names (Equinox's 'weight', a plain dict) say each kernel's input axes, e.g. "
+      "input_axes={'layers/0/weight': scsgd_jax.Layout(input_axes=(1,))} for an (out, in) weight, (0,) for "
+      "(in, out).", stacklevel=3)
 
 
 def _check_choices(conditioner, statistics, budget, warm_start, stagger, normalize) -> None:

@@ -13,7 +13,7 @@ import scsgd_jax as sk
 from tests import helpers
 
 EXACT = dict(statistics="dense", ema_rate=1.0, statistics_every=1, update_every=1, warm_start=False,
-             eigenvalue_floor=0.0, outlier_threshold=float("inf"))
+             outlier_threshold=float("inf"))
 LR, ADAM_LR, BETA, B2 = 0.02, 3e-3, 0.95, 0.99
 
 

@@ -15,7 +15,7 @@ from tests import helpers
 B1, B2, EPS = 0.9, 0.99, 1e-8
 # C of the latest batch alone (rate 1), folded and refreshed at every step from step 0, no floor, no guard
 EXACT = dict(statistics="dense", ema_rate=1.0, statistics_every=1, update_every=1, warm_start=False,
-             eigenvalue_floor=0.0, outlier_threshold=float("inf"))
+             outlier_threshold=float("inf"))
 
 
 def _batches(rng, steps, n=6, p=3, m=40):

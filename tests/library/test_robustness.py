@@ -115,3 +115,53 @@ def test_eigen_trains_the_mlp_at_adams_rates_to_adamws_best():
   assert all(_stable(losses) for losses in eigen.values()), eigen
   best = lambda runs: min(np.mean(losses[-5:]) for losses in runs.values())
   assert best(eigen) <= best(adamw), (best(eigen), best(adamw))
+
+
+@pytest.mark.parametrize("alias", sorted(_aliases()))
+def test_orbax_checkpoint_resumes_bit_for_bit(alias, tmp_path):
+  """Flax's checkpoint recipe: the model's and the ``nnx.Optimizer``'s state saved after 4 steps with orbax's
+  ``StandardCheckpointer``, restored into a freshly built model and optimizer (their abstract state the target),
+  4 more steps: the parameters equal the uninterrupted run's bit for bit, and the state keeps its types."""
+  import orbax.checkpoint as ocp
+  from flax import nnx
+
+  make, _, two_sided = _aliases()[alias]
+  rate = 1e-2
+  model, optimizer = zoo.build("transformer", make)
+  zoo.fit("transformer", model, optimizer, rate, 8, two_sided=two_sided)
+  want = nnx.state(model, nnx.Param)
+
+  model, optimizer = zoo.build("transformer", make)
+  zoo.fit("transformer", model, optimizer, rate, 4, two_sided=two_sided)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "state", nnx.state((model, optimizer)))
+  checkpointer.wait_until_finished()
+  model, optimizer = zoo.build("transformer", make)
+  target = nnx.state((model, optimizer))
+  restored = checkpointer.restore(tmp_path / "state", target)
+  assert jax.tree.structure(restored) == jax.tree.structure(target)
+  nnx.update((model, optimizer), restored)
+  zoo.fit("transformer", model, optimizer, rate, 4, start=4, two_sided=two_sided)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(nnx.state(model, nnx.Param))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
+def test_every_alias_builds_and_trains_under_flax_sharding_recipe():
+  """Flax's SPMD recipe on 8 CPU devices, mesh (data 2, model 4), kernels annotated ``(None, "model")``, the model's
+  and optimizer's state constrained by ``nnx.get_partition_spec`` (its own process: the device count is fixed when
+  JAX starts): every alias builds, and 6 sharded steps equal one device's."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharding_recipe_check.py")
+  out = subprocess.run([sys.executable, script], cwd=root, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "XLA_FLAGS": helpers.xla_flags(8)})
+  assert out.returncode == 0, out.stderr[-3000:]
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  assert r["devices"] == 8
+  assert set(r["aliases"]) == {"scsgd", "scsgd_eigen", "scsgd_eigen_muon", "scsgd_two_sided", "conditioning_adamw"}
+  for name, got in r["aliases"].items():
+    assert got["kernel_spec"] == "P(None, 'model')" and got["difference"] < 1e-5, (name, got)

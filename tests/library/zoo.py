@@ -111,18 +111,30 @@ def scaled_by_rate() -> optax.GradientTransformationExtraArgs:
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
-def train(kind: str, make_tx, rate: float, steps: int, *, capture=True, two_sided=False, on_update=None):
-  """Losses of ``steps`` NNX steps (the README's step) of a fresh ``MODELS[kind]`` under ``make_tx(model)``
-  chained with :func:`scaled_by_rate` at ``rate``; ``on_update(step, updates, model)`` sees each update."""
+def build(kind: str, make_tx):
+  """A fresh ``MODELS[kind]`` and its ``nnx.Optimizer`` under ``make_tx(model)`` chained with
+  :func:`scaled_by_rate`."""
   model = MODELS[kind](nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, optax.chain(make_tx(model), scaled_by_rate()), wrt=nnx.Param)
+  return model, nnx.Optimizer(model, optax.chain(make_tx(model), scaled_by_rate()), wrt=nnx.Param)
+
+
+def fit(kind, model, optimizer, rate, steps, *, start=0, capture=True, two_sided=False, on_update=None):
+  """Losses of ``steps`` NNX steps (the README's step) on batches ``start, start + 1, ...`` of ``kind``;
+  ``on_update(step, updates, model)`` sees each update."""
   losses = []
-  for i, (x, y) in enumerate(batches(kind, steps)):
+  for i, (x, y) in enumerate(batches(kind, start + steps)):
+    if i < start:
+      continue
     loss, updates = _step(model, optimizer, x, y, jnp.float32(rate), jax.random.PRNGKey(i), capture, two_sided)
     losses.append(float(loss))
     if on_update is not None:
       on_update(i, updates, model)
   return losses
+
+
+def train(kind: str, make_tx, rate: float, steps: int, **kwargs):
+  """Losses of ``steps`` steps of a fresh model of ``kind`` under ``make_tx`` (:func:`build`, :func:`fit`)."""
+  return fit(kind, *build(kind, make_tx), rate, steps, **kwargs)
 
 
 @nnx.jit(static_argnums=(6, 7))

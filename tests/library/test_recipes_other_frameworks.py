@@ -1,0 +1,91 @@
+"""Models that are not Flax's (an Equinox MLP with ``(out, in)`` weights, a plain dict of arrays), against the dense
+oracle; and the choices that used to pass silently: a head name no kernel has, a model none of whose leaves is
+conditioned, an argument the eigenbasis would ignore."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import scsgd_jax as sk
+from tests import helpers
+
+# C of the latest batch alone, refreshed every step, the full C^{-1/2} without a floor: an exact oracle
+EXACT = dict(conditioner="full", statistics="dense", ema_rate=1.0, statistics_every=1, update_every=1,
+             warm_start=False, eigenvalue_floor=0.0, outlier_threshold=float("inf"))
+
+
+def test_equinox_mlp_with_out_in_weights_equals_the_dense_oracle():
+  """The README's Equinox recipe: each ``(out, in)`` weight named by its path with ``Layout(input_axes=(1,))``,
+  its inputs passed at that path: the update is ``G C^{-1/2}`` (``C`` the inputs' correlation), the bias plain."""
+  import equinox as eqx
+
+  mlp = eqx.nn.MLP(6, 3, width_size=5, depth=1, key=jax.random.PRNGKey(0))
+  params = eqx.filter(mlp, eqx.is_array)
+  axes = {"layers/0/weight": sk.Layout(input_axes=(1,)), "layers/1/weight": sk.Layout(input_axes=(1,))}
+  tx = sk.scale_by_sketched_conditioning(input_axes=axes, **EXACT)
+  state = tx.init(params)
+  assert set(state.summary()) == set(axes), state.summary()
+
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 6)) * np.linspace(0.3, 3.0, 6), jnp.float32)
+
+  def loss(params):
+    model = eqx.combine(params, mlp)
+    hidden = jax.vmap(model.layers[0])(x)
+    inputs = {"layers/0/weight": x, "layers/1/weight": model.activation(hidden)}
+    return jnp.sum(jax.vmap(model.layers[1])(inputs["layers/1/weight"]) ** 2), inputs
+
+  (_, inputs), grads = eqx.filter_value_and_grad(loss, has_aux=True)(params)
+  updates, _ = tx.update(grads, state, params, layer_inputs=inputs)
+  for i, rows in ((0, x), (1, inputs["layers/1/weight"])):
+    c = np.asarray(rows, np.float64).T @ np.asarray(rows, np.float64) / rows.shape[0]
+    want = np.asarray(grads.layers[i].weight, np.float64) @ helpers.psd_power(c, -0.5)
+    np.testing.assert_allclose(updates.layers[i].weight, want, rtol=2e-3, atol=1e-5)
+    np.testing.assert_array_equal(updates.layers[i].bias, grads.layers[i].bias)
+
+
+def test_plain_dict_takes_inputs_nested_as_the_parameters_or_flat_by_path():
+  """A plain dict ``{'l1': {'w': (in, out)}}``: ``input_axes`` names the kernel, and its inputs may sit at its path
+  nested as the parameters or under the flat path string: the same update, the dense oracle's ``C^{-1/2} G``."""
+  rng = np.random.default_rng(1)
+  params = {"l1": {"w": jnp.zeros((4, 2))}}
+  tx = sk.scale_by_sketched_conditioning(input_axes={"l1/w": (0,)}, **EXACT)
+  x = jnp.asarray(rng.standard_normal((16, 4)) * np.linspace(0.5, 2.0, 4), jnp.float32)
+  g = {"l1": {"w": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32)}}
+  nested, _ = tx.update(g, tx.init(params), params, layer_inputs={"l1": {"w": x}})
+  flat, _ = tx.update(g, tx.init(params), params, layer_inputs={"l1/w": x})
+  np.testing.assert_array_equal(nested["l1"]["w"], flat["l1"]["w"])
+  c = np.asarray(x, np.float64).T @ np.asarray(x, np.float64) / 16
+  np.testing.assert_allclose(nested["l1"]["w"], helpers.psd_power(c, -0.5) @ np.asarray(g["l1"]["w"]),
+                             rtol=2e-3, atol=1e-5)
+
+
+def test_a_model_with_no_conditioned_leaf_is_warned_at_init_naming_what_the_filter_saw():
+  params = {"layers": [{"weight": jnp.zeros((5, 4)), "bias": jnp.zeros(5)}]}
+  with pytest.warns(UserWarning, match=r"no leaf is conditioned.*'layers/0/weight'.*input_axes="):
+    sk.scsgd(0.1).init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # a model with a conditioned kernel: no warning
+    sk.scsgd(0.1).init({"dense": {"kernel": jnp.zeros((4, 3))}})
+
+
+def test_output_layer_that_matches_no_kernel_is_refused_naming_the_kernels():
+  params = {"body": {"kernel": jnp.zeros((4, 4))}, "head": {"kernel": jnp.zeros((4, 2))}}
+  with pytest.raises(ValueError, match=r"output_layer='haed' is in no kernel's path.*'body/kernel', 'head/kernel'"):
+    sk.scsgd_eigen_muon(0.02, output_layer="haed").init(params)
+  sk.scsgd_eigen_muon(0.02, output_layer="head").init(params)
+
+
+@pytest.mark.parametrize("name,value", [("eigenvalue_floor", 0.1), ("normalize", "all")])
+def test_eigenbasis_refuses_arguments_that_reach_only_the_eigenvalues(name, value):
+  """The eigenbasis reads the conditioner's eigenvectors; a floor or a normalization of its eigenvalues would change
+  nothing: refused by every alias built on it, naming the argument."""
+  for make in (sk.scsgd_eigen, sk.scsgd_eigen_muon):
+    with pytest.raises(TypeError, match=f"{name}=.*eigenvalues only"):
+      make(1e-3, **{name: value})
+  with pytest.raises(TypeError, match=f"{name}="):
+    sk.scale_by_eigenbasis_adam(**{name: value})
+  optax.chain(sk.scale_by_sketched_conditioning(**{name: value}), optax.adamw(1e-3))  # where it acts: taken
