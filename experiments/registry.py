@@ -201,24 +201,24 @@ def _scsgd_graft(lr, kwargs, config, forward):
   graft_args = _pop_prefixed(kwargs, "graft_")
   momentum = inspect.signature(scsgd_jax.scsgd).parameters["momentum"].default
   return optax.chain(
-      scsgd_jax.scale_by_grafting(scsgd_jax.scale_by_normalized_rms(**graft_args),
+      scsgd_jax.contrib.scale_by_grafting(scsgd_jax.contrib.scale_by_normalized_rms(**graft_args),
                                   scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs)),
       optax.sgd(lr, momentum=momentum, nesterov=True))
 
 
 def _scsgd_two_sided(lr, kwargs, config, forward):
-  """``scsgd_jax.scsgd_two_sided``, with two probes of the development task (off unless given):
+  """``scsgd_jax.contrib.scsgd_two_sided``, with two probes of the development task (off unless given):
   ``momentum_first=True`` takes the Nesterov momentum of the raw gradient before conditioning and grafting;
   ``condition_embeddings=False`` leaves embeddings unconditioned (the output side's default filter)."""
   kwargs = dict(kwargs)
   momentum_first = kwargs.pop("momentum_first", False)
   if not kwargs.pop("condition_embeddings", True):
-    kwargs["kernel_filter"] = scsgd_jax.output_kernel_filter
+    kwargs["kernel_filter"] = scsgd_jax.contrib.output_kernel_filter
   if not momentum_first:
-    return scsgd_jax.scsgd_two_sided(lr, seed=config.seed, **kwargs)
-  momentum = kwargs.pop("momentum", inspect.signature(scsgd_jax.scsgd_two_sided).parameters["momentum"].default)
+    return scsgd_jax.contrib.scsgd_two_sided(lr, seed=config.seed, **kwargs)
+  momentum = kwargs.pop("momentum", inspect.signature(scsgd_jax.contrib.scsgd_two_sided).parameters["momentum"].default)
   return optax.chain(optax.trace(momentum, nesterov=True),
-                     scsgd_jax.scsgd_two_sided(lr, momentum=0.0, seed=config.seed, **kwargs))
+                     scsgd_jax.contrib.scsgd_two_sided(lr, momentum=0.0, seed=config.seed, **kwargs))
 
 
 def _scsgd_eigen(lr, kwargs, config, forward):
@@ -285,17 +285,17 @@ REGISTRY: dict[str, Entry] = {
         3.16e-4, {"graft_decay": SHAMPOO_SETTINGS["beta2"]},
         "scsgd_jax's conditioning at its defaults, grafted onto normalized RMSprop as Shampoo's "
         "RMSPROP_NORMALIZED grafting (Agarwal et al. 2020; beta2 as Shampoo's), Nesterov 0.9; " + DEVELOPED),
-        prefixed=("graft_", scsgd_jax.scale_by_normalized_rms)),
+        prefixed=("graft_", scsgd_jax.contrib.scale_by_normalized_rms)),
     "scsgd_two_sided": Entry(_scsgd_two_sided, CONDITIONING, "two_sided", lambda kind: Recipe(
         1e-3, {"graft_decay": SHAMPOO_SETTINGS["beta2"]},
-        "scsgd_jax.scsgd_two_sided at its defaults: both sides' conditioning grafted onto normalized RMSprop as "
+        "scsgd_jax.contrib.scsgd_two_sided at its defaults: both sides' conditioning grafted onto normalized RMSprop as "
         "Shampoo's RMSPROP_NORMALIZED grafting (Agarwal et al. 2020; beta2 as Shampoo's), Nesterov 0.9; rate "
         "centre Adam's 1e-3 (the grafted step is on Adam's scale)"),
-        prefixed=("graft_", scsgd_jax.scale_by_normalized_rms)),
+        prefixed=("graft_", scsgd_jax.contrib.scale_by_normalized_rms)),
     "scsgd_two_sided_lean": Entry(
         lambda lr, kwargs, config, forward: _scsgd_two_sided(lr, {**kwargs, **LEAN}, config, forward),
         CONDITIONING, "two_sided", lambda kind: Recipe(
-            3.16e-4, {}, "scsgd_jax.scsgd_two_sided at Adam's memory (magnitude='sign', split_budget=True): both "
+            3.16e-4, {}, "scsgd_jax.contrib.scsgd_two_sided at Adam's memory (magnitude='sign', split_budget=True): both "
             "sides' conditioning at the per-layer norm of sign(g), distributed Shampoo's SQRT_N grafting (Anil et "
             "al. 2020), Nesterov 0.9; " + DEVELOPED), fixed=LEAN),
     "scsgd_eigen": Entry(_scsgd_eigen, scsgd_jax.scsgd_eigen, "inputs", _eigen_recipe(False)),

@@ -55,7 +55,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, capture: str, ma
   def step(params, rest, opt_state, inputs, labels, key):
     perturbations = None
     if capture == "two_sided":
-      perturbations = scsgd_jax.output_perturbations_nnx(nnx.merge(graphdef, params, rest), inputs)
+      perturbations = scsgd_jax.contrib.output_perturbations_nnx(nnx.merge(graphdef, params, rest), inputs)
     (loss, (error, rows, rest)), (grads, output_grads) = jax.value_and_grad(
         loss_fn, argnums=(0, 1), has_aux=True)(params, perturbations, rest, inputs, labels, key)
     extra = {}

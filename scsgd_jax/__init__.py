@@ -1,64 +1,60 @@
-"""scsgd-jax: Faster SGD Using Sketched Conditioning (Gonen & Shalev-Shwartz, 2015) for JAX, Optax and Flax."""
+"""scsgd-jax: Faster SGD Using Sketched Conditioning (Gonen & Shalev-Shwartz, 2015) for JAX, Optax and Flax.
+
+The top level holds the optimizers, their transformations and state types, the capture helpers and diagnostics.
+:mod:`scsgd_jax.sketch` holds the pure sketching functions and the statistics; :mod:`scsgd_jax.contrib` the
+experimental variants (two-sided conditioning, grafting). The optax core imports without Flax: the capture
+helpers (and :mod:`scsgd_jax.contrib`'s output capture) load Flax when first used.
+"""
+
+import importlib
 
 from scsgd_jax._src.alias import scsgd as scsgd
 from scsgd_jax._src.alias import scsgd_eigen as scsgd_eigen
 from scsgd_jax._src.alias import scsgd_eigen_muon as scsgd_eigen_muon
-from scsgd_jax._src.muon import muon_kernel_filter as muon_kernel_filter
-from scsgd_jax._src.muon import without_momentum as without_momentum
-from scsgd_jax._src.eigenbasis import EigenMoments as EigenMoments
-from scsgd_jax._src.eigenbasis import ScaleByEigenbasisAdamState as ScaleByEigenbasisAdamState
-from scsgd_jax._src.eigenbasis import eigenbasis as eigenbasis
-from scsgd_jax._src.eigenbasis import scale_by_eigenbasis_adam as scale_by_eigenbasis_adam
-from scsgd_jax._src.alias import scsgd_two_sided as scsgd_two_sided
-from scsgd_jax._src.captured import CapturedInputs as CapturedInputs
-from scsgd_jax._src.capture_nnx import LayerInput as LayerInput
-from scsgd_jax._src.capture_linen import LINEN_COLLECTION as LINEN_COLLECTION
-from scsgd_jax._src.capture_linen import apply_gradients as apply_gradients
-from scsgd_jax._src.capture_linen import capture_linen as capture_linen
-from scsgd_jax._src.capture_nnx import capture_nnx as capture_nnx
-from scsgd_jax._src.capture_linen import input_axes_linen as input_axes_linen
-from scsgd_jax._src.capture_nnx import input_axes_nnx as input_axes_nnx
-from scsgd_jax._src.layers import layer_rows as layer_rows
-from scsgd_jax._src.capture_linen import output_perturbations_linen as output_perturbations_linen
-from scsgd_jax._src.capture_nnx import output_perturbations_nnx as output_perturbations_nnx
 from scsgd_jax._src.diagnostics import kernel_diagnostics as kernel_diagnostics
 from scsgd_jax._src.diagnostics import update_diagnostics as update_diagnostics
-from scsgd_jax._src.graft import GraftState as GraftState
-from scsgd_jax._src.graft import scale_by_grafting as scale_by_grafting
-from scsgd_jax._src.graft import scale_by_normalized_rms as scale_by_normalized_rms
-from scsgd_jax._src.patches import conv_patch_rows as conv_patch_rows
-from scsgd_jax._src.patches import dense_rows as dense_rows
-from scsgd_jax._src.sketch import BoundTerms as BoundTerms
-from scsgd_jax._src.sketch import Factor as Factor
-from scsgd_jax._src.sketch import apply_inverse as apply_inverse
-from scsgd_jax._src.sketch import bound_terms as bound_terms
-from scsgd_jax._src.sketch import conditioner_matrix as conditioner_matrix
-from scsgd_jax._src.sketch import dense_factor as dense_factor
-from scsgd_jax._src.sketch import diagonal_factor as diagonal_factor
-from scsgd_jax._src.sketch import full_factor as full_factor
-from scsgd_jax._src.sketch import identity_factor as identity_factor
-from scsgd_jax._src.sketch import inverse_matrix as inverse_matrix
-from scsgd_jax._src.sketch import low_rank_factor as low_rank_factor
-from scsgd_jax._src.sketch import nystrom_factor as nystrom_factor
-from scsgd_jax._src.sketch import precondition_kernel as precondition_kernel
-from scsgd_jax._src.sketch import sketched_factor as sketched_factor
-from scsgd_jax._src.sketch import sketched_factor_from_data as sketched_factor_from_data
-from scsgd_jax._src.statistics import CorrelationStatistics as CorrelationStatistics
-from scsgd_jax._src.statistics import EmaState as EmaState
-from scsgd_jax._src.statistics import diagonal_correlation as diagonal_correlation
-from scsgd_jax._src.statistics import ema_correlation as ema_correlation
-from scsgd_jax._src.statistics import nystrom_correlation as nystrom_correlation
-from scsgd_jax._src.plan import KernelPlan as KernelPlan
+from scsgd_jax._src.eigenbasis import EigenMoments as EigenMoments
+from scsgd_jax._src.eigenbasis import ScaleByEigenbasisAdamState as ScaleByEigenbasisAdamState
+from scsgd_jax._src.eigenbasis import scale_by_eigenbasis_adam as scale_by_eigenbasis_adam
+from scsgd_jax._src.inputs import CapturedInputs as CapturedInputs
+from scsgd_jax._src.muon import muon_kernel_filter as muon_kernel_filter
 from scsgd_jax._src.plan import Layout as Layout
 from scsgd_jax._src.plan import Plain as Plain
-from scsgd_jax._src.plan import default_input_axes as default_input_axes
 from scsgd_jax._src.plan import default_kernel_filter as default_kernel_filter
+from scsgd_jax._src.state import ScaleBySketchedConditioningState as ScaleBySketchedConditioningState
 from scsgd_jax._src.transform import STATIC_ARGS as STATIC_ARGS
-from scsgd_jax._src.transform import ScaleBySketchedConditioningState as ScaleBySketchedConditioningState
-from scsgd_jax._src.output import default_output_axes as default_output_axes
-from scsgd_jax._src.output import output_kernel_filter as output_kernel_filter
 from scsgd_jax._src.transform import resolve_static_args as resolve_static_args
-from scsgd_jax._src.output import scale_by_output_conditioning as scale_by_output_conditioning
 from scsgd_jax._src.transform import scale_by_sketched_conditioning as scale_by_sketched_conditioning
 
 __version__ = "0.2.0.dev0"
+
+# names that need Flax, loaded on first use: {name: module}
+_LAZY = {
+    "apply_gradients": "scsgd_jax._src.capture_linen",
+    "capture_linen": "scsgd_jax._src.capture_linen",
+    "capture_nnx": "scsgd_jax._src.capture_nnx",
+    "contrib": "scsgd_jax.contrib",
+    "input_axes_linen": "scsgd_jax._src.capture_linen",
+    "input_axes_nnx": "scsgd_jax._src.capture_nnx",
+    "sketch": "scsgd_jax.sketch",
+}
+
+__all__ = sorted([
+    "CapturedInputs", "EigenMoments", "Layout", "Plain", "STATIC_ARGS", "ScaleByEigenbasisAdamState",
+    "ScaleBySketchedConditioningState", "default_kernel_filter", "kernel_diagnostics", "muon_kernel_filter",
+    "resolve_static_args", "scale_by_eigenbasis_adam", "scale_by_sketched_conditioning", "scsgd", "scsgd_eigen",
+    "scsgd_eigen_muon", "update_diagnostics", *_LAZY,
+])
+
+
+def __getattr__(name):
+  if name not in _LAZY:
+    raise AttributeError(f"module 'scsgd_jax' has no attribute {name!r}")
+  module = importlib.import_module(_LAZY[name])
+  value = module if module.__name__ == f"scsgd_jax.{name}" else getattr(module, name)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return __all__

@@ -102,12 +102,12 @@ def state_differences(a_dir, b_dir, step):
 
   (a, sa), (b, sb) = final_state(str(a_dir), step), final_state(str(b_dir), step)
   assert sa == sb == step
-  is_factor = lambda x: isinstance(x, scsgd_jax.Factor)
+  is_factor = lambda x: isinstance(x, scsgd_jax.sketch.Factor)
   out = []
   flat, _ = jax.tree_util.tree_flatten_with_path(a, is_leaf=is_factor)
   for (path, x), y in zip(flat, jax.tree.leaves(b, is_leaf=is_factor), strict=True):
     if is_factor(x):
-      x, y = scsgd_jax.inverse_matrix(x), scsgd_jax.inverse_matrix(y)
+      x, y = scsgd_jax.sketch.inverse_matrix(x), scsgd_jax.sketch.inverse_matrix(y)
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     close = np.allclose(x, y, rtol=2e-4, atol=2e-5 * max(1.0, float(np.abs(y).max(initial=0.0))))
     out.append((jax.tree_util.keystr(path), float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)), close))

@@ -41,14 +41,14 @@ def run_experiment(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
   methods: dict[str, Any] = {}
   for name, f in factors.items():
-    bt = sk.bound_terms(f, cj)
+    bt = sk.sketch.bound_terms(f, cj)
     methods[name] = {"trace_a": float(bt.trace_a), "trace_a_inv_c": float(bt.trace_a_inv_c),
                      "bound_sum": float(bt.trace_a + bt.trace_a_inv_c),
                      "trace_product": float(bt.trace_a * bt.trace_a_inv_c), "runs": {}}
   for batch, steps in config.settings:
     evals = problem.eval_steps(steps, config.num_evals)
     for name, f in factors.items():
-      xc = np.asarray(sk.apply_inverse(f, jnp.asarray(x).T).T)
+      xc = np.asarray(sk.sketch.apply_inverse(f, jnp.asarray(x).T).T)
       ws = problem.run_sgd(x, xc, y, num_classes, config.step_sizes, batch, steps, evals, config.seed)
       final = problem.losses(x, y, ws[-1])
       best = int(np.argmin(final))  # the same rule for all: lowest L(W_bar_T); ties -> smaller step

@@ -52,13 +52,13 @@ def solve_optimum(x, y, num_classes: int, steps: int):
   return np.asarray(w), float(value), float(grad_norm)
 
 
-def make_conditioners(c, x, ranks, key, oversample) -> dict[str, sk.Factor]:
+def make_conditioners(c, x, ranks, key, oversample) -> dict[str, sk.sketch.Factor]:
   n = c.shape[0]
-  factors = {"sgd": sk.identity_factor(n, 1), "full": sk.full_factor(jnp.asarray(c))}
+  factors = {"sgd": sk.sketch.identity_factor(n, 1), "full": sk.sketch.full_factor(jnp.asarray(c))}
   xt = jnp.asarray(x).T  # (n, m): Algorithm 1's X
   for k in ranks:
-    factors[f"lowrank_{k}"] = sk.low_rank_factor(jnp.asarray(c), k)
-    factors[f"sketch_{k}"] = sk.sketched_factor_from_data(jax.random.fold_in(key, k), xt, k, oversample=oversample,
+    factors[f"lowrank_{k}"] = sk.sketch.low_rank_factor(jnp.asarray(c), k)
+    factors[f"sketch_{k}"] = sk.sketch.sketched_factor_from_data(jax.random.fold_in(key, k), xt, k, oversample=oversample,
                                                           power_iterations=0)
   return factors
 

@@ -25,7 +25,7 @@ def lemma_ratios(x, eigvals, ranks, seeds, oversample) -> dict[str, Any]:
 
     @jax.jit
     def measure(key, k=k):
-      f = sk.sketched_factor_from_data(key, xt, k, oversample=oversample, power_iterations=0)
+      f = sk.sketch.sketched_factor_from_data(key, xt, k, oversample=oversample, power_iterations=0)
       qx = f.q.T @ xt
       resid = jnp.linalg.norm(f.q @ qx - xt)
       tr_tilde = jnp.sum(qx * qx) / m
@@ -55,7 +55,7 @@ def timing(pixels, dims, examples, rank, oversample, seed) -> list[dict[str, Any
   """Algorithm 1 (``O(m n k)``) against an exact eigh of ``C`` (``O(n^3)``, plus ``O(m n^2)`` to form ``C``)."""
   rng = np.random.default_rng(seed)
   base = jnp.asarray(pixels[:examples])
-  sketch = jax.jit(lambda k, xt: sk.sketched_factor_from_data(k, xt, rank, oversample=oversample,
+  sketch = jax.jit(lambda k, xt: sk.sketch.sketched_factor_from_data(k, xt, rank, oversample=oversample,
                                                              power_iterations=0))
   form = jax.jit(lambda xt: xt @ xt.T / xt.shape[1])
   eigh = jax.jit(jnp.linalg.eigh)

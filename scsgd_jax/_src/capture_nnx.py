@@ -141,7 +141,7 @@ def output_perturbations_nnx(model: nnx.Module, *args, **kwargs) -> CapturedInpu
   back-propagated rows ``delta`` (which also says the kernel's output axes), the ``output_grads=`` of
   :func:`scale_by_output_conditioning`::
 
-    perturbations = scsgd_jax.output_perturbations_nnx(model, x)
+    perturbations = scsgd_jax.contrib.output_perturbations_nnx(model, x)
     def loss_fn(model, perturbations):
       logits, layer_inputs = scsgd_jax.capture_nnx(model, x, rng=key, output_perturbations=perturbations)
       return loss(logits, y), layer_inputs

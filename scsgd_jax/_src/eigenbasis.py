@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scsgd_jax._src import captured
+from scsgd_jax._src import inputs
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
 from scsgd_jax._src import output as output_lib
@@ -193,7 +193,7 @@ def _carried(moments: EigenMoments, new: jax.Array, old: jax.Array) -> EigenMome
   return moments._replace(lead=lead)
 
 
-def gradient_rows(updates, kernel_plans: dict[str, plan_lib.KernelPlan], input_axes=None) -> captured.CapturedInputs:
+def gradient_rows(updates, kernel_plans: dict[str, plan_lib.KernelPlan], input_axes=None) -> inputs.CapturedInputs:
   r"""Each planned kernel's gradient ``G`` (``(n, p)``) as ``p`` rows of its input space, ``G^\top``: the
   statistics fed with them keep the EMA of ``G G^\top / p``, Shampoo's and SOAP's left factor, in place of
   the inputs' ``C``. A diagonal kind (an embedding, whose basis is the coordinate one) gets no rows (its
@@ -208,7 +208,7 @@ def gradient_rows(updates, kernel_plans: dict[str, plan_lib.KernelPlan], input_a
     one = lambda g, plan=plan: sketch.kernel_matrix(g, plan.input_axes)[0].T
     g = jax.lax.stop_gradient(flat[path]).astype(jnp.float32)
     rows[path] = one(g) if plan.slices is None else jax.vmap(one)(plan.to_slices(g)).reshape(lead + (-1, plan.n))
-  return captured.CapturedInputs(rows, input_axes)
+  return inputs.CapturedInputs(rows, input_axes)
 
 
 def _differs(old, new) -> jax.Array:

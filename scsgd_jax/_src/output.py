@@ -47,7 +47,7 @@ def scale_by_output_conditioning(
   :math:`E[g g^\top]^{-1/2}` under the Kronecker approximation :math:`E[g g^\top] \approx C \otimes \Delta`
   of K-FAC, at ``O(n k + p k)`` per step with the sketches. :math:`\Delta^{-1/2}` scales as the inverse of
   the loss's scale, so the result belongs behind grafting (:func:`scale_by_grafting`), as in
-  :func:`scsgd_jax.scsgd_two_sided`.
+  :func:`scsgd_jax.contrib.scsgd_two_sided`.
 
   ``update(updates, state, params=None, *, output_grads)``: the gradient of the loss with respect to the
   perturbations of :func:`output_perturbations_nnx` / :func:`output_perturbations_linen` (passed to the
@@ -74,7 +74,7 @@ def check_output_grads(output_grads, who: str, otherwise: str = "") -> None:
   if output_grads is None:
     raise ValueError(
         f"{who}.update needs the keyword argument `output_grads`: the loss's gradient with respect to the output "
-        "perturbations (scsgd_jax.output_perturbations_nnx / _linen passed to the capture), e.g. tx.update(grads, "
+        "perturbations (scsgd_jax.contrib.output_perturbations_nnx / _linen passed to the capture), e.g. tx.update(grads, "
         f"state, params, layer_inputs=layer_inputs, output_grads=output_grads){otherwise}.")
 
 

@@ -63,7 +63,7 @@ class KernelPlan(NamedTuple):
     n: the input dimension (product of ``input_axes``).
     kind: ``'dense'``, ``'streaming'``, ``'diagonal'``, ``'embedding'`` or ``'custom'``.
     rank: the factor's rank; ``None`` for the full ``C^{1/2}``; ``0`` for diagonal kinds.
-    statistics: the :class:`~scsgd_jax.CorrelationStatistics` kept for it.
+    statistics: the :class:`~scsgd_jax.sketch.CorrelationStatistics` kept for it.
     phase: the step (mod ``update_every``) at which its periodic refresh falls (a stack's first slice's; its
       other slices follow, :func:`slice_phases`).
     stack: the shape of the kernel's leading stack axes (``()``: one layer; see :class:`Layout`).

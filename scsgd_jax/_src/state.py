@@ -9,7 +9,6 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import serialization
 
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
@@ -41,8 +40,14 @@ class PlanSummary:
 
 
 # flax.serialization (msgpack checkpoints, a Linen TrainState's to_bytes) writes the summary as an empty dict
-# and restores the target's: it is derived from the shapes, never data
-serialization.register_serialization_state(PlanSummary, lambda summary: {}, lambda target, state: target)
+# and restores the target's: it is derived from the shapes, never data. Registered where Flax is installed: the
+# optax core needs no Flax.
+try:
+  from flax import serialization
+except ImportError:  # pragma: no cover - Flax is a dependency of the capture modules only
+  serialization = None
+if serialization is not None:
+  serialization.register_serialization_state(PlanSummary, lambda summary: {}, lambda target, state: target)
 
 
 class ScaleBySketchedConditioningState(NamedTuple):
@@ -52,7 +57,7 @@ class ScaleBySketchedConditioningState(NamedTuple):
     count: number of updates applied so far (``int32``).
     key: PRNG key, split at every refresh for the sketches' Gaussian matrices; ``None`` when no kernel is
       conditioned (nothing to sketch: the state then holds no more than the count).
-    statistics: ``{kernel path: statistics}`` (e.g. an :class:`~scsgd_jax.EmaState` of the
+    statistics: ``{kernel path: statistics}`` (e.g. an :class:`~scsgd_jax.sketch.EmaState` of the
       dense ``C``, or the streaming sketch), one per conditioned kernel.
     factors: ``{kernel path: Factor}``, the conditioner currently applied.
     clipped_rows: ``{kernel path: int32}``, input rows clipped by the outlier guard so far.

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 class CorrelationStatistics(NamedTuple):
-  """How one kernel's input statistics are kept and turned into a :class:`~scsgd_jax.Factor`.
+  """How one kernel's input statistics are kept and turned into a :class:`~scsgd_jax.sketch.Factor`.
 
   Attributes:
     init: ``init(n, key) -> stats``, the statistics of an ``n``-dim input before any data.
@@ -121,8 +121,8 @@ def ema_correlation(
   :math:`S \leftarrow (1 - \nu) S + \nu \frac{1}{m} \sum_i x_i x_i^\top`, from
   ``S = I`` (``identity_prior=True``, the paper) or ``S = 0`` with the bias
   correction and isotropic fill of the module docstring. Memory ``O(n^2)``, fold ``O(m n^2)``;
-  refresh by :func:`~scsgd_jax.sketched_factor` (rank ``k``) or
-  :func:`~scsgd_jax.full_factor`.
+  refresh by :func:`~scsgd_jax.sketch.sketched_factor` (rank ``k``) or
+  :func:`~scsgd_jax.sketch.full_factor`.
 
   Args:
     rate: :math:`\nu \in (0, 1]`.
@@ -177,7 +177,7 @@ def nystrom_correlation(
   ``Omega`` (``n x r``, ``r = min(rank + oversample, n)``, orthonormalised
   Gaussian) is drawn once at ``init``. Since ``C -> C Omega`` is linear, the EMA
   of ``Y_t = mean(x x^T) Omega = X^T (X Omega) / m`` is exactly ``C_ema Omega``,
-  folded in ``O(m n r)``. The refresh is :func:`~scsgd_jax.nystrom_factor`
+  folded in ``O(m n r)``. The refresh is :func:`~scsgd_jax.sketch.nystrom_factor`
   (single-pass Nystrom, Tropp et al. 2017), ``O(n r^2)``. Memory: ``2 n r + 2``
   floats (``Y`` and ``Omega``), e.g. 9.25 MiB for ``n = 16384`` at rank 64,
   against 1 GiB for the dense ``C``. Unlike :func:`ema_correlation` it allows no
@@ -232,7 +232,7 @@ def diagonal_correlation(
     eigenvalue_floor: float = defaults.EIGENVALUE_FLOOR,
     takes_ids: bool = False,
 ) -> CorrelationStatistics:
-  r"""EMA of ``diag C``, ``O(n)`` memory; the factor is ``A = diag(C)^{1/2}`` (:func:`~scsgd_jax.diagonal_factor`).
+  r"""EMA of ``diag C``, ``O(n)`` memory; the factor is ``A = diag(C)^{1/2}`` (:func:`~scsgd_jax.sketch.diagonal_factor`).
 
   For an embedding table (``takes_ids=True``) the input is one-hot, so ``C`` is
   exactly diagonal, holding the token frequencies, and ``A = C^{1/2}`` of

@@ -182,7 +182,7 @@ def scale_by_sketched_conditioning(
 
 def arguments(caller: str, rank=None, **kwargs) -> dict[str, Any]:
   """Every argument of :func:`scale_by_sketched_conditioning`, ``kwargs`` over its defaults: the one
-  signature the output side and :func:`scsgd_jax.scsgd_two_sided` build from (``caller`` names the
+  signature the output side and :func:`scsgd_jax.contrib.scsgd_two_sided` build from (``caller`` names the
   function in the error for an argument it does not take)."""
   try:
     bound = inspect.signature(scale_by_sketched_conditioning).bind(rank, **kwargs)
@@ -197,7 +197,7 @@ def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_ax
   """:func:`scale_by_sketched_conditioning` from its arguments ``args`` (:func:`arguments`), reading a kernel
   along ``default_axes`` unless told otherwise (the output side passes the kernel's output axes), its
   statistics within ``budget_share`` of the memory rule's budget under ``statistics='auto'`` (the two sides
-  of :func:`scsgd_jax.scsgd_two_sided` splitting it)."""
+  of :func:`scsgd_jax.contrib.scsgd_two_sided` splitting it)."""
   tx, _ = conditioning_and_plans(args, default_axes=default_axes, budget_share=budget_share)
   return tx
 
@@ -229,7 +229,7 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
   def init_fn(params):
     kernel_plans = plans(params)
     if not kernel_plans and default_axes is plan_lib.default_input_axes:  # the input side: say it, once a model
-      warn_nothing_conditioned(params)
+      warn_nothing_conditioned(params, plans.notes)
     key, fresh = state_lib.fresh_kernel_states(kernel_plans, a.seed)
     return ScaleBySketchedConditioningState(
         count=jnp.zeros([], jnp.int32),
@@ -273,8 +273,13 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
   return optax.GradientTransformationExtraArgs(init_fn, update_fn), plans
 
 
-def warn_nothing_conditioned(params) -> None:
-  """A warning (once per model) that no leaf of ``params`` is conditioned, naming the leaves the filter saw."""
+def warn_nothing_conditioned(params, notes: dict[str, str]) -> None:
+  """A warning (once per model) that no leaf of ``params`` is conditioned: why for each kernel the filter took
+  (``notes``), or, when it took none, the matrices it saw."""
+  if notes:
+    warnings.warn("scsgd_jax: no leaf is conditioned, so every leaf gets plain updates: "
+                  + "; ".join(f"{p} ({why})" for p, why in notes.items()), stacklevel=3)
+    return
   matrices = [plan_lib.path_to_str(p) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
               if np.ndim(leaf) >= 2]
   warnings.warn(

@@ -33,7 +33,7 @@ def test_every_conditioner_beats_sgd_on_fast_spectral_decay():
   evals = convex.eval_steps(steps, 5)
   final = {}
   for name, f in factors.items():
-    xc = np.asarray(sk.apply_inverse(f, jnp.asarray(x).T).T)
+    xc = np.asarray(sk.sketch.apply_inverse(f, jnp.asarray(x).T).T)
     ws = convex.run_sgd(x, xc, y, 3, grid, 1, steps, evals, seed=0)
     final[name] = float(np.min(convex.losses(x, y, ws[-1]))) - l_star
   for name in ("full", "lowrank_4", "sketch_4"):
@@ -47,7 +47,7 @@ def test_bound_terms_follow_theorems_1_to_3():
   factors = convex.make_conditioners(np.asarray(c), x, [2, 4, 8], jax.random.PRNGKey(0), oversample=6)
   products = {}
   for name, f in factors.items():
-    t = sk.bound_terms(f, c)
+    t = sk.sketch.bound_terms(f, c)
     products[name] = float(t.trace_a * t.trace_a_inv_c)
   # Theorem 1: A = C^{1/2} minimises tr(A) tr(A^{-1} C), the minimum being tr(C^{1/2})^2.
   # (up to the eigenvalue floor, 1e-5 tr(C)/n, which the smallest eigenvalues here fall below)

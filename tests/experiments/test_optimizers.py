@@ -151,7 +151,7 @@ def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
   config.optimizer.scsgd_graft = optimizers.sub_config("scsgd_graft", graft_decay=0.9, update_every=1)
   opt = optimizers.create(config)
   by_hand = optax.chain(
-      scsgd_jax.scale_by_grafting(scsgd_jax.scale_by_normalized_rms(decay=0.9),
+      scsgd_jax.contrib.scale_by_grafting(scsgd_jax.contrib.scale_by_normalized_rms(decay=0.9),
                                   scsgd_jax.scale_by_sketched_conditioning(update_every=1, seed=config.seed)),
       optax.sgd(optimizers.learning_rate(config), momentum=0.9, nesterov=True))
   rng = np.random.default_rng(0)
@@ -167,7 +167,7 @@ def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
   # the record writes out the grafting part's library defaults next to the settings given
   resolved = optimizers.resolved_settings(config)
   assert resolved["graft_decay"] == 0.9
-  assert resolved["graft_eps"] == inspect.signature(scsgd_jax.scale_by_normalized_rms).parameters["eps"].default
+  assert resolved["graft_eps"] == inspect.signature(scsgd_jax.contrib.scale_by_normalized_rms).parameters["eps"].default
   assert resolved["update_every"] == 1 and resolved["rank"] == scsgd_jax.resolve_static_args()["rank"]
 
 
@@ -175,14 +175,14 @@ def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
                                         ("scsgd_two_sided_lean", {"magnitude": "sign", "split_budget": True})])
 def test_scsgd_two_sided_is_the_library_alias_with_its_settings(name, fixed):
   """The factory's scsgd_two_sided (and its Adam-memory row, whose builder fixes two arguments) equals
-  scsgd_jax.scsgd_two_sided built by hand (the sub-config's graft and conditioning settings reach it), asks the
+  scsgd_jax.contrib.scsgd_two_sided built by hand (the sub-config's graft and conditioning settings reach it), asks the
   step for both the input rows and the output gradients, and its record writes the fixed arguments out."""
   config = helpers.smoke_config()
   config.optimizer.name = name
   config.optimizer[name] = optimizers.sub_config(name, graft_decay=0.9, update_every=1)
   opt = optimizers.create(config)
   assert opt.capture == "two_sided"
-  by_hand = scsgd_jax.scsgd_two_sided(optimizers.learning_rate(config), graft_decay=0.9, update_every=1,
+  by_hand = scsgd_jax.contrib.scsgd_two_sided(optimizers.learning_rate(config), graft_decay=0.9, update_every=1,
                                       seed=config.seed, **fixed)
   rng = np.random.default_rng(0)
   params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
@@ -259,7 +259,7 @@ def test_two_sided_probes_momentum_first_and_unconditioned_embeddings():
       assert summary["embed/embedding"] == "not conditioned: excluded by kernel_filter"
     elif probe == "":
       assert conditioned == {"dense/kernel", "embed/embedding"}
-  momentum = inspect.signature(scsgd_jax.scsgd_two_sided).parameters["momentum"].default
+  momentum = inspect.signature(scsgd_jax.contrib.scsgd_two_sided).parameters["momentum"].default
   for a, b in zip(jax.tree.leaves(steps["momentum_first"]), jax.tree.leaves(steps[""])):
     np.testing.assert_allclose(a, b / (1 + momentum), rtol=1e-5, atol=1e-8)
   for path in (("dense", "kernel"), ("dense", "bias")):  # only the embedding's step changes

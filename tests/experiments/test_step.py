@@ -27,7 +27,7 @@ class Net(nnx.Module):
 
 TXS = {"none": lambda: optax.sgd(0.05, 0.9, nesterov=True),
        "inputs": lambda: scsgd_jax.scsgd(0.05, update_every=2),
-       "two_sided": lambda: scsgd_jax.scsgd_two_sided(1e-2, update_every=2)}
+       "two_sided": lambda: scsgd_jax.contrib.scsgd_two_sided(1e-2, update_every=2)}
 
 
 def _readme_nnx(model, tx, capture, batches):
@@ -36,7 +36,7 @@ def _readme_nnx(model, tx, capture, batches):
 
   @nnx.jit
   def train_step(model, optimizer, x, y, key):
-    perturbations = scsgd_jax.output_perturbations_nnx(model, x) if capture == "two_sided" else None
+    perturbations = scsgd_jax.contrib.output_perturbations_nnx(model, x) if capture == "two_sided" else None
 
     def loss_fn(model, perturbations):
       if capture == "none":

@@ -42,7 +42,7 @@ def aliases(model):
       "scsgd": sk.scsgd(0.01, input_axes=axes, update_every=2),
       "scsgd_eigen": sk.scsgd_eigen(1e-3, input_axes=axes, update_every=2),
       "scsgd_eigen_muon": sk.scsgd_eigen_muon(0.02, output_layer="head", input_axes=axes, update_every=2),
-      "scsgd_two_sided": sk.scsgd_two_sided(1e-3, input_axes=axes, update_every=2),
+      "scsgd_two_sided": sk.contrib.scsgd_two_sided(1e-3, input_axes=axes, update_every=2),
       "conditioning_adamw": optax.chain(sk.scale_by_sketched_conditioning(input_axes=axes, update_every=2),
                                         optax.adamw(1e-3)),
   }
@@ -67,7 +67,7 @@ def step(model, optimizer, x, y, two_sided):
     logits, inputs = sk.capture_nnx(model, x, max_rows=None, output_perturbations=perturbations)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), inputs
 
-  perturbations = sk.output_perturbations_nnx(model, x) if two_sided else None
+  perturbations = sk.contrib.output_perturbations_nnx(model, x) if two_sided else None
   (loss, inputs), (grads, deltas) = nnx.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(model, perturbations)
   optimizer.update(model, grads, layer_inputs=inputs, **({"output_grads": deltas} if two_sided else {}))
   return loss

@@ -64,7 +64,7 @@ def test_multisteps_conditions_with_the_last_micro_batch_only():
   grads = jax.tree.map(jnp.ones_like, PARAMS)
   for x in xs:
     _, state = tx.update(grads, state, PARAMS, layer_inputs={"dense": {"kernel": x}})
-  c = sk.ema_correlation().correlation(state.inner_opt_state.statistics["dense/kernel"])
+  c = sk.sketch.ema_correlation().correlation(state.inner_opt_state.statistics["dense/kernel"])
   np.testing.assert_allclose(c, xs[-1].T @ xs[-1] / 8, rtol=1e-5, atol=1e-6)
 
 

@@ -109,7 +109,8 @@ def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_coun
 
 def test_without_momentum_is_muon_at_beta_zero():
   muon = optax.contrib.muon(0.1, beta=0.0)
-  lean = sk.without_momentum(muon)
+  from scsgd_jax._src.muon import without_momentum
+  lean = without_momentum(muon)
   params = {"w": jnp.zeros((5, 3)), "b": jnp.zeros(3)}
   s_full, s_lean = muon.init(params), lean.init(params)
   rng = np.random.default_rng(1)

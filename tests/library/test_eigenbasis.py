@@ -293,7 +293,7 @@ def test_sketched_basis_with_its_tail_equals_numpy(tail):
                                     layer_inputs={"dense": {"kernel": jnp.asarray(x, jnp.float32)}})
     q, b_inv, _ = (np.asarray(a, np.float64) for a in state.conditioning.factors["dense/kernel"])
     u = q @ np.linalg.eigh(b_inv)[1]
-    np.testing.assert_allclose(np.abs(u.T @ np.asarray(sk.eigenbasis(state.conditioning.factors["dense/kernel"]))),
+    np.testing.assert_allclose(np.abs(u.T @ np.asarray(sk.sketch.eigenbasis(state.conditioning.factors["dense/kernel"]))),
                                np.eye(2), atol=1e-4)
     lead = _carry(lead, u, u_old, lead.mean(0) if tail == "orthogonal" else col)
     m = B1 * m + (1 - B1) * g
@@ -404,7 +404,7 @@ def test_kernel_diagnostics_equal_the_dense_inverse_spectrum(kw):
     _, state = _run(tx, _batches(rng, 2))
     diag = sk.kernel_diagnostics(state)["dense/kernel"]
     factor = (state[0].conditioning if hasattr(state[0], "conditioning") else state[0]).factors["dense/kernel"]
-    evals = np.linalg.eigvalsh(np.asarray(sk.inverse_matrix(factor), np.float64))
+    evals = np.linalg.eigvalsh(np.asarray(sk.sketch.inverse_matrix(factor), np.float64))
     np.testing.assert_allclose([diag["inverse_max"], diag["inverse_min"]], [evals[-1], evals[0]], rtol=1e-4)
     np.testing.assert_allclose(diag["spread"], evals[-1] / evals[0], rtol=1e-3)
     assert (float(diag["tail_inverse"]) > 0) == (rank is not None)

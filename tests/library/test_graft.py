@@ -20,7 +20,7 @@ def test_grafted_update_has_the_direction_of_one_and_the_norm_of_the_other():
   rng = np.random.default_rng(0)
   g = {"a": jnp.asarray(rng.standard_normal(4), jnp.float32), "b": jnp.asarray(rng.standard_normal(4), jnp.float32)}
   matrix = jnp.asarray(rng.standard_normal((4, 4)), jnp.float32)
-  tx = sk.scale_by_grafting(optax.scale(3.0), _fixed(matrix))
+  tx = sk.contrib.scale_by_grafting(optax.scale(3.0), _fixed(matrix))
   u, _ = tx.update(g, tx.init(g))
   for k in g:
     d = np.asarray(matrix) @ np.asarray(g[k])
@@ -29,7 +29,7 @@ def test_grafted_update_has_the_direction_of_one_and_the_norm_of_the_other():
 
 def test_a_zero_direction_stays_zero_and_finite():
   g = {"a": jnp.ones(3)}
-  tx = sk.scale_by_grafting(optax.scale(1.0), optax.scale(0.0))
+  tx = sk.contrib.scale_by_grafting(optax.scale(1.0), optax.scale(0.0))
   u, _ = tx.update(g, tx.init(g))
   np.testing.assert_array_equal(u["a"], np.zeros(3))
 
@@ -42,7 +42,7 @@ def test_conditioned_sgd_grafted_onto_normalized_rmsprop_first_two_steps():
   nu, lr, mom, decay, eps = 0.3, 0.1, 0.9, 0.99, 1e-8
   params = {"dense": {"kernel": jnp.zeros((5, 2)), "bias": jnp.zeros(2)}}
   tx = optax.chain(
-      sk.scale_by_grafting(sk.scale_by_normalized_rms(decay, eps),
+      sk.contrib.scale_by_grafting(sk.contrib.scale_by_normalized_rms(decay, eps),
                            sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense", warm_start=False,
                                                              ema_rate=nu, update_every=1, statistics_every=1)),
       optax.sgd(lr, momentum=mom, nesterov=True))
@@ -65,9 +65,9 @@ def test_conditioned_sgd_grafted_onto_normalized_rmsprop_first_two_steps():
       np.testing.assert_allclose(updates["dense"][name], expected, rtol=2e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("make", [lambda: sk.scale_by_grafting(optax.scale(1.0), optax.scale(1.0), eps=0.0),
-                                  lambda: sk.scale_by_normalized_rms(decay=1.0),
-                                  lambda: sk.scale_by_normalized_rms(eps=-1.0)])
+@pytest.mark.parametrize("make", [lambda: sk.contrib.scale_by_grafting(optax.scale(1.0), optax.scale(1.0), eps=0.0),
+                                  lambda: sk.contrib.scale_by_normalized_rms(decay=1.0),
+                                  lambda: sk.contrib.scale_by_normalized_rms(eps=-1.0)])
 def test_bad_arguments_are_named(make):
   with pytest.raises(ValueError, match="eps|decay"):
     make()

@@ -58,7 +58,7 @@ def _aliases():
                                                     input_axes=axes(m)), "adamw", False),
       "scsgd_eigen_muon": (lambda m: sk.scsgd_eigen_muon(1.0, output_layer="head", input_axes=axes(m)), "muon",
                            False),
-      "scsgd_two_sided": (lambda m: sk.scsgd_two_sided(1.0, input_axes=axes(m)), "adamw", True),
+      "scsgd_two_sided": (lambda m: sk.contrib.scsgd_two_sided(1.0, input_axes=axes(m)), "adamw", True),
       "conditioning_adamw": (lambda m: optax.chain(conditioning(m), optax.adamw(1.0)), "adamw", False),
       "conditioning_muon": (lambda m: optax.chain(conditioning(m), optax.contrib.muon(1.0)), "muon", False),
   }

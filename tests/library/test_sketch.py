@@ -25,7 +25,7 @@ def _random_factor(rng, n, k):
   b = _spd(rng, k)
   a = 0.7
   dense_a = q @ b @ q.T + a * (np.eye(n) - q @ q.T)
-  factor = sk.Factor(jnp.asarray(q, jnp.float32), jnp.asarray(np.linalg.inv(b), jnp.float32),
+  factor = sk.sketch.Factor(jnp.asarray(q, jnp.float32), jnp.asarray(np.linalg.inv(b), jnp.float32),
                      jnp.asarray(1 / a, jnp.float32))
   return factor, dense_a
 
@@ -37,13 +37,13 @@ def test_apply_inverse_matches_dense_inverse():
   dense_inv = np.linalg.inv(dense_a)
   v = rng.standard_normal(n)
   batch = rng.standard_normal((n, 5))
-  np.testing.assert_allclose(sk.apply_inverse(factor, jnp.asarray(v, jnp.float32)), dense_inv @ v,
+  np.testing.assert_allclose(sk.sketch.apply_inverse(factor, jnp.asarray(v, jnp.float32)), dense_inv @ v,
                              rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(sk.apply_inverse(factor, jnp.asarray(batch, jnp.float32)), dense_inv @ batch,
+  np.testing.assert_allclose(sk.sketch.apply_inverse(factor, jnp.asarray(batch, jnp.float32)), dense_inv @ batch,
                              rtol=1e-4, atol=1e-5)
   # A conv kernel gradient (kh, kw, cin, cout) = (2, 2, 3, 7) is the (12, 7) matrix.
   g = rng.standard_normal((2, 2, 3, 7))
-  out = sk.precondition_kernel(factor, jnp.asarray(g, jnp.float32))
+  out = sk.sketch.precondition_kernel(factor, jnp.asarray(g, jnp.float32))
   assert out.shape == g.shape
   np.testing.assert_allclose(out.reshape(12, 7), dense_inv @ g.reshape(12, 7), rtol=1e-4, atol=1e-5)
 
@@ -53,20 +53,20 @@ def test_dense_factor_is_the_same_conditioner_in_one_matrix():
   rng = np.random.default_rng(11)
   factor, dense_a = _random_factor(rng, 10, 3)
   c = jnp.asarray(_spd(rng, 10), jnp.float32)
-  for f, oracle_a in ((factor, dense_a), (sk.full_factor(c), helpers.psd_power(np.asarray(c, np.float64), 0.5))):
-    dense = sk.dense_factor(f)
+  for f, oracle_a in ((factor, dense_a), (sk.sketch.full_factor(c), helpers.psd_power(np.asarray(c, np.float64), 0.5))):
+    dense = sk.sketch.dense_factor(f)
     assert dense.q is None and dense.b_inv.shape == (10, 10) and dense.dim == dense.rank == 10
     np.testing.assert_allclose(dense.b_inv, np.linalg.inv(oracle_a), rtol=1e-3, atol=1e-4)
     g = jnp.asarray(rng.standard_normal((2, 5, 7)), jnp.float32)  # input axes (0, 1): n = 10
-    np.testing.assert_allclose(sk.precondition_kernel(dense, g), sk.precondition_kernel(f, g), rtol=1e-3, atol=1e-4)
-    np.testing.assert_allclose(sk.conditioner_matrix(dense), oracle_a, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(sk.sketch.precondition_kernel(dense, g), sk.sketch.precondition_kernel(f, g), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(sk.sketch.conditioner_matrix(dense), oracle_a, rtol=1e-3, atol=1e-3)
 
 
 def test_lemma2_a_times_a_inverse_is_identity():
   rng = np.random.default_rng(1)
   factor, dense_a = _random_factor(rng, 10, 3)
-  np.testing.assert_allclose(dense_a @ np.asarray(sk.inverse_matrix(factor)), np.eye(10), atol=1e-5)
-  np.testing.assert_allclose(sk.conditioner_matrix(factor), dense_a, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(dense_a @ np.asarray(sk.sketch.inverse_matrix(factor)), np.eye(10), atol=1e-5)
+  np.testing.assert_allclose(sk.sketch.conditioner_matrix(factor), dense_a, rtol=1e-4, atol=1e-5)
   assert np.all(np.linalg.eigvalsh(dense_a) > 0)
 
 
@@ -78,12 +78,12 @@ def test_rank_n_sketch_equals_full_conditioner(from_data):
   c = x @ x.T / m
   key = jax.random.PRNGKey(0)
   if from_data:
-    f = sk.sketched_factor_from_data(key, jnp.asarray(x, jnp.float32), n)
+    f = sk.sketch.sketched_factor_from_data(key, jnp.asarray(x, jnp.float32), n)
   else:
-    f = sk.sketched_factor(key, jnp.asarray(c, jnp.float32), n)
+    f = sk.sketch.sketched_factor(key, jnp.asarray(c, jnp.float32), n)
   expected = np.linalg.inv(helpers.psd_power(c, 0.5))
-  np.testing.assert_allclose(sk.inverse_matrix(f), expected, rtol=2e-3, atol=2e-3)
-  np.testing.assert_allclose(sk.inverse_matrix(sk.full_factor(jnp.asarray(c, jnp.float32))), expected,
+  np.testing.assert_allclose(sk.sketch.inverse_matrix(f), expected, rtol=2e-3, atol=2e-3)
+  np.testing.assert_allclose(sk.sketch.inverse_matrix(sk.sketch.full_factor(jnp.asarray(c, jnp.float32))), expected,
                              rtol=2e-3, atol=2e-3)
 
 
@@ -96,11 +96,11 @@ def test_low_rank_factor_matches_section_2_2():
   w, v = w[::-1], v[:, ::-1]
   a = np.sqrt((np.trace(c) - w[:k].sum()) / (n - k))
   dense_a = v[:, :k] @ np.diag(np.sqrt(w[:k])) @ v[:, :k].T + a * (np.eye(n) - v[:, :k] @ v[:, :k].T)
-  f = sk.low_rank_factor(jnp.asarray(c, jnp.float32), k)
-  np.testing.assert_allclose(sk.inverse_matrix(f), np.linalg.inv(dense_a), rtol=1e-3, atol=1e-3)
+  f = sk.sketch.low_rank_factor(jnp.asarray(c, jnp.float32), k)
+  np.testing.assert_allclose(sk.sketch.inverse_matrix(f), np.linalg.inv(dense_a), rtol=1e-3, atol=1e-3)
   # With r = k + oversample >= n the range finder spans R^n, so the sketch is the exact rank-k factor.
-  s = sk.sketched_factor(jax.random.PRNGKey(1), jnp.asarray(c, jnp.float32), k, oversample=n)
-  np.testing.assert_allclose(sk.inverse_matrix(s), np.linalg.inv(dense_a), rtol=1e-3, atol=1e-3)
+  s = sk.sketch.sketched_factor(jax.random.PRNGKey(1), jnp.asarray(c, jnp.float32), k, oversample=n)
+  np.testing.assert_allclose(sk.sketch.inverse_matrix(s), np.linalg.inv(dense_a), rtol=1e-3, atol=1e-3)
 
 
 def test_sketch_from_data_and_from_correlation_agree_with_exact_low_rank_on_a_gap():
@@ -110,11 +110,11 @@ def test_sketch_from_data_and_from_correlation_agree_with_exact_low_rank_on_a_ga
   s = np.concatenate([np.full(k, 10.0), np.full(n - k, 0.1)])
   x = (u * s) @ rng.standard_normal((n, m)) / np.sqrt(m) * np.sqrt(m)
   c = x @ x.T / m
-  exact = np.asarray(sk.inverse_matrix(sk.low_rank_factor(jnp.asarray(c, jnp.float32), k)))
-  f_c = sk.sketched_factor(jax.random.PRNGKey(0), jnp.asarray(c, jnp.float32), k)
-  f_x = sk.sketched_factor_from_data(jax.random.PRNGKey(0), jnp.asarray(x, jnp.float32), k, power_iterations=1)
+  exact = np.asarray(sk.sketch.inverse_matrix(sk.sketch.low_rank_factor(jnp.asarray(c, jnp.float32), k)))
+  f_c = sk.sketch.sketched_factor(jax.random.PRNGKey(0), jnp.asarray(c, jnp.float32), k)
+  f_x = sk.sketch.sketched_factor_from_data(jax.random.PRNGKey(0), jnp.asarray(x, jnp.float32), k, power_iterations=1)
   for f in (f_c, f_x):
-    np.testing.assert_allclose(np.asarray(sk.inverse_matrix(f)), exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+    np.testing.assert_allclose(np.asarray(sk.sketch.inverse_matrix(f)), exact, rtol=0, atol=2e-2 * np.abs(exact).max())
 
 
 def test_lemma3_range_finder_error_within_twice_best_rank_k():
@@ -127,7 +127,7 @@ def test_lemma3_range_finder_error_within_twice_best_rank_k():
     best = np.sqrt(np.sum(sv[k:] ** 2))
     errs = []
     for seed in range(30):
-      f = sk.sketched_factor_from_data(jax.random.PRNGKey(seed), jnp.asarray(x, jnp.float32), k,
+      f = sk.sketch.sketched_factor_from_data(jax.random.PRNGKey(seed), jnp.asarray(x, jnp.float32), k,
                                        oversample=k, power_iterations=0)
       q = np.asarray(f.q, np.float64)
       errs.append(np.linalg.norm(q @ (q.T @ x) - x))
@@ -141,13 +141,13 @@ def test_bound_terms_match_dense_traces_and_theorem1_optimality():
   x = _decaying_data(rng, n, 200)
   c = x @ x.T / 200
   cj = jnp.asarray(c, jnp.float32)
-  for f in (sk.full_factor(cj), sk.low_rank_factor(cj, 4), sk.sketched_factor(jax.random.PRNGKey(0), cj, 4),
-            sk.dense_factor(sk.full_factor(cj))):
-    a = np.asarray(sk.conditioner_matrix(f), np.float64)
-    t = sk.bound_terms(f, cj)
+  for f in (sk.sketch.full_factor(cj), sk.sketch.low_rank_factor(cj, 4), sk.sketch.sketched_factor(jax.random.PRNGKey(0), cj, 4),
+            sk.sketch.dense_factor(sk.sketch.full_factor(cj))):
+    a = np.asarray(sk.sketch.conditioner_matrix(f), np.float64)
+    t = sk.sketch.bound_terms(f, cj)
     np.testing.assert_allclose(t.trace_a, np.trace(a), rtol=2e-3)
     np.testing.assert_allclose(t.trace_a_inv_c, np.trace(np.linalg.inv(a) @ c), rtol=2e-3)
-  full = sk.bound_terms(sk.full_factor(cj), cj)
+  full = sk.sketch.bound_terms(sk.sketch.full_factor(cj), cj)
   root = np.trace(helpers.psd_power(c, 0.5))
   np.testing.assert_allclose(full.trace_a, root, rtol=2e-3)
   np.testing.assert_allclose(full.trace_a_inv_c, root, rtol=2e-3)
@@ -159,18 +159,18 @@ def test_degenerate_and_extreme_correlations_stay_finite(scale):
   n, k = 20, 5
   low = rng.standard_normal((n, 2))  # rank 2 < k
   c = jnp.asarray(scale * low @ low.T, jnp.float32)
-  for f in (sk.sketched_factor(jax.random.PRNGKey(0), c, k), sk.low_rank_factor(c, k), sk.full_factor(c),
-            sk.dense_factor(sk.full_factor(c)),
-            sk.sketched_factor_from_data(jax.random.PRNGKey(0), jnp.asarray(np.sqrt(scale) * low, jnp.float32), k)):
+  for f in (sk.sketch.sketched_factor(jax.random.PRNGKey(0), c, k), sk.sketch.low_rank_factor(c, k), sk.sketch.full_factor(c),
+            sk.sketch.dense_factor(sk.sketch.full_factor(c)),
+            sk.sketch.sketched_factor_from_data(jax.random.PRNGKey(0), jnp.asarray(np.sqrt(scale) * low, jnp.float32), k)):
     for leaf in jax.tree.leaves(f):
       assert np.all(np.isfinite(np.asarray(leaf))), (scale, f)
-    g = sk.precondition_kernel(f, jnp.ones((n, 3), jnp.float32))
+    g = sk.sketch.precondition_kernel(f, jnp.ones((n, 3), jnp.float32))
     assert np.all(np.isfinite(np.asarray(g)))
 
 
 def test_zero_correlation_gives_identity():
-  f = sk.sketched_factor(jax.random.PRNGKey(0), jnp.zeros((6, 6)), 2)
-  np.testing.assert_allclose(sk.inverse_matrix(f), np.eye(6), atol=1e-6)
+  f = sk.sketch.sketched_factor(jax.random.PRNGKey(0), jnp.zeros((6, 6)), 2)
+  np.testing.assert_allclose(sk.sketch.inverse_matrix(f), np.eye(6), atol=1e-6)
 
 
 def test_functions_jit_and_vmap():
@@ -181,15 +181,15 @@ def test_functions_jit_and_vmap():
     cs.append(x @ x.T / 50)
   cs = jnp.asarray(np.stack(cs), jnp.float32)
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
-  batched = jax.jit(jax.vmap(lambda c, k: sk.sketched_factor(k, c, 3)))(cs, keys)
+  batched = jax.jit(jax.vmap(lambda c, k: sk.sketch.sketched_factor(k, c, 3)))(cs, keys)
   for i in range(3):
-    single = sk.sketched_factor(keys[i], cs[i], 3)
-    np.testing.assert_allclose(sk.inverse_matrix(jax.tree.map(lambda a: a[i], batched)),
-                               sk.inverse_matrix(single), rtol=1e-3, atol=1e-4)
+    single = sk.sketch.sketched_factor(keys[i], cs[i], 3)
+    np.testing.assert_allclose(sk.sketch.inverse_matrix(jax.tree.map(lambda a: a[i], batched)),
+                               sk.sketch.inverse_matrix(single), rtol=1e-3, atol=1e-4)
 
 
 def test_rank_errors_name_the_problem():
   with pytest.raises(ValueError, match="rank=7.*n=6"):
-    sk.sketched_factor(jax.random.PRNGKey(0), jnp.eye(6), 7)
+    sk.sketch.sketched_factor(jax.random.PRNGKey(0), jnp.eye(6), 7)
   with pytest.raises(TypeError, match="rank must be a Python int"):
-    sk.low_rank_factor(jnp.eye(6), 2.5)
+    sk.sketch.low_rank_factor(jnp.eye(6), 2.5)

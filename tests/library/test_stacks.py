@@ -253,7 +253,7 @@ class LinenBlock(nn.Module):
 
 class LinenScanned(nn.Module):
   """A Linen transformer scanning its blocks as Flax's docs do, the captured collection listed next to params."""
-  collections: tuple = ("params", sk.LINEN_COLLECTION)
+  collections: tuple = ("params", "layer_inputs")
 
   @nn.compact
   def __call__(self, ids):

@@ -23,8 +23,8 @@ def test_streaming_sketch_is_exactly_the_dense_ema_times_omega():
   rng = np.random.default_rng(0)
   n, k = 30, 4
   for prior in (True, False):
-    dense = sk.ema_correlation(0.2, identity_prior=prior)
-    stream = sk.nystrom_correlation(k, 0.2, identity_prior=prior)
+    dense = sk.sketch.ema_correlation(0.2, identity_prior=prior)
+    stream = sk.sketch.nystrom_correlation(k, 0.2, identity_prior=prior)
     sd, ss = dense.init(n, None), stream.init(n, jax.random.PRNGKey(1))
     for _ in range(5):
       rows = jnp.asarray(rng.standard_normal((16, n)) * np.linspace(0.1, 3, n), jnp.float32)
@@ -43,8 +43,8 @@ def test_streaming_factor_bound_terms_within_factor_of_dense_sketch(seed):
   n, k = 256, 16
   u, evals = _decaying(n, rng)
   x = rng.standard_normal((4096, n)) * np.sqrt(evals) @ u.T
-  dense = sk.ema_correlation(1.0)
-  stream = sk.nystrom_correlation(k, 1.0)
+  dense = sk.sketch.ema_correlation(1.0)
+  stream = sk.sketch.nystrom_correlation(k, 1.0)
   rows = jnp.asarray(x, jnp.float32)
   sd = dense.update(dense.init(n, None), rows)
   ss = stream.update(stream.init(n, jax.random.PRNGKey(seed)), rows)
@@ -52,7 +52,7 @@ def test_streaming_factor_bound_terms_within_factor_of_dense_sketch(seed):
   key = jax.random.PRNGKey(seed + 10)
 
   def product(f):
-    t = sk.bound_terms(f, c)
+    t = sk.sketch.bound_terms(f, c)
     return float(t.trace_a * t.trace_a_inv_c)
 
   ratio = product(stream.factor(ss, key, k)) / product(dense.factor(sd, key, k))
@@ -65,15 +65,15 @@ def test_nystrom_is_exact_when_c_has_rank_at_most_k():
   z = rng.standard_normal((n, k))
   c = z @ z.T + 0.0
   omega, _ = np.linalg.qr(rng.standard_normal((n, k + 6)))
-  f = sk.nystrom_factor(jnp.asarray(c @ omega, jnp.float32), jnp.asarray(omega, jnp.float32), np.trace(c), k)
-  exact = sk.low_rank_factor(jnp.asarray(c, jnp.float32), k)
+  f = sk.sketch.nystrom_factor(jnp.asarray(c @ omega, jnp.float32), jnp.asarray(omega, jnp.float32), np.trace(c), k)
+  exact = sk.sketch.low_rank_factor(jnp.asarray(c, jnp.float32), k)
   np.testing.assert_allclose(np.asarray(f.q @ f.q.T), np.asarray(exact.q @ exact.q.T), atol=1e-3)
   np.testing.assert_allclose(np.sort(np.diag(f.b_inv)), np.sort(np.linalg.eigvalsh(np.asarray(exact.b_inv))), rtol=1e-2)
 
 
 def test_diagonal_factor_and_embedding_statistic_oracle():
   ids = jnp.asarray([[0, 0, 3], [3, 3, 1]], jnp.int32)
-  stats = sk.diagonal_correlation(1.0, takes_ids=True)
+  stats = sk.sketch.diagonal_correlation(1.0, takes_ids=True)
   s = stats.update(stats.init(5), ids)
   freq = np.array([2, 1, 0, 3, 0]) / 6
   np.testing.assert_allclose(np.diag(stats.correlation(s)), freq, rtol=1e-6)
@@ -81,16 +81,16 @@ def test_diagonal_factor_and_embedding_statistic_oracle():
   floor = defaults.EIGENVALUE_FLOOR * 1.0 / 5  # the optimizer statistics' floor, relative to tr C / n
   np.testing.assert_allclose(f.a_inv, 1 / np.sqrt(np.maximum(freq, floor)), rtol=1e-5)
   g = np.arange(10.0).reshape(5, 2)
-  np.testing.assert_allclose(sk.precondition_kernel(f, jnp.asarray(g, jnp.float32)),
+  np.testing.assert_allclose(sk.sketch.precondition_kernel(f, jnp.asarray(g, jnp.float32)),
                              g / np.sqrt(np.maximum(freq, floor))[:, None], rtol=1e-5)
-  np.testing.assert_allclose(sk.inverse_matrix(f), np.diag(np.asarray(f.a_inv)), rtol=1e-6)
+  np.testing.assert_allclose(sk.sketch.inverse_matrix(f), np.diag(np.asarray(f.a_inv)), rtol=1e-6)
 
 
 def test_bias_corrected_ema_is_the_weighted_mean_of_batches():
   """Without the prior, with w_t = 1 - (1-nu)^t: C_t = sum_s nu (1-nu)^(t-s) B_s / w_t + (1 - w_t) (tr C_t / n) I."""
   rng = np.random.default_rng(2)
   nu, n = 0.3, 4
-  stats = sk.ema_correlation(nu, identity_prior=False)
+  stats = sk.sketch.ema_correlation(nu, identity_prior=False)
   s = stats.init(n, None)
   batches = [rng.standard_normal((8, n)) for _ in range(3)]
   for t, b in enumerate(batches, start=1):
@@ -193,7 +193,7 @@ def test_summary_names_embeddings_custom_statistics_and_the_forced_kinds():
   params = {"embed": {"embedding": jnp.zeros((100, 16))}, "head": {"kernel": jnp.zeros((16, 100))}}
   assert jax.eval_shape(sk.scale_by_sketched_conditioning().init, params).summary() == {
       "embed/embedding": "token frequencies, n=100", "head/kernel": "dense C, full C^(1/2), n=16"}
-  custom = sk.scale_by_sketched_conditioning(statistics=sk.ema_correlation(), rank=4, conditioner="sketched")
+  custom = sk.scale_by_sketched_conditioning(statistics=sk.sketch.ema_correlation(), rank=4, conditioner="sketched")
   assert jax.eval_shape(custom.init, {"d": {"kernel": jnp.zeros((16, 3))}}).summary() == {
       "d/kernel": "custom statistics, rank 4, n=16"}  # the plan says what was asked for
   forced = sk.scale_by_sketched_conditioning(statistics="diagonal")
@@ -312,7 +312,7 @@ def test_outlier_rows_are_clipped_counted_and_training_recovers(scale):
   hit, state = _least_squares_run(scale)
   assert int(state[0].clipped_rows["d/kernel"]) == 4
   assert np.isfinite(hit).all()
-  trace = float(sk.ema_correlation().trace(state[0].statistics["d/kernel"]))
+  trace = float(sk.sketch.ema_correlation().trace(state[0].statistics["d/kernel"]))
   assert trace < 1e4  # tr C of the clean data is sum(scales^2) ~ 216: the outlier did not blow it up
   assert hit[-50:].mean() < 2 * clean[-50:].mean() + 1e-6
 

@@ -176,8 +176,8 @@ def test_kernels_of_equal_dim_are_factored_together_and_match_singletons():
   _, new = jax.jit(tx.update)(grads, state, params, layer_inputs={"a": {"kernel": xa}, "b": {"kernel": xb}})
   keys = jax.random.split(state.key, 3)[1:]
   for key, name, x in zip(keys, ["a/kernel", "b/kernel"], [xa, xb]):
-    single = sk.sketched_factor(key, x.T @ x / 64, 4, oversample=10, power_iterations=1)
-    np.testing.assert_allclose(sk.inverse_matrix(new.factors[name]), sk.inverse_matrix(single), rtol=1e-3, atol=1e-4)
+    single = sk.sketch.sketched_factor(key, x.T @ x / 64, 4, oversample=10, power_iterations=1)
+    np.testing.assert_allclose(sk.sketch.inverse_matrix(new.factors[name]), sk.sketch.inverse_matrix(single), rtol=1e-3, atol=1e-4)
 
 
 def _loss_and_inputs(params, x, y):
@@ -467,9 +467,9 @@ def test_custom_statistics_plug_in():
 
   def factor(s, key, rank):
     del key, rank
-    return sk.full_factor(correlation(s))
+    return sk.sketch.full_factor(correlation(s))
 
-  stats = sk.CorrelationStatistics(init, update, factor, correlation, lambda s: jnp.trace(correlation(s)))
+  stats = sk.sketch.CorrelationStatistics(init, update, factor, correlation, lambda s: jnp.trace(correlation(s)))
   params = {"dense": {"kernel": jnp.zeros((3, 2))}}
   tx = sk.scale_by_sketched_conditioning(1, conditioner="full", update_every=1, statistics=stats)
   rng = np.random.default_rng(9)

@@ -33,7 +33,7 @@ def floored_power(c, power, floor=defaults.EIGENVALUE_FLOOR):
 
 def _nnx_grads(layer, x, target):
   """``(layer_inputs, grads, output_grads)`` of ``sum(layer(x) * target)`` under the README's recipe."""
-  perturbations = sk.output_perturbations_nnx(layer, x)
+  perturbations = sk.contrib.output_perturbations_nnx(layer, x)
 
   def loss(m, perturbations):
     out, li = sk.capture_nnx(m, x, max_rows=None, output_perturbations=perturbations)
@@ -49,7 +49,7 @@ def test_nnx_output_rows_are_the_deltas_of_the_kernel_gradient(name, make, _, x,
   output-axis order; the zero perturbations leave the output unchanged."""
   layer = make(nnx.Rngs(0))
   target = jnp.asarray(RNG.standard_normal(layer(x).shape), jnp.float32)
-  perturbations = sk.output_perturbations_nnx(layer, x)
+  perturbations = sk.contrib.output_perturbations_nnx(layer, x)
   out, _ = sk.capture_nnx(layer, x, output_perturbations=perturbations)
   np.testing.assert_array_equal(out, layer(x))
   li, grads, deltas = _nnx_grads(layer, x, target)
@@ -75,7 +75,7 @@ def test_linen_output_rows_are_the_deltas_of_the_kernel_gradient(name, _, module
     module = module.clone(use_bias=False)
   variables = module.init(jax.random.PRNGKey(0), x)
   target = jnp.asarray(RNG.standard_normal(module.apply(variables, x).shape), jnp.float32)
-  perturbations = sk.output_perturbations_linen(module, variables, x)
+  perturbations = sk.contrib.output_perturbations_linen(module, variables, x)
 
   def loss(params, perturbations):
     out, li = sk.capture_linen(module, {"params": params}, x, max_rows=None, output_perturbations=perturbations)
@@ -97,7 +97,7 @@ def test_one_two_sided_step_equals_dense_oracle(name, make, _, x, axes):
   target = jnp.asarray(RNG.standard_normal(layer(x).shape), jnp.float32)
   li, grads, deltas = _nnx_grads(layer, x, target)
   args = dict(conditioner="full", statistics="dense", ema_rate=1.0, update_every=1, statistics_every=1)
-  tx = optax.chain(sk.scale_by_sketched_conditioning(**args), sk.scale_by_output_conditioning(**args),
+  tx = optax.chain(sk.scale_by_sketched_conditioning(**args), sk.contrib.scale_by_output_conditioning(**args),
                    optax.sgd(LR))
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params, layer_inputs=li, output_grads=deltas)
@@ -123,7 +123,7 @@ def test_two_sided_step_does_not_depend_on_the_loss_scale():
   layer = nnx.Linear(8, 6, use_bias=False, rngs=nnx.Rngs(0))
   target = jnp.asarray(RNG.standard_normal((2, 5, 6)), jnp.float32)
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
-  tx = sk.scsgd_two_sided(LR)
+  tx = sk.contrib.scsgd_two_sided(LR)
   steps = []
   for scale in (1.0, 1e4):
     li, grads, deltas = _nnx_grads(layer, X3, scale * target)
@@ -135,12 +135,12 @@ def test_two_sided_step_does_not_depend_on_the_loss_scale():
 def test_output_side_errors_name_the_culprit():
   layer = nnx.Linear(8, 6, use_bias=False, rngs=nnx.Rngs(0))
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
-  tx = sk.scale_by_output_conditioning()
+  tx = sk.contrib.scale_by_output_conditioning()
   with pytest.raises(ValueError, match="needs the keyword argument `output_grads`"):
     tx.update(params, tx.init(params), params, layer_inputs={})
   with pytest.raises(TypeError, match="output_axes="):
-    sk.scale_by_output_conditioning(input_axes={"kernel": (0,)})
-  wrong = sk.output_perturbations_nnx(layer, X3[:1])
+    sk.contrib.scale_by_output_conditioning(input_axes={"kernel": (0,)})
+  wrong = sk.contrib.output_perturbations_nnx(layer, X3[:1])
   with pytest.raises(ValueError, match=r"output_perturbations\['kernel'\] has shape \(5, 6\), expected \(10, 6\)"):
     sk.capture_nnx(layer, X3, output_perturbations=wrong)
 
@@ -152,7 +152,7 @@ def test_output_side_errors_name_the_culprit():
       return self.fc(self.fc(x))
 
   with pytest.raises(NotImplementedError, match="'fc/kernel' is called more than once"):
-    sk.output_perturbations_nnx(Twice(), X3)
+    sk.contrib.output_perturbations_nnx(Twice(), X3)
 
 
 def _mlp_two_sided_direction(xs, w1, w2, ts):
@@ -177,13 +177,13 @@ def test_scsgd_two_sided_two_steps_by_hand(magnitude):
   model = MLP(nnx.Rngs(0))
   rng = np.random.default_rng(3)
   batches = [(rng.standard_normal((32, 5)), rng.standard_normal((32, 3))) for _ in range(2)]
-  tx = sk.scsgd_two_sided(LR, magnitude=magnitude, conditioner="full", statistics="dense", ema_rate=1.0,
+  tx = sk.contrib.scsgd_two_sided(LR, magnitude=magnitude, conditioner="full", statistics="dense", ema_rate=1.0,
                           update_every=1, statistics_every=1)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit
   def step(model, optimizer, x, target):
-    perturbations = sk.output_perturbations_nnx(model, x)
+    perturbations = sk.contrib.output_perturbations_nnx(model, x)
 
     def loss_fn(model, perturbations):
       out, li = sk.capture_nnx(model, x, output_perturbations=perturbations)
@@ -229,7 +229,7 @@ def test_two_sided_state_is_within_adams_with_sign_magnitude_and_split_budget(ma
   params = nnx.as_pure(nnx.state(TinyLM(nnx.Rngs(0)), nnx.Param))
   floats = lambda state: sum(np.size(x) for x in jax.tree.leaves(state))
   adam = floats(optax.adam(0.1).init(params))
-  state = sk.scsgd_two_sided(LR, magnitude=magnitude, split_budget=split_budget).init(params)
+  state = sk.contrib.scsgd_two_sided(LR, magnitude=magnitude, split_budget=split_budget).init(params)
   assert (floats(state) <= adam) == within_adam, (floats(state), adam)
   if within_adam:  # and the sides spend the budget: every kernel (but the embedding's output) on both sides
     sides = state[0].direction
@@ -244,7 +244,7 @@ def test_sign_magnitude_gives_an_unconditioned_leaf_its_normalized_gradient():
   target = jnp.asarray(RNG.standard_normal((2, 5, 6)), jnp.float32)
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
   li, grads, deltas = _nnx_grads(layer, X3, target)
-  tx = sk.scsgd_two_sided(LR, magnitude="sign", split_budget=True)
+  tx = sk.contrib.scsgd_two_sided(LR, magnitude="sign", split_budget=True)
   bias = tx.update(grads, tx.init(params), params, layer_inputs=li, output_grads=deltas)[0]["bias"]
   g = np.asarray(grads["bias"], np.float64)
   np.testing.assert_allclose(bias, -LR * (1 + defaults.MOMENTUM) * g * np.sqrt(g.size) / np.linalg.norm(g),
@@ -254,11 +254,11 @@ def test_sign_magnitude_gives_an_unconditioned_leaf_its_normalized_gradient():
 def test_scsgd_two_sided_refuses_an_argument_one_side_would_take_alone():
   for bad in ({"output_axes": {"kernel": (1,)}}, {"max_rows": 8}, {"budget_share": 0.3}):
     with pytest.raises(TypeError, match=f"neither side takes alike: {next(iter(bad))}="):
-      sk.scsgd_two_sided(LR, **bad)
+      sk.contrib.scsgd_two_sided(LR, **bad)
   # input_axes (the model's layouts) plans the input side at init
-  tx = sk.scsgd_two_sided(LR, input_axes={"kernel": sk.Layout((0,), 1)})
+  tx = sk.contrib.scsgd_two_sided(LR, input_axes={"kernel": sk.Layout((0,), 1)})
   sides = [s for s in jax.tree.leaves(tx.init({"kernel": jnp.ones((3, 4, 5))}), is_leaf=lambda x: hasattr(x, "summary"))
            if hasattr(s, "summary")]
   assert sides[0].summary()["kernel"].endswith("per layer of a stack (3,)") and "stack" not in sides[1].summary()["kernel"]
   with pytest.raises(ValueError, match="magnitude must be 'rms' or 'sign', got 'adam'"):
-    sk.scsgd_two_sided(LR, magnitude="adam")
+    sk.contrib.scsgd_two_sided(LR, magnitude="adam")

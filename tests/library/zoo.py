@@ -146,7 +146,7 @@ def _step(model, optimizer, x, y, rate, key, capture, two_sided):
       logits, inputs = model(x), None
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), inputs
 
-  perturbations = sk.output_perturbations_nnx(model, x) if two_sided else None
+  perturbations = sk.contrib.output_perturbations_nnx(model, x) if two_sided else None
   (loss, inputs), (grads, deltas) = nnx.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(model, perturbations)
   extra = {"layer_inputs": inputs} if capture else {}
   if two_sided:

@@ -1,0 +1,62 @@
+"""The library's face: a tiered API (at most 25 names at the top, sorted ``__all__`` in every tier), an optax core
+that imports without Flax, experiments that use only the public API, and an API reference that is not stale."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import scsgd_jax
+from tests import api_doc
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("module", [scsgd_jax, scsgd_jax.sketch, scsgd_jax.contrib], ids=lambda m: m.__name__)
+def test_every_tier_has_a_sorted_all_whose_names_resolve(module):
+  assert module.__all__ == sorted(module.__all__)
+  for name in module.__all__:
+    assert getattr(module, name) is not None, name
+  assert not {n for n in vars(module) if not n.startswith("_") and n not in module.__all__} - {"importlib"}
+
+
+def test_the_top_level_holds_at_most_25_names_and_no_internals():
+  assert len(scsgd_jax.__all__) <= 25, scsgd_jax.__all__
+  internals = {"KernelPlan", "LayerInput", "layer_rows", "GraftState", "EmaState", "BoundTerms", "LINEN_COLLECTION",
+               "without_momentum", "eigenbasis", "scsgd_two_sided"}
+  assert not internals & set(scsgd_jax.__all__)
+
+
+def test_the_optax_core_imports_and_runs_without_flax():
+  """With Flax unimportable, the optimizers build, init and update (only the capture helpers need Flax)."""
+  code = ("import sys; sys.modules['flax'] = None\n"
+          "import jax.numpy as jnp, scsgd_jax\n"
+          "params = {'dense': {'kernel': jnp.zeros((8, 3))}}\n"
+          "for tx in (scsgd_jax.scsgd(0.1), scsgd_jax.scsgd_eigen(1e-3), scsgd_jax.scsgd_eigen_muon(0.02)):\n"
+          "  state = tx.init(params)\n"
+          "  tx.update(params, state, params, layer_inputs={'dense/kernel': jnp.ones((4, 8))})\n"
+          "assert 'flax.nnx' not in sys.modules\n"
+          "try:\n"
+          "  scsgd_jax.capture_nnx\n"
+          "except ImportError:\n"
+          "  print('capture needs flax')\n")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "capture needs flax" in out.stdout
+
+
+def test_experiments_use_only_the_public_api():
+  offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "experiments").rglob("*.py")
+               if re.search(r"scsgd_jax\._src|from scsgd_jax import _src", p.read_text())]
+  assert not offenders, offenders
+
+
+def test_the_api_reference_is_written_from_the_docstrings():
+  """docs/api.md is what ``python -m tests.api_doc`` writes now: regenerate it after changing a public signature or
+  the first paragraph of a public docstring."""
+  with open(api_doc.PATH) as f:
+    assert f.read() == api_doc.render(), "docs/api.md is stale: run python -m tests.api_doc"
+  assert os.path.basename(api_doc.PATH) == "api.md"
