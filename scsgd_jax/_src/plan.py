@@ -102,8 +102,14 @@ class KernelPlan(NamedTuple):
       x = x.reshape(x.shape[:-2] + (-1,))
     return x.reshape(shape)
 
-  def describe(self) -> str:
-    """E.g. ``'dense C, full C^(1/2), n=25'`` or ``'streaming C Omega, rank 32, n=800'``."""
+  def below(self, asked_rank: int) -> bool:
+    """Whether the plan's rank is below both ``asked_rank`` (the rank asked for) and ``n`` (the full ``C^{1/2}``
+    and a diagonal say what they are)."""
+    return self.kind not in ("diagonal", "embedding") and self.rank is not None and self.rank < min(asked_rank, self.n)
+
+  def describe(self, asked_rank: Optional[int] = None) -> str:
+    """E.g. ``'dense C, full C^(1/2), n=25'`` or ``'streaming C Omega, rank 32, n=800'``; a rank below
+    ``asked_rank`` (the rank asked for) says why: beyond the layer's ``n``, or cut by the memory rule."""
     kind = {
         "embedding": "token frequencies",
         "diagonal": "diagonal C",
@@ -116,6 +122,10 @@ class KernelPlan(NamedTuple):
       where.append(f"per layer of a stack {self.stack}")
     if self.groups > 1:
       where.append(f"per group of {self.groups}")
+    if asked_rank is not None and self.below(asked_rank):
+      sketch_cap = self.rank == self.n - 1 and asked_rank >= self.n
+      where.append(f"rank {asked_rank} asked: " + ("a sketch's rank is below n" if sketch_cap else
+                                                     "cut by the memory rule"))
     return f"{kind}, n={self.n}" + (f", {' and '.join(where)}" if where else "")
 
 

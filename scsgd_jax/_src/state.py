@@ -113,6 +113,11 @@ class PlanCache:
       notes = self._notes[key] = plan_lib.unconditioned(tree, self._spec, self._plans[key])
       if notes:  # once per tree of shapes
         log_unconditioned(notes)
+      cut = {p: plan.describe(self._spec.rank) for p, plan in self._plans[key].items()
+             if plan.below(self._spec.rank)}
+      if cut:
+        logging.getLogger("scsgd_jax").info("kernels planned below the rank asked (%d): %s", self._spec.rank,
+                                            "; ".join(f"{p} ({d})" for p, d in cut.items()))
     self.notes = self._notes[key]
     if not captured:
       return self._plans[key]
@@ -135,11 +140,11 @@ def log_unconditioned(notes: dict[str, str]) -> None:
                                       "; ".join(f"{p} ({why})" for p, why in notes.items()))
 
 
-def summary_of(kernel_plans, notes=()) -> PlanSummary:
-  """Each conditioned kernel's plan, then each kernel left unconditioned and why (``notes``, which win over a
-  plan of the same kernel)."""
+def summary_of(kernel_plans, notes=(), asked_rank: Optional[int] = None) -> PlanSummary:
+  """Each conditioned kernel's plan (a rank below ``asked_rank`` says why), then each kernel left unconditioned
+  and why (``notes``, which win over a plan of the same kernel)."""
   notes = dict(notes)
-  return PlanSummary([*((p, plan.describe()) for p, plan in kernel_plans.items() if p not in notes),
+  return PlanSummary([*((p, plan.describe(asked_rank)) for p, plan in kernel_plans.items() if p not in notes),
                       *notes.items()])
 
 
@@ -163,7 +168,8 @@ def same_shapes(a, b) -> bool:
       np.shape(x) == np.shape(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int, skipped=()):
+def replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int, skipped=(),
+              asked_rank: Optional[int] = None):
   """``state`` with every kernel whose statistics or factor do not have its plan's shapes started afresh, and
   its summary: the plans, the kernels left unconditioned at ``init`` and those ``skipped`` in this update.
 
@@ -173,7 +179,7 @@ def replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int, 
   kernel whose shapes already fit, e.g. from an earlier update, keeps its state).
   """
   notes = {**{p: why for p, why in state.plan.items if p not in kernel_plans}, **dict(skipped)}
-  state = state._replace(plan=summary_of(kernel_plans, notes))
+  state = state._replace(plan=summary_of(kernel_plans, notes, asked_rank))
   _, shapes = jax.eval_shape(lambda: fresh_kernel_states(kernel_plans, seed))
   stale = [p for p in kernel_plans
            if not same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2])]

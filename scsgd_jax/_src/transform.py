@@ -217,6 +217,8 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
   checks.check_float("ema_rate", a.ema_rate, low=0.0, high=1.0, low_open=True)
   checks.check_float("budget_share", budget_share, low=0.0, high=1.0, low_open=True)
   # ema_rate is per step: a fold every s steps weighs its batch 1 - (1 - nu)^s, so the EMA spans as many steps
+  if isinstance(a.statistics, stats_lib.CorrelationStatistics):
+    _refuse_unread_by_custom_statistics(a)
   fold_rate = 1.0 - (1.0 - a.ema_rate) ** static["statistics_every"]
   choices = plan_lib.StatisticsChoices(fold_rate, warm_start=a.warm_start, oversample=static["oversample"],
                                        power_iterations=static["power_iterations"],
@@ -237,7 +239,7 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
         statistics={p: f[0] for p, f in fresh.items()},
         factors={p: f[1] for p, f in fresh.items()},
         clipped_rows={p: f[2] for p, f in fresh.items()},
-        plan=state_lib.summary_of(kernel_plans, plans.notes),
+        plan=state_lib.summary_of(kernel_plans, plans.notes, static["rank"]),
     )
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
@@ -250,7 +252,7 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
     # layers the capture cannot condition: plain updates, their state untouched, the summary says so
     skipped = {p: f"not conditioned: {why}" for p, why in getattr(layer_inputs, "unconditioned", {}).items()
                if p in kernel_plans}
-    state = state_lib.replanned(state, kernel_plans, a.seed, skipped)
+    state = state_lib.replanned(state, kernel_plans, a.seed, skipped, static["rank"])
     phases = plan_lib.slice_phases(kernel_plans, static["update_every"], a.stagger)  # fixed by the plans
     if skipped:
       state_lib.log_unconditioned(skipped)  # once per trace
@@ -271,6 +273,19 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
         clipped_rows=clipped)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn), plans
+
+
+def _refuse_unread_by_custom_statistics(a) -> None:
+  """A ``CorrelationStatistics`` given as ``statistics=`` carries its own rate, prior, oversampling, power
+  iterations and floor: the same arguments given beside it would do nothing, so they are refused."""
+  given = {name: getattr(a, name) for name, default in (
+      ("ema_rate", defaults.EMA_RATE), ("warm_start", True), ("oversample", None), ("power_iterations", None),
+      ("eigenvalue_floor", defaults.EIGENVALUE_FLOOR)) if getattr(a, name) != default}
+  if given:
+    raise ValueError(
+        f"statistics= is a CorrelationStatistics, which carries its own settings; {given} would do nothing beside "
+        "it: set them on the statistics object (e.g. scsgd_jax.sketch.ema_correlation(rate, oversample=..., "
+        "eigenvalue_floor=..., identity_prior=...)) and leave them out here.")
 
 
 def warn_nothing_conditioned(params, notes: dict[str, str]) -> None:

@@ -117,7 +117,7 @@ def test_eigen_rows_are_the_library_alias_at_adamws_recipe_and_full_rank():
     config = helpers.smoke_config()
     config.optimizer.name = name
     config.optimizer[name] = optimizers.sub_config(name, rank=2, statistics="dense", conditioner="sketched")
-    nu = optimizers.create(config).tx.init(params)[0].nu["dense"]["kernel"]
+    nu = optimizers.create(config).tx.init(params)[0].moments["dense/kernel"]
     shapes[name] = (nu.lead.shape, nu.col is None)
   assert shapes == {"scsgd_eigen": ((2, 3), False), "scsgd_eigen_full": ((6, 3), True)}
   settings = registry.recipe("scsgd_eigen", "transformer").settings

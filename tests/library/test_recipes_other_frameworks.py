@@ -2,6 +2,7 @@
 oracle; and the choices that used to pass silently: a head name no kernel has, a model none of whose leaves is
 conditioned, an argument the eigenbasis would ignore."""
 
+import re
 import warnings
 
 import jax
@@ -89,3 +90,21 @@ def test_eigenbasis_refuses_arguments_that_reach_only_the_eigenvalues(name, valu
   with pytest.raises(TypeError, match=f"{name}="):
     sk.scale_by_eigenbasis_adam(**{name: value})
   optax.chain(sk.scale_by_sketched_conditioning(**{name: value}), optax.adamw(1e-3))  # where it acts: taken
+
+
+def test_a_rank_the_memory_rule_cuts_is_said_in_the_summary():
+  """rank=1000 on 24-wide layers: the memory rule plans a lower rank, and the summary says it was cut."""
+  params = {"a": {"kernel": jnp.zeros((24, 24))}}
+  summary = sk.scsgd(0.1, rank=1000).init(params)[0].summary()
+  assert summary["a/kernel"].endswith("rank 1000 asked: cut by the memory rule"), summary
+
+
+def test_options_a_custom_statistics_object_does_not_read_are_refused():
+  """A CorrelationStatistics carries its own rate, prior, oversampling, power iterations and floor: the same
+  arguments beside it are refused, naming them; with the default statistics they act."""
+  custom = sk.sketch.ema_correlation(0.1)
+  for name, value in (("ema_rate", 0.2), ("oversample", 4), ("power_iterations", 2), ("eigenvalue_floor", 0.1),
+                      ("warm_start", False)):
+    with pytest.raises(ValueError, match=re.escape(f"{{'{name}': {value!r}}} would do nothing")):
+      sk.scsgd(0.1, statistics=custom, **{name: value})
+    sk.scsgd(0.1, **{name: value})

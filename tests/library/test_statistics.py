@@ -175,12 +175,14 @@ def test_model_budget_spends_the_leftover_floats_on_the_smallest_n_first():
   assert _floats((state.statistics, state.factors)) <= _floats(params)
   alone = {}  # budget='kernel' gives each kernel of the model what it gets alone
   assert jax.eval_shape(sk.scale_by_sketched_conditioning(budget="kernel").init, params).summary() == {
-      "conv1/kernel": "diagonal C, n=25", "conv2/kernel": "streaming C Omega, rank 9, n=500",
+      "conv1/kernel": "diagonal C, n=25",
+      "conv2/kernel": "streaming C Omega, rank 9, n=500, rank 32 asked: cut by the memory rule",
       "dense1/kernel": "streaming C Omega, rank 32, n=800", "dense2/kernel": "diagonal C, n=500"}
   for k in shapes:
     alone.update(jax.eval_shape(sk.scale_by_sketched_conditioning(budget="model").init, {k: params[k]}).summary())
   assert alone == {
-      "conv1/kernel": "diagonal C, n=25", "conv2/kernel": "streaming C Omega, rank 9, n=500",
+      "conv1/kernel": "diagonal C, n=25",
+      "conv2/kernel": "streaming C Omega, rank 9, n=500, rank 32 asked: cut by the memory rule",
       "dense1/kernel": "streaming C Omega, rank 32, n=800", "dense2/kernel": "diagonal C, n=500"}
   # A narrower dense1 leaves too little for conv2's dense C: conv2 takes its next best option (streaming).
   small = dict(params, dense1={"kernel": jnp.zeros((800, 300)), "bias": jnp.zeros(300)})
