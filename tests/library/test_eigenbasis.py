@@ -496,7 +496,7 @@ def test_default_state_is_at_most_adams_on_every_model(params, rate):
   nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
   adamw = nbytes(optax.adamw(rate).init(params))
   eigen = sk.scsgd_eigen(rate).init(params)
-  eigen_muon = sk.scsgd_eigen_muon(rate, output_layer="head").init(params)
+  eigen_muon = sk.scsgd_eigen_muon(rate, output_layer="head" if "head" in params else "").init(params)
   assert nbytes(eigen) <= adamw and nbytes(eigen_muon) <= adamw
   if not eigen[0].conditioning.factors:
     assert eigen[0].conditioning.key is None and nbytes(eigen) == adamw

@@ -2,6 +2,8 @@
 stack), each with its batches and its loss, and one NNX training loop for any optimizer: what the robustness
 tests run every alias on."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,12 +20,12 @@ class DeadMLP(nnx.Module):
   layer's inputs have zero rows and columns, a rank-deficient C."""
 
   def __init__(self, rngs):
-    self.l1, self.l2, self.l3 = (nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 32, rngs=rngs),
+    self.l1, self.l2, self.head = (nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 32, rngs=rngs),
                                  nnx.Linear(32, CLASSES, rngs=rngs))
     self.l1.bias[...] = jnp.where(jnp.arange(32) % 4 == 0, -10.0, 0.0)
 
   def __call__(self, x):
-    return self.l3(jax.nn.relu(self.l2(jax.nn.relu(self.l1(x)))))
+    return self.head(jax.nn.relu(self.l2(jax.nn.relu(self.l1(x)))))
 
 
 class CNN(nnx.Module):
@@ -122,14 +124,28 @@ def fit(kind, model, optimizer, rate, steps, *, start=0, capture=True, two_sided
   """Losses of ``steps`` NNX steps (the README's step) on batches ``start, start + 1, ...`` of ``kind``;
   ``on_update(step, updates, model)`` sees each update."""
   losses = []
-  for i, (x, y) in enumerate(batches(kind, start + steps)):
-    if i < start:
-      continue
-    loss, updates = _step(model, optimizer, x, y, jnp.float32(rate), jax.random.PRNGKey(i), capture, two_sided)
-    losses.append(float(loss))
-    if on_update is not None:
-      on_update(i, updates, model)
+  with without_persistent_cache():
+    for i, (x, y) in enumerate(batches(kind, start + steps)):
+      if i < start:
+        continue
+      loss, updates = _step(model, optimizer, x, y, jnp.float32(rate), jax.random.PRNGKey(i), capture, two_sided)
+      losses.append(float(loss))
+      if on_update is not None:
+        on_update(i, updates, model)
   return losses
+
+
+@contextlib.contextmanager
+def without_persistent_cache():
+  """The test process's persistent compilation cache off while a zoo step compiles: XLA:CPU can crash reading back
+  an executable of many kernels (these steps at the tests' lowest optimization level are such; jax#28908), and a
+  step that repeats is reused from ``nnx.jit``'s own cache anyway."""
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
 
 
 def train(kind: str, make_tx, rate: float, steps: int, **kwargs):
