@@ -137,15 +137,16 @@ def fit(kind, model, optimizer, rate, steps, *, start=0, capture=True, two_sided
 
 @contextlib.contextmanager
 def without_persistent_cache():
-  """The test process's persistent compilation cache off while a zoo step compiles: XLA:CPU can crash reading back
-  an executable of many kernels (these steps at the tests' lowest optimization level are such; jax#28908), and a
-  step that repeats is reused from ``nnx.jit``'s own cache anyway."""
-  before = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
+  """No zoo step written to the test process's persistent compilation cache (so none is read back from it): XLA:CPU
+  can crash serializing or deserializing an executable of many kernels, which these steps at the tests' lowest
+  optimization level are (jax#28908); a step that repeats is reused from ``nnx.jit``'s own cache anyway. (JAX
+  decides once per process whether the cache is used, so the threshold for writing an entry is what moves.)"""
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
   try:
     yield
   finally:
-    jax.config.update("jax_enable_compilation_cache", before)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def train(kind: str, make_tx, rate: float, steps: int, **kwargs):
