@@ -1,4 +1,5 @@
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -8,6 +9,7 @@ from tests import helpers
 os.environ.setdefault("XLA_FLAGS", helpers.xla_flags(1))
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Many tests build the same programs anew (a new optimizer, a new train step): a compilation cache private to
 # this test process compiles each once. Removed when the process ends; never shared between runs.
@@ -21,3 +23,21 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # Oracles compare float32 results with float64 numpy at 1e-4..1e-6: on GPUs/TPUs the default float32
 # matmul precision is TF32/bf16-pass (relative error ~1e-3), so the tests ask for full precision.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# Every program XLA:CPU loads maps its code (at the tests' lowest optimization level, unfused: a thousand mappings or
+# more for an optimizer's step), and the jit caches keep them loaded: a test process that compiles a few dozen such
+# programs would pass Linux's limit on a process's mappings (vm.max_map_count, 65530), and the next compile crashes.
+# After any test that leaves the process past half the limit, the caches are dropped (recompiles come from the
+# persistent cache above).
+_MAPS = "/proc/self/maps"
+
+
+@pytest.fixture(autouse=True)
+def _bounded_code_mappings():
+  yield
+  if os.path.exists(_MAPS):
+    with open(_MAPS) as f:
+      if sum(1 for _ in f) > 30000:
+        jax.clear_caches()
+        gc.collect()

@@ -8,6 +8,10 @@ from experiments import ablation
 from experiments import errors
 from tests import helpers
 
+# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run)
+pytestmark = pytest.mark.studies
+
+
 
 def test_ablation_runs_on_mock_data(tmp_path):
   config = helpers.smoke_config(num_steps=20, checkpoint_every=20)

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import tensorflow_datasets as tfds
 
 import scsgd_jax as sk
@@ -10,6 +11,10 @@ from configs import convex_smoke
 from experiments.convex import experiment as convex_experiment
 from experiments.convex import problem as convex
 from experiments.convex import report as convex_report
+
+# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run)
+pytestmark = pytest.mark.studies
+
 
 
 def _problem(seed=0, n=30, m=3000, p=3):

@@ -10,6 +10,10 @@ from configs import develop as develop_config
 from experiments import develop
 from experiments import registry
 
+# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run)
+pytestmark = pytest.mark.studies
+
+
 
 def test_windows_follow_the_chain_and_the_source_loss_is_its_nll():
   table = develop.markov_source(3, 0.5, seed=0)

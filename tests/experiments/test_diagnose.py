@@ -1,10 +1,15 @@
 """The kernel-by-kernel diagnosis: what it records, on a tiny run."""
 
 import numpy as np
+import pytest
 
 from configs import diagnose as diagnose_config
 from experiments import develop
 from experiments import diagnose
+
+# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run)
+pytestmark = pytest.mark.studies
+
 
 
 def test_a_diagnosis_run_records_every_kernel_and_the_scales_differ():

@@ -7,9 +7,14 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from experiments import benchmark_step
 from experiments import profile_step
+
+# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run)
+pytestmark = pytest.mark.studies
+
 
 
 def _two_products(a, b):

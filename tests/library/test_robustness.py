@@ -190,8 +190,7 @@ def test_the_reported_mlp_trains_with_scsgd_eigen_at_every_adam_rate_to_adamws_b
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.chain(make(model), zoo.scaled_by_rate()), wrt=nnx.Param)
     def run(rate):
-      with zoo.without_persistent_cache():
-        return np.asarray([float(_mlp_step(model, optimizer, x, y, jnp.float32(rate), capture)) for x, y in data])
+      return np.asarray([float(_mlp_step(model, optimizer, x, y, jnp.float32(rate), capture)) for x, y in data])
 
     return run
 

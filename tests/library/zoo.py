@@ -2,8 +2,6 @@
 stack), each with its batches and its loss, and one NNX training loop for any optimizer: what the robustness
 tests run every alias on."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,29 +122,14 @@ def fit(kind, model, optimizer, rate, steps, *, start=0, capture=True, two_sided
   """Losses of ``steps`` NNX steps (the README's step) on batches ``start, start + 1, ...`` of ``kind``;
   ``on_update(step, updates, model)`` sees each update."""
   losses = []
-  with without_persistent_cache():
-    for i, (x, y) in enumerate(batches(kind, start + steps)):
-      if i < start:
-        continue
-      loss, updates = _step(model, optimizer, x, y, jnp.float32(rate), jax.random.PRNGKey(i), capture, two_sided)
-      losses.append(float(loss))
-      if on_update is not None:
-        on_update(i, updates, model)
+  for i, (x, y) in enumerate(batches(kind, start + steps)):
+    if i < start:
+      continue
+    loss, updates = _step(model, optimizer, x, y, jnp.float32(rate), jax.random.PRNGKey(i), capture, two_sided)
+    losses.append(float(loss))
+    if on_update is not None:
+      on_update(i, updates, model)
   return losses
-
-
-@contextlib.contextmanager
-def without_persistent_cache():
-  """No zoo step written to the test process's persistent compilation cache (so none is read back from it): XLA:CPU
-  can crash serializing or deserializing an executable of many kernels, which these steps at the tests' lowest
-  optimization level are (jax#28908); a step that repeats is reused from ``nnx.jit``'s own cache anyway. (JAX
-  decides once per process whether the cache is used, so the threshold for writing an entry is what moves.)"""
-  before = jax.config.jax_persistent_cache_min_compile_time_secs
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def train(kind: str, make_tx, rate: float, steps: int, **kwargs):
