@@ -13,7 +13,7 @@ from scsgd_jax._src.alias import scsgd_eigen as scsgd_eigen
 from scsgd_jax._src.alias import scsgd_eigen_muon as scsgd_eigen_muon
 from scsgd_jax._src.diagnostics import kernel_diagnostics as kernel_diagnostics
 from scsgd_jax._src.diagnostics import update_diagnostics as update_diagnostics
-from scsgd_jax._src.eigenbasis import EigenMoments as EigenMoments
+from scsgd_jax._src.eigen_math import EigenMoments as EigenMoments
 from scsgd_jax._src.eigenbasis import ScaleByEigenbasisAdamState as ScaleByEigenbasisAdamState
 from scsgd_jax._src.eigenbasis import scale_by_eigenbasis_adam as scale_by_eigenbasis_adam
 from scsgd_jax._src.inputs import CapturedInputs as CapturedInputs

@@ -2,7 +2,7 @@
 ``A = Q B Q^T + a (I - Q Q^T)`` and their products, the full ``C^{1/2}``, the bound terms of the paper's analysis,
 the rows a layer's inputs give (im2col patches for a conv), and the statistics objects ``statistics=`` takes."""
 
-from scsgd_jax._src.eigenbasis import eigenbasis as eigenbasis
+from scsgd_jax._src.eigen_math import eigenbasis as eigenbasis
 from scsgd_jax._src.patches import conv_patch_rows as conv_patch_rows
 from scsgd_jax._src.patches import dense_rows as dense_rows
 from scsgd_jax._src.plan import default_input_axes as default_input_axes

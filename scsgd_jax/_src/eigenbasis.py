@@ -16,8 +16,7 @@ stays within Adam's.
 from __future__ import annotations
 
 import functools
-import math
-from typing import Any, Literal, NamedTuple, Optional
+from typing import Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,42 +25,22 @@ import optax
 from scsgd_jax._src import inputs
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
+from scsgd_jax._src import eigen_math as em
 from scsgd_jax._src import output as output_lib
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
 from scsgd_jax._src import state as state_lib
 from scsgd_jax._src import transform
+from scsgd_jax._src.eigen_math import EigenMoments
+from scsgd_jax._src.eigen_math import Tail
 from scsgd_jax._src.state import ScaleBySketchedConditioningState
 
-__all__ = ["EigenMoments", "ScaleByEigenbasisAdamState", "adam_ratio_bound", "eigenbasis", "scale_by_eigenbasis_adam"]
+__all__ = ["ScaleByEigenbasisAdamState", "scale_by_eigenbasis_adam"]
 
-Tail = Literal["factored", "scalar", "orthogonal"]
 Basis = Literal["inputs", "gradients"]
 Sides = Literal["input", "both"]
-_TINY = 1e-30
-# Muon's quintic Newton-Schulz iteration (Jordan et al. 2024): 5 steps take a matrix's singular values near 1
-_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-_NS_STEPS = 5
-# the conditioning's arguments that scale C's eigenvalues but keep its eigenvectors: the eigenbasis reads only these
+# the conditioning's arguments that move only the conditioner's eigenvalues: the eigenbasis reads its eigenvectors alone
 _NO_EFFECT = ("eigenvalue_floor", "normalize")
-# an orthogonalized (n, p) tail is scaled by this times sqrt(max(n, p)): AdamW's typical update RMS (Liu et al. 2025)
-_ORTHOGONAL_RMS = 0.2
-
-
-class EigenMoments(NamedTuple):
-  """Adam's second moment of one conditioned kernel, in its eigenbasis (a leading stack axis per slice).
-
-  Attributes:
-    lead: ``(k, p)``, the second moment of ``U^T G``; ``(n, p)`` of ``G`` itself for a diagonal kind.
-    row: ``(n,)``, the tail's row second moments (Adafactor), or ``None`` (scalar or orthogonalized tail, or no
-      tail: ``k = n``).
-    col: ``(p,)``, the tail's column second moments; ``()`` for a scalar tail; ``None`` for an orthogonalized tail
-      (it keeps none) or with no tail.
-  """
-
-  lead: jax.Array
-  row: Optional[jax.Array]
-  col: Optional[jax.Array]
 
 
 class ScaleByEigenbasisAdamState(NamedTuple):
@@ -102,25 +81,6 @@ class ScaleByEigenbasisAdamState(NamedTuple):
   def summary(self) -> dict[str, str]:
     """How each kernel is conditioned (the conditioning's :meth:`~ScaleBySketchedConditioningState.summary`)."""
     return self.conditioning.summary()
-
-
-def eigenbasis(factor: sketch.Factor) -> Optional[jax.Array]:
-  r"""The orthonormal eigenbasis ``U`` of a conditioner ``factor``: ``Q V`` where ``B^{-1} = V D V^\top``
-  (``n x k``), or the eigenvectors of a dense ``A^{-1}`` (``n x n``); ``None`` for a diagonal factor (the
-  coordinate basis). ``A^{-1} = U D U^\top + a^{-1}(I - U U^\top)``: the same conditioner, rotated to be diagonal."""
-  v = _rotation(factor)
-  return None if v is None else _basis(factor.q, v)
-
-
-def _rotation(factor: sketch.Factor) -> Optional[jax.Array]:
-  """``V``, the eigenvectors of ``B^{-1}`` (of ``A^{-1}`` for a dense factor); ``None`` for a diagonal one."""
-  if factor.b_inv is None:
-    return None
-  return jnp.linalg.eigh(0.5 * (factor.b_inv + factor.b_inv.T))[1]
-
-
-def _basis(q: Optional[jax.Array], v: jax.Array) -> jax.Array:
-  return v if q is None else q @ v
 
 
 def _rank(plan: plan_lib.KernelPlan) -> Optional[int]:
@@ -167,32 +127,6 @@ def _fresh_moments(plan: plan_lib.KernelPlan, p: int, tail: Tail,
   return jax.tree.map(lambda a: jnp.broadcast_to(a, (plan.slices,) + a.shape), moments)
 
 
-def _tail_moment(moments: EigenMoments) -> jax.Array:
-  """The tail's second moment per coordinate ``(n, p)`` (Adafactor's ``r c^T / mean(r)``), or a scalar."""
-  if moments.row is None:
-    return moments.col
-  return moments.row[:, None] * moments.col[None, :] / jnp.maximum(jnp.mean(moments.row), _TINY)
-
-
-def _carried(moments: EigenMoments, new: jax.Array, old: jax.Array) -> EigenMoments:
-  r"""``moments`` carried from basis ``old`` to ``new``: with ``P = (U_new^\top U_old)^{\circ 2}``, each new
-  direction's second moment is ``P`` times the old ones, plus the tail's share it takes from outside the old
-  span (``1 - `` its row of ``P``) at the tail's average second moment per column: exact when the rotated
-  coordinates are uncorrelated."""
-  if new is None:
-    return moments
-  p = jnp.square(new.T @ old)
-  lead = p @ moments.lead
-  if moments.col is not None:  # the tail's mean second moment per column: Adafactor's column moment (or the scalar)
-    col = moments.col[None, :] if moments.col.ndim else moments.col
-  elif new.shape[1] < new.shape[0]:  # an orthogonalized tail keeps no moment: the old lead's mean per column
-    col = jnp.mean(moments.lead, axis=0, keepdims=True)
-  else:  # k = n: no tail
-    return moments._replace(lead=lead)
-  lead = lead + jnp.clip(1.0 - jnp.sum(p, axis=1), 0.0, 1.0)[:, None] * col
-  return moments._replace(lead=lead)
-
-
 def gradient_rows(updates, kernel_plans: dict[str, plan_lib.KernelPlan], input_axes=None) -> inputs.CapturedInputs:
   r"""Each planned kernel's gradient ``G`` (``(n, p)``) as ``p`` rows of its input space, ``G^\top``: the
   statistics fed with them keep the EMA of ``G G^\top / p``, Shampoo's and SOAP's left factor, in place of
@@ -214,111 +148,6 @@ def gradient_rows(updates, kernel_plans: dict[str, plan_lib.KernelPlan], input_a
 def _differs(old, new) -> jax.Array:
   """Whether two factors (trees of arrays, one structure) differ anywhere: a refresh changed the basis."""
   return jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))]))
-
-
-def _carried_both(moments: EigenMoments, new: jax.Array, old: jax.Array, new_out: jax.Array,
-                  old_out: jax.Array) -> EigenMoments:
-  r"""``moments`` of a kernel rotated on both sides carried to the bases ``(new, new_out)``: with
-  ``P = (U_new^\top U_old)^{\circ 2}`` per side, ``P lead P_out^\top``, plus the share each new coordinate takes
-  from outside the old spans at the tail's mean second moment (an orthogonalized tail: the old lead's mean)."""
-  p, p_out = jnp.square(new.T @ old), jnp.square(new_out.T @ old_out)
-  lead = p @ moments.lead @ p_out.T
-  if new.shape[1] == new.shape[0] and new_out.shape[1] == new_out.shape[0]:  # both full: no tail
-    return moments._replace(lead=lead)
-  mean = jnp.mean(moments.col) if moments.col is not None else jnp.mean(moments.lead)
-  inside = jnp.outer(jnp.sum(p, axis=1), jnp.sum(p_out, axis=1))
-  return moments._replace(lead=lead + jnp.clip(1.0 - inside, 0.0, 1.0) * mean)
-
-
-def orthogonalize(x: jax.Array) -> jax.Array:
-  """The nearest semi-orthogonal matrix to ``x`` (its polar factor ``U V^T``), approximately: Muon's quintic
-  Newton-Schulz iteration, 5 steps from ``x / |x|_F`` (singular values end in about ``[0.7, 1.2]``)."""
-  a, b, c = _NS_COEFFICIENTS
-  wide = x.shape[0] <= x.shape[1]
-  y = x if wide else x.T
-  y = y / (jnp.linalg.norm(y) + 1e-7)
-  for _ in range(_NS_STEPS):
-    s = y @ y.T
-    y = a * y + (b * s + c * (s @ s)) @ y
-  return y if wide else y.T
-
-
-def _direction(q, v, m, g, moments: EigenMoments, b2, correction, eps, bound, tail: Tail = "factored",
-               output=None):
-  """One ``(n, p)`` matrix: its second moments updated with ``g`` and Adam's direction of the bias-corrected
-  first moment ``m``, in the basis ``U = Q V`` (``q=None``: ``U = V``; ``v=None``: the coordinate basis) and rotated
-  back; ``correction`` is the second moment's bias correction ``1 - b2^t``. ``U = Q V`` is formed once (``n k^2``)
-  and applied as one product each way. ``output=(q_out, v_out)``: rotated on the output side too, ``U^T x U_out``.
-
-  The step is bounded as Adam's is in its own basis (:func:`adam_ratio_bound`): each rotated coordinate's ratio
-  is clipped at ``bound`` (it can pass it only where a refresh carried the moments into a new basis, whose
-  second moment is then an estimate), and the tail's step at ``bound (sqrt(n p) - sqrt(k p))`` in Frobenius norm,
-  so ``||step||_F <= bound sqrt(n p)``."""
-  ema = lambda v, x: b2 * v + (1.0 - b2) * x
-  ratio = lambda x, second: jnp.clip(x / (jnp.sqrt(second / correction) + eps), -bound, bound)
-  if v is None:
-    lead = ema(moments.lead, jnp.square(g))
-    return ratio(m, lead), moments._replace(lead=lead)
-  if output is None:
-    u = v if q is None else q @ v  # formed once: three products each way share it
-    rotate = lambda x: u.T @ x
-    back = lambda y: u @ y
-    full = q is None
-  else:
-    q_out, v_out = output
-    left = lambda x: v.T @ (x if q is None else q.T @ x)
-    rotate = lambda x: (left(x) if q_out is None else left(x) @ q_out) @ v_out
-    right_back = lambda y: y @ v_out.T if q_out is None else (y @ v_out.T) @ q_out.T
-    back = lambda y: v @ right_back(y) if q is None else q @ (v @ right_back(y))
-    full = q is None and q_out is None
-  g_lead, m_lead = rotate(g), rotate(m)
-  lead = ema(moments.lead, jnp.square(g_lead))
-  out = back(ratio(m_lead, lead))
-  if full:  # k = n (on both sides, if both): no tail
-    return out, moments._replace(lead=lead)
-  m_tail = m - back(m_lead)
-  tail_limit = bound * (math.sqrt(m.size) - math.sqrt(lead.size))
-  if tail == "orthogonal":  # COSMOS's tail: orthogonalized, at AdamW's RMS, no state
-    scale = _ORTHOGONAL_RMS * jnp.sqrt(float(max(m.shape)))
-    return out + _capped(scale * orthogonalize(m_tail), tail_limit), moments._replace(lead=lead)
-  g_tail = g - back(g_lead)
-  sq = jnp.square(g_tail)
-  if moments.row is None:
-    new = EigenMoments(lead, None, ema(moments.col, jnp.mean(sq)))
-  else:
-    new = EigenMoments(lead, ema(moments.row, jnp.mean(sq, axis=1)), ema(moments.col, jnp.mean(sq, axis=0)))
-  return out + _capped(m_tail / (jnp.sqrt(_tail_moment(new) / correction) + eps), tail_limit), new
-
-
-def _capped(x: jax.Array, limit) -> jax.Array:
-  """``x`` scaled down to Frobenius norm ``limit`` where it is longer."""
-  norm = jnp.linalg.norm(x)
-  return x * jnp.minimum(1.0, limit / jnp.maximum(norm, _TINY))
-
-
-def adam_ratio_bound(b1, b2, count, nesterov: bool = False) -> jax.Array:
-  r"""The largest ``|m_hat| / sqrt(v_hat)`` Adam can take at step ``count`` (``eps = 0``), whatever the gradients.
-
-  With ``m_hat = sum_j w_j g_{t-j}`` and ``v_hat = sum_j u_j g_{t-j}^2`` (bias-corrected EMAs), Cauchy-Schwarz
-  gives ``|m_hat| <= sqrt(sum_j w_j^2 / u_j) sqrt(v_hat)``: with ``r = b1^2 / b2`` and ``S = sum_{j<t} r^j``,
-
-  .. math::
-
-    c_t^2 = \frac{1 - b_2^t}{1 - b_2} \Big(\frac{1 - b_1}{1 - b_1^t}\Big)^2 S
-
-  (NAdam's Nesterov form, ``w_0`` gaining ``(1 - b1) / (1 - b1^t)``, adds its terms alike). About 7.3 for
-  ``(0.9, 0.999)`` late in training, 1 at the first step: Adam's update per coordinate is at most ``c_t`` times
-  the rate, in any basis its moments were kept in.
-  """
-  t = jnp.asarray(count, jnp.float32)
-  r = b1 * b1 / jnp.maximum(b2, _TINY)
-  series = lambda n: jnp.where(jnp.abs(1.0 - r) < 1e-6, n, (1.0 - r ** n) / jnp.where(r == 1.0, 1.0, 1.0 - r))
-  spread = (1.0 - b2 ** t) / (1.0 - b2)
-  if not nesterov:
-    return jnp.sqrt(spread * ((1.0 - b1) / (1.0 - b1 ** t)) ** 2 * series(t))
-  later = b1 * (1.0 - b1) / (1.0 - b1 ** (t + 1.0))
-  first = later + (1.0 - b1) / (1.0 - b1 ** t)
-  return jnp.sqrt(spread * (first ** 2 + later ** 2 * (series(t) - 1.0)))
 
 
 def _checked_moments(moments) -> dict[str, EigenMoments]:
@@ -352,7 +181,7 @@ def scale_by_eigenbasis_adam(
   The conditioning (:func:`scale_by_sketched_conditioning`, whose arguments ``**conditioning`` takes) keeps each
   kernel's input statistics and refreshes its factor ``A^{-1} = Q B^{-1} Q^\top + a^{-1}(I - QQ^\top)``; at each
   refresh the kernel's basis becomes ``U = Q V`` (:func:`eigenbasis`) and Adam's second moment is carried into it
-  (:func:`_carried`: SOAP re-projects its moments likewise). Every step, with ``G`` the gradient read as
+  (:func:`carried`: SOAP re-projects its moments likewise). Every step, with ``G`` the gradient read as
   ``(n, p)`` and ``M`` Adam's first moment (kept in the parameters' coordinates, bias-corrected):
 
   .. math::
@@ -506,7 +335,7 @@ def scale_by_eigenbasis_adam(
     out = {}
     for path, plan in kernel_plans.items():
       if _rank(plan) is not None:
-        out[path] = _rotation(factors[path]) if plan.slices is None else jax.vmap(_rotation)(factors[path])
+        out[path] = em.rotation(factors[path]) if plan.slices is None else jax.vmap(em.rotation)(factors[path])
     return out
 
   def init_fn(params):
@@ -561,7 +390,7 @@ def scale_by_eigenbasis_adam(
            if p in restart or p not in (state.output_rotations or {})}}
     count = optax.safe_increment(state.count)  # the conditioning's count before this update
     first_corr, second_corr = 1.0 - b1 ** count, 1.0 - b2 ** count
-    bound = adam_ratio_bound(b1, b2, count, nesterov)  # Adam's step per coordinate of its basis, at most
+    bound = em.adam_ratio_bound(b1, b2, count, nesterov)  # Adam's step per coordinate of its basis, at most
     mus = [m if isinstance(m, optax.MaskedNode) else (b1 * m + (1.0 - b1) * g).astype(m.dtype)
            for m, (_, g) in zip(treedef.flatten_up_to(state.mu), flat)]
 
@@ -598,9 +427,9 @@ def scale_by_eigenbasis_adam(
 
           def rebase_both(operand, old=old, new=new, old_out=old_out, new_out=new_out):
             r, r_out, v = operand
-            fresh, fresh_out = _rotation(new), _rotation(new_out)
-            return fresh, fresh_out, _carried_both(v, _basis(new.q, fresh), _basis(old.q, r),
-                                                   _basis(new_out.q, fresh_out), _basis(old_out.q, r_out))
+            fresh, fresh_out = em.rotation(new), em.rotation(new_out)
+            return fresh, fresh_out, em.carried_both(v, em.basis(new.q, fresh), em.basis(old.q, r),
+                                                   em.basis(new_out.q, fresh_out), em.basis(old_out.q, r_out))
 
           rebase = lambda operand, changed=changed, f=rebase_both: jax.lax.cond(changed, f, lambda o: o, operand)
           if late:
@@ -609,7 +438,7 @@ def scale_by_eigenbasis_adam(
             r, r_out, v = rebase((r, r_out, v))
         mm, restore = sketch.kernel_matrix(m_hat, plan.input_axes)
         gm, _ = sketch.kernel_matrix(g32, plan.input_axes)
-        direction, v = _direction(q, r, mm, gm, v, b2, second_corr, eps, bound, tail, (q_out, r_out))
+        direction, v = em.direction(q, r, mm, gm, v, b2, second_corr, eps, bound, tail, (q_out, r_out))
         if late and rebase is not None:
           r, r_out, v = rebase((r, r_out, v))
         new_rotations[path], new_out_rotations[path] = r, r_out
@@ -623,8 +452,8 @@ def scale_by_eigenbasis_adam(
 
         def rebase_one(operand, old=old, new=new, plan=plan):
           def one_slice(r, v, old, new):
-            fresh = _rotation(new)
-            return fresh, _carried(v, _basis(new.q, fresh), _basis(old.q, r))
+            fresh = em.rotation(new)
+            return fresh, em.carried(v, em.basis(new.q, fresh), em.basis(old.q, r))
 
           return (one_slice if plan.slices is None else jax.vmap(one_slice))(*operand, old, new)
 
@@ -637,7 +466,7 @@ def scale_by_eigenbasis_adam(
       def one(q, r, m_slice, g_slice, moments, plan=plan):
         mm, restore = sketch.kernel_matrix(m_slice, plan.input_axes)
         gm, _ = sketch.kernel_matrix(g_slice, plan.input_axes)
-        direction, moments = _direction(q, r, mm, gm, moments, b2, second_corr, eps, bound, tail)
+        direction, moments = em.direction(q, r, mm, gm, moments, b2, second_corr, eps, bound, tail)
         return restore(direction), moments
 
       if plan.slices is None:

@@ -259,7 +259,7 @@ def test_both_sides_memory_rule_pools_only_the_kernels_rotated_on_both_sides():
 def test_orthogonalize_is_the_newton_schulz_iteration_and_keeps_the_column_space():
   """orthogonalize equals the iteration by hand; its singular values land near 1 (Muon's quintic: in [0.6, 1.25]);
   a matrix confined to a subspace (a tail, (I - U U^T) M) stays in it."""
-  from scsgd_jax._src import eigenbasis as eb
+  from scsgd_jax._src import eigen_math as eb
   rng = np.random.default_rng(8)
   for shape in ((6, 3), (3, 6)):
     x = rng.standard_normal(shape)
