@@ -8,7 +8,7 @@ from experiments import ablation
 from experiments import errors
 from tests import helpers
 
-# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run)
+# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run, .ci/apart)
 pytestmark = pytest.mark.studies
 
 

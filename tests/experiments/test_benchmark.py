@@ -22,6 +22,10 @@ from experiments import optimizers
 from experiments import registry
 from experiments import train
 
+# the head to head's checks: CI runs them in a step of their own when its files change (.ci/run)
+pytestmark = pytest.mark.head_to_head
+
+
 
 def _config():
   config = convex.get_config()

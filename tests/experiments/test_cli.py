@@ -116,6 +116,7 @@ def test_guarded_main_lets_bugs_raise():
     cli.guarded(main)([])
 
 
+@pytest.mark.head_to_head
 def test_benchmark_takes_config_overrides_and_writes_its_results_file(tmp_path):
   out = _run("experiments.benchmark_step", "--config", "configs/benchmark_step.py", "--config.windows=1",
              "--config.only=dense_256", "--results_dir", str(tmp_path))

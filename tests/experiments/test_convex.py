@@ -12,7 +12,7 @@ from experiments.convex import experiment as convex_experiment
 from experiments.convex import problem as convex
 from experiments.convex import report as convex_report
 
-# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run)
+# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run, .ci/apart)
 pytestmark = pytest.mark.studies
 
 

@@ -10,7 +10,7 @@ from configs import develop as develop_config
 from experiments import develop
 from experiments import registry
 
-# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run)
+# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run, .ci/apart)
 pytestmark = pytest.mark.studies
 
 

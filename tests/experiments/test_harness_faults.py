@@ -18,6 +18,10 @@ from experiments import report
 from experiments import train
 from experiments import workdir as workdir_lib
 
+# the head to head's checks: CI runs them in a step of their own when its files change (.ci/run)
+pytestmark = pytest.mark.head_to_head
+
+
 
 def _config():
   config = convex.get_config()

@@ -23,6 +23,10 @@ def allow_rank_promotion():
   with jax.numpy_rank_promotion("allow"):
     yield
 
+# the head to head's checks: CI runs them in a step of their own when its files change (.ci/run)
+pytestmark = pytest.mark.head_to_head
+
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -12,7 +12,7 @@ import pytest
 from experiments import benchmark_step
 from experiments import profile_step
 
-# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run)
+# a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run, .ci/apart)
 pytestmark = pytest.mark.studies
 
 

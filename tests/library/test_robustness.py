@@ -56,8 +56,6 @@ def _aliases():
   return {  # name: (optimizer at rate 1 of a model, its base optimizer, needs the output rows)
       "scsgd": (lambda m: sk.scsgd(1.0, input_axes=axes(m)), "sgd", False),
       "scsgd_eigen": (lambda m: sk.scsgd_eigen(1.0, input_axes=axes(m)), "adamw", False),
-      "scsgd_eigen_full": (lambda m: sk.scsgd_eigen(1.0, conditioner="full", statistics="dense",
-                                                    input_axes=axes(m)), "adamw", False),
       "scsgd_eigen_muon": (lambda m: sk.scsgd_eigen_muon(1.0, output_layer="head", input_axes=axes(m)), "muon",
                            False),
       "scsgd_two_sided": (lambda m: sk.contrib.scsgd_two_sided(1.0, input_axes=axes(m)), "adamw", True),
@@ -72,7 +70,7 @@ BASES = {
     "adamw": (lambda m: optax.adamw(1.0), (1e-3, 3e-3, 1e-2)),
     "muon": (lambda m: optax.contrib.muon(1.0), (0.01, 0.03, 0.1)),
 }
-STEPS = 30
+STEPS = 24
 
 
 def _stable(losses) -> bool:
@@ -119,7 +117,10 @@ def test_eigen_trains_the_mlp_at_adams_rates_to_adamws_best():
   assert best(eigen) <= best(adamw), (best(eigen), best(adamw))
 
 
-@pytest.mark.parametrize("alias", sorted(_aliases()))
+ALIASES = ("scsgd", "scsgd_eigen", "scsgd_eigen_muon", "scsgd_two_sided")  # the library's four (the chains keep scsgd's)
+
+
+@pytest.mark.parametrize("alias", ALIASES)
 def test_orbax_checkpoint_resumes_bit_for_bit(alias, tmp_path):
   """Flax's checkpoint recipe: the model's and the ``nnx.Optimizer``'s state saved after 4 steps with orbax's
   ``StandardCheckpointer``, restored into a freshly built model and optimizer (their abstract state the target),
