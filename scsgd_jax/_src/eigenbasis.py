@@ -369,7 +369,8 @@ def scale_by_eigenbasis_adam(
       else:
         output_lib.check_output_grads(output_grads, "scale_by_eigenbasis_adam(sides='both', basis='inputs')",
                                       "; or basis='gradients' (no capture)")
-        rows = output_lib.sample_rows(output_grads, jax.random.fold_in(jax.random.PRNGKey(seed + 2), state.count), defaults.MAX_ROWS)
+        key = jax.random.fold_in(jax.random.PRNGKey(seed + 2), state.count)  # made here, never at construction
+        rows = output_lib.sample_rows(output_grads, key, defaults.MAX_ROWS)
       _, output_state = out_inner.update(updates, state.output, params, layer_inputs=rows)
       output_state = output_summary(updates, output_state)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)

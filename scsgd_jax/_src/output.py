@@ -74,8 +74,8 @@ def check_output_grads(output_grads, who: str, otherwise: str = "") -> None:
   if output_grads is None:
     raise ValueError(
         f"{who}.update needs the keyword argument `output_grads`: the loss's gradient with respect to the output "
-        "perturbations (scsgd_jax.contrib.output_perturbations_nnx / _linen passed to the capture), e.g. tx.update(grads, "
-        f"state, params, layer_inputs=layer_inputs, output_grads=output_grads){otherwise}.")
+        "perturbations (scsgd_jax.contrib.output_perturbations_nnx / _linen passed to the capture), e.g. "
+        f"tx.update(grads, state, params, layer_inputs=layer_inputs, output_grads=output_grads){otherwise}.")
 
 
 def sample_rows(output_grads, key: jax.Array, max_rows: Optional[int]):

@@ -105,7 +105,9 @@ class KernelPlan(NamedTuple):
   def below(self, asked_rank: int) -> bool:
     """Whether the plan's rank is below both ``asked_rank`` (the rank asked for) and ``n`` (the full ``C^{1/2}``
     and a diagonal say what they are)."""
-    return self.kind not in ("diagonal", "embedding") and self.rank is not None and self.rank < min(asked_rank, self.n)
+    if self.kind in ("diagonal", "embedding") or self.rank is None:
+      return False
+    return self.rank < min(asked_rank, self.n)
 
   def describe(self, asked_rank: Optional[int] = None) -> str:
     """E.g. ``'dense C, full C^(1/2), n=25'`` or ``'streaming C Omega, rank 32, n=800'``; a rank below

@@ -216,9 +216,9 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
   checks.check_float("outlier_threshold", a.outlier_threshold, low=1.0, allow_inf=True)
   checks.check_float("ema_rate", a.ema_rate, low=0.0, high=1.0, low_open=True)
   checks.check_float("budget_share", budget_share, low=0.0, high=1.0, low_open=True)
-  # ema_rate is per step: a fold every s steps weighs its batch 1 - (1 - nu)^s, so the EMA spans as many steps
   if isinstance(a.statistics, stats_lib.CorrelationStatistics):
     _refuse_unread_by_custom_statistics(a)
+  # ema_rate is per step: a fold every s steps weighs its batch 1 - (1 - nu)^s, so the EMA spans as many steps
   fold_rate = 1.0 - (1.0 - a.ema_rate) ** static["statistics_every"]
   choices = plan_lib.StatisticsChoices(fold_rate, warm_start=a.warm_start, oversample=static["oversample"],
                                        power_iterations=static["power_iterations"],

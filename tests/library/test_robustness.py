@@ -187,29 +187,17 @@ def test_the_reported_mlp_trains_with_scsgd_eigen_at_every_adam_rate_to_adamws_b
   xs = [rng.standard_normal((128, 32)) * scale for _ in range(100)]
   data = [(jnp.asarray(x, jnp.float32), jnp.asarray(np.argmax(x @ teacher, 1))) for x in xs]
 
-  def final(make, capture):
+  def losses(make, capture, rate):
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.chain(make(model), zoo.scaled_by_rate()), wrt=nnx.Param)
-    def run(rate):
-      return np.asarray([float(_mlp_step(model, optimizer, x, y, jnp.float32(rate), capture)) for x, y in data])
-
-    return run
+    key = jax.random.PRNGKey(0)
+    return np.asarray([float(zoo.step(model, optimizer, x, y, jnp.float32(rate), key, capture, False)[0])
+                       for x, y in data])
 
   rates = (1e-4, 3e-4, 1e-3, 3e-3)
-  eigen = {r: final(lambda m: sk.scsgd_eigen(1.0, input_axes=axes(m)), True)(r) for r in rates}
-  adamw = {r: final(lambda m: optax.adamw(1.0), False)(r) for r in rates}
-  assert all(_stable(losses) for losses in eigen.values()), {r: l[-3:] for r, l in eigen.items()}
-  final_loss = lambda runs: {r: round(float(np.mean(losses[-10:])), 4) for r, losses in runs.items()}
+  eigen = {r: losses(lambda m: sk.scsgd_eigen(1.0, input_axes=axes(m)), True, r) for r in rates}
+  adamw = {r: losses(lambda m: optax.adamw(1.0), False, r) for r in rates}
+  assert all(_stable(run) for run in eigen.values()), {r: run[-3:] for r, run in eigen.items()}
+  final_loss = lambda runs: {r: round(float(np.mean(run[-10:])), 4) for r, run in runs.items()}
   print("scsgd_eigen", final_loss(eigen), "adamw", final_loss(adamw))  # the figures, with pytest -s
   assert min(final_loss(eigen).values()) <= min(final_loss(adamw).values()), (final_loss(eigen), final_loss(adamw))
-
-
-@nnx.jit(static_argnums=(5,))
-def _mlp_step(model, optimizer, x, y, rate, capture):
-  def loss_fn(model):
-    logits, inputs = sk.capture_nnx(model, x) if capture else (model(x), None)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), inputs
-
-  (loss, inputs), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-  optimizer.update(model, grads, rate=rate, **({"layer_inputs": inputs} if capture else {}))
-  return loss

@@ -125,7 +125,7 @@ def fit(kind, model, optimizer, rate, steps, *, start=0, capture=True, two_sided
   for i, (x, y) in enumerate(batches(kind, start + steps)):
     if i < start:
       continue
-    loss, updates = _step(model, optimizer, x, y, jnp.float32(rate), jax.random.PRNGKey(i), capture, two_sided)
+    loss, updates = step(model, optimizer, x, y, jnp.float32(rate), jax.random.PRNGKey(i), capture, two_sided)
     losses.append(float(loss))
     if on_update is not None:
       on_update(i, updates, model)
@@ -138,7 +138,8 @@ def train(kind: str, make_tx, rate: float, steps: int, **kwargs):
 
 
 @nnx.jit(static_argnums=(6, 7))
-def _step(model, optimizer, x, y, rate, key, capture, two_sided):
+def step(model, optimizer, x, y, rate, key, capture, two_sided):
+  """The README's NNX step, at ``rate`` (:func:`scaled_by_rate`): ``(loss, updates)``."""
   def loss_fn(model, perturbations):
     if capture:
       logits, inputs = sk.capture_nnx(model, x, rng=key, output_perturbations=perturbations)
