@@ -183,7 +183,7 @@ def compile_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> d
 
 def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[str, Any]:
   shape, classes, batch = tuple(spec["shape"]), spec["classes"], spec["batch"]
-  period = scsgd_jax.resolve_static_args()["update_every"]  # the library's refresh period
+  period = scsgd_jax.Refresh().every  # the library's refresh period
   xs, ys = _data(name, shape, classes, batch, 4)
   variants = _variants(config, name, shape, classes, spec.get("kind"))
   out, sgd_times = {}, None
@@ -213,10 +213,16 @@ def main(argv):
   config = cli.config()
   report.provenance()  # the commit of the code this process imported, read now: the checkout may move on
   only = [m for m in config.only.split(",") if m]
-  results = {"setup": {"update_every": scsgd_jax.resolve_static_args()["update_every"], "windows": config.windows,
-                       "variants": config.variants.to_dict(), "models": config.models.to_dict(),
-                       "run": config.run.to_dict()},
-             "models": {}}
+  results = {
+      "setup": {
+          "update_every": scsgd_jax.Refresh().every,
+          "windows": config.windows,
+          "variants": config.variants.to_dict(),
+          "models": config.models.to_dict(),
+          "run": config.run.to_dict()
+      },
+      "models": {}
+  }
   models = {**config.models, **(config.compile_models if config.compile_only else {})}
   for name, spec in models.items():
     if only and name not in only:

@@ -17,6 +17,7 @@ import optax
 
 import scsgd_jax
 from experiments import machine
+from experiments import options
 from experiments import peers
 from experiments import registry
 
@@ -72,6 +73,8 @@ NOT_IN_SUB_CONFIG = ("learning_rate", "seed", "apply_fn", "example_batch")  # fr
 def _placeholder_type(param: inspect.Parameter) -> Any:
   if isinstance(param.default, (bool, int, float, str)):
     return type(param.default)
+  if param.annotation in (bool, int, float, str):  # an option's field (experiments.options)
+    return param.annotation
   text = str(param.annotation)
   if param.default is None and "Callable" not in text and "Mapping" not in text:
     return float if ("float" in text or "complex" in text) else int if "int" in text else None
@@ -130,7 +133,7 @@ def resolved_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   params = peers.signature(e.function).parameters
   out = {k: (v if v is not None or k not in params else params[k].default) for k, v in given.items()}
   if e.function in (scsgd_jax.scsgd, scsgd_jax.scale_by_sketched_conditioning):
-    out.update(scsgd_jax.resolve_static_args(**{k: out.get(k) for k in scsgd_jax.STATIC_ARGS}))
+    out = options.resolved(out)
   out.update(e.fixed)
   if e.prefixed:
     prefix, fn = e.prefixed

@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import optax
 
+from experiments import options
 from experiments import upstream
 
 def _extends(base: Callable[[], Callable], replaced: tuple[str, ...] = ()):
@@ -30,9 +31,11 @@ def _extends(base: Callable[[], Callable], replaced: tuple[str, ...] = ()):
 
 
 def signature(fn: Callable) -> inspect.Signature:
-  """``fn``'s signature; for a wrapper marked by :func:`_extends`, its own arguments then the wrapped
+  """``fn``'s signature (the library's option objects read as their fields, :mod:`experiments.options`); for a wrapper marked by :func:`_extends`, its own arguments then the wrapped
   function's, so the experiments' sub-configs reach every argument with upstream's own defaults."""
   sig = inspect.signature(fn)
+  if options.takes_options(sig.parameters):  # the library's options, by their flat names
+    sig = sig.replace(parameters=options.flat_parameters(sig.parameters))
   if not hasattr(fn, "extends"):
     return sig
   own = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]

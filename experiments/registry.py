@@ -13,6 +13,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import optax
 
 import scsgd_jax
+from experiments import options
 from experiments import peers
 
 KINDS = ("cnn", "transformer", "linear")  # the model kinds a recipe is given for
@@ -156,7 +157,7 @@ def _plain(fn):
 
 
 def _scsgd(lr, kwargs, config, forward):
-  return scsgd_jax.scsgd(lr, seed=config.seed, **kwargs)
+  return scsgd_jax.scsgd(lr, seed=config.seed, **options.grouped(kwargs))
 
 
 def _kfac(lr, kwargs, config, forward):
@@ -184,14 +185,14 @@ def _scsgd_muon(lr, kwargs, config, forward):
   """SCSGD's conditioning in front of Muon (``muon_*``: Muon's arguments): Muon orthogonalizes the
   conditioned gradients of its kernels, and its AdamW part takes the conditioned ones of the rest."""
   muon_args = _pop_prefixed(kwargs, "muon_")
-  return optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs),
+  return optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **options.grouped(kwargs)),
                      _muon(lr, muon_args, config, forward))
 
 
 def _scsgd_adamw(lr, kwargs, config, forward):
   """SCSGD's conditioning in front of AdamW: Adam's moments see the conditioned gradients."""
   adamw_args = _pop_prefixed(kwargs, "adamw_")
-  return optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs),
+  return optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **options.grouped(kwargs)),
                      peers.adamw(lr, **adamw_args))
 
 
@@ -201,8 +202,9 @@ def _scsgd_graft(lr, kwargs, config, forward):
   graft_args = _pop_prefixed(kwargs, "graft_")
   momentum = inspect.signature(scsgd_jax.scsgd).parameters["momentum"].default
   return optax.chain(
-      scsgd_jax.contrib.scale_by_grafting(scsgd_jax.contrib.scale_by_normalized_rms(**graft_args),
-                                  scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **kwargs)),
+      scsgd_jax.contrib.scale_by_grafting(
+          scsgd_jax.contrib.scale_by_normalized_rms(**graft_args),
+          scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **options.grouped(kwargs))),
       optax.sgd(lr, momentum=momentum, nesterov=True))
 
 
@@ -215,10 +217,10 @@ def _scsgd_two_sided(lr, kwargs, config, forward):
   if not kwargs.pop("condition_embeddings", True):
     kwargs["kernel_filter"] = scsgd_jax.contrib.output_kernel_filter
   if not momentum_first:
-    return scsgd_jax.contrib.scsgd_two_sided(lr, seed=config.seed, **kwargs)
+    return scsgd_jax.contrib.scsgd_two_sided(lr, seed=config.seed, **options.grouped(kwargs))
   momentum = kwargs.pop("momentum", inspect.signature(scsgd_jax.contrib.scsgd_two_sided).parameters["momentum"].default)
   return optax.chain(optax.trace(momentum, nesterov=True),
-                     scsgd_jax.contrib.scsgd_two_sided(lr, momentum=0.0, seed=config.seed, **kwargs))
+                     scsgd_jax.contrib.scsgd_two_sided(lr, momentum=0.0, seed=config.seed, **options.grouped(kwargs)))
 
 
 def _scsgd_eigen(lr, kwargs, config, forward):
@@ -226,7 +228,7 @@ def _scsgd_eigen(lr, kwargs, config, forward):
   kwargs = dict(kwargs)
   if kwargs.pop("decay_matrices_only", False):
     kwargs["mask"] = peers.decay_matrices
-  return scsgd_jax.scsgd_eigen(lr, seed=config.seed, **kwargs)
+  return scsgd_jax.scsgd_eigen(lr, seed=config.seed, **options.grouped(kwargs))
 
 
 def _eigen_recipe(full: bool) -> Callable[[str], Recipe]:
@@ -248,7 +250,7 @@ def _scsgd_eigen_muon(lr, kwargs, config, forward):
   muon_args = _adam_part_scheduled(_pop_prefixed(kwargs, "muon_"), config)
   own = {name: muon_args.pop(name) for name in ("beta", "output_layer", "weight_decay", "adam_learning_rate")
          if name in muon_args}
-  return scsgd_jax.scsgd_eigen_muon(lr, seed=config.seed, muon=muon_args, **own, **kwargs)
+  return scsgd_jax.scsgd_eigen_muon(lr, seed=config.seed, muon=muon_args, **own, **options.grouped(kwargs))
 
 
 LEAN = {"magnitude": "sign", "split_budget": True}  # scsgd_two_sided at Adam's memory

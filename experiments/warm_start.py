@@ -64,12 +64,17 @@ def convex_part(convex_config, data_dir: str, steps: int = 500, batch: int = 64)
   config.data_dir = data_dir
   x, y = convex.load_features(config)
   x, y = x.astype(np.float32), y.astype(np.int32)
+  FULL, DENSE = scsgd_jax.Conditioner(kind="full"), scsgd_jax.Statistics(kind="dense")
   methods = {
-      "sgd": lambda lr: optax.sgd(lr),
-      "scsgd_paper_start": lambda lr: optax.chain(scsgd_jax.scale_by_sketched_conditioning(
-          conditioner="full", statistics="dense", warm_start=False), optax.sgd(lr)),
-      "scsgd_warm_start": lambda lr: optax.chain(scsgd_jax.scale_by_sketched_conditioning(
-          conditioner="full", statistics="dense"), optax.sgd(lr)),
+      "sgd":
+          lambda lr: optax.sgd(lr),
+      "scsgd_paper_start":
+          lambda lr: optax.chain(
+              scsgd_jax.scale_by_sketched_conditioning(
+                  conditioner=FULL, statistics=DENSE, refresh=scsgd_jax.Refresh(warm_start=False)), optax.sgd(lr)),
+      "scsgd_warm_start":
+          lambda lr: optax.chain(scsgd_jax.scale_by_sketched_conditioning(conditioner=FULL, statistics=DENSE),
+                                 optax.sgd(lr)),
   }
   out = {}
   for name, make in methods.items():

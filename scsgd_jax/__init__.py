@@ -13,17 +13,18 @@ from scsgd_jax._src.alias import scsgd_eigen as scsgd_eigen
 from scsgd_jax._src.alias import scsgd_eigen_muon as scsgd_eigen_muon
 from scsgd_jax._src.diagnostics import kernel_diagnostics as kernel_diagnostics
 from scsgd_jax._src.diagnostics import update_diagnostics as update_diagnostics
-from scsgd_jax._src.eigen_math import EigenMoments as EigenMoments
 from scsgd_jax._src.eigenbasis import ScaleByEigenbasisAdamState as ScaleByEigenbasisAdamState
 from scsgd_jax._src.eigenbasis import scale_by_eigenbasis_adam as scale_by_eigenbasis_adam
 from scsgd_jax._src.inputs import CapturedInputs as CapturedInputs
 from scsgd_jax._src.muon import muon_kernel_filter as muon_kernel_filter
+from scsgd_jax._src.options import Conditioner as Conditioner
+from scsgd_jax._src.options import Refresh as Refresh
+from scsgd_jax._src.options import Statistics as Statistics
 from scsgd_jax._src.plan import Layout as Layout
 from scsgd_jax._src.plan import Plain as Plain
 from scsgd_jax._src.plan import default_kernel_filter as default_kernel_filter
 from scsgd_jax._src.state import ScaleBySketchedConditioningState as ScaleBySketchedConditioningState
 from scsgd_jax._src.transform import STATIC_ARGS as STATIC_ARGS
-from scsgd_jax._src.transform import resolve_static_args as resolve_static_args
 from scsgd_jax._src.transform import scale_by_sketched_conditioning as scale_by_sketched_conditioning
 
 __version__ = "0.2.0.dev0"
@@ -40,10 +41,25 @@ _LAZY = {
 }
 
 __all__ = sorted([
-    "CapturedInputs", "EigenMoments", "Layout", "Plain", "STATIC_ARGS", "ScaleByEigenbasisAdamState",
-    "ScaleBySketchedConditioningState", "default_kernel_filter", "kernel_diagnostics", "muon_kernel_filter",
-    "resolve_static_args", "scale_by_eigenbasis_adam", "scale_by_sketched_conditioning", "scsgd", "scsgd_eigen",
-    "scsgd_eigen_muon", "update_diagnostics", *_LAZY,
+    "CapturedInputs",
+    "Conditioner",
+    "Layout",
+    "Plain",
+    "Refresh",
+    "STATIC_ARGS",
+    "ScaleByEigenbasisAdamState",
+    "ScaleBySketchedConditioningState",
+    "Statistics",
+    "default_kernel_filter",
+    "kernel_diagnostics",
+    "muon_kernel_filter",
+    "scale_by_eigenbasis_adam",
+    "scale_by_sketched_conditioning",
+    "scsgd",
+    "scsgd_eigen",
+    "scsgd_eigen_muon",
+    "update_diagnostics",
+    *_LAZY,
 ])
 
 

@@ -1,7 +1,8 @@
 """The pure sketching functions (no state, no optax) and the correlation statistics: Algorithm 1's factors of
 ``A = Q B Q^T + a (I - Q Q^T)`` and their products, the full ``C^{1/2}``, the bound terms of the paper's analysis,
-the rows a layer's inputs give (im2col patches for a conv), and the statistics objects ``statistics=`` takes."""
+the rows a layer's inputs give (im2col patches for a conv), and the statistics objects ``statistics=`` takes, and the eigenbasis' moments."""
 
+from scsgd_jax._src.eigen_math import EigenMoments as EigenMoments
 from scsgd_jax._src.eigen_math import eigenbasis as eigenbasis
 from scsgd_jax._src.patches import conv_patch_rows as conv_patch_rows
 from scsgd_jax._src.patches import dense_rows as dense_rows
@@ -28,9 +29,29 @@ from scsgd_jax._src.statistics import ema_correlation as ema_correlation
 from scsgd_jax._src.statistics import nystrom_correlation as nystrom_correlation
 
 __all__ = sorted([
-    "BoundTerms", "CorrelationStatistics", "EmaState", "Factor", "apply_inverse", "bound_terms",
-    "conditioner_matrix", "conv_patch_rows", "default_input_axes", "dense_factor", "dense_rows", "diagonal_correlation",
-    "diagonal_factor", "eigenbasis", "ema_correlation", "full_factor", "identity_factor", "inverse_matrix",
-    "low_rank_factor", "nystrom_correlation", "nystrom_factor", "precondition_kernel", "sketched_factor",
+    "BoundTerms",
+    "CorrelationStatistics",
+    "EigenMoments",
+    "EmaState",
+    "Factor",
+    "apply_inverse",
+    "bound_terms",
+    "conditioner_matrix",
+    "conv_patch_rows",
+    "default_input_axes",
+    "dense_factor",
+    "dense_rows",
+    "diagonal_correlation",
+    "diagonal_factor",
+    "eigenbasis",
+    "ema_correlation",
+    "full_factor",
+    "identity_factor",
+    "inverse_matrix",
+    "low_rank_factor",
+    "nystrom_correlation",
+    "nystrom_factor",
+    "precondition_kernel",
+    "sketched_factor",
     "sketched_factor_from_data",
 ])

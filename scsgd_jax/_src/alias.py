@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Hashable, Literal, Optional
 
 import optax
@@ -12,6 +11,7 @@ from scsgd_jax._src import defaults
 from scsgd_jax._src import eigenbasis
 from scsgd_jax._src import graft
 from scsgd_jax._src import muon as muon_lib
+from scsgd_jax._src import options
 from scsgd_jax._src import output
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import transform
@@ -25,20 +25,9 @@ def scsgd(
     *,
     momentum: Optional[float] = defaults.MOMENTUM,
     nesterov: bool = True,
-    update_every: Optional[int] = None,
-    ema_rate: float = defaults.EMA_RATE,
-    conditioner: transform.ConditionerKind = "auto",
-    statistics: transform.StatisticsKind = "auto",
-    warm_start: bool = True,
-    normalize: transform.NormalizeKind = defaults.NORMALIZE,
-    stagger: bool = True,
-    budget: str = defaults.BUDGET,
-    outlier_threshold: float = defaults.OUTLIER_THRESHOLD,
-    full_max_dim: Optional[int] = None,
-    oversample: Optional[int] = None,
-    power_iterations: Optional[int] = None,
-    eigenvalue_floor: float = defaults.EIGENVALUE_FLOOR,
-    statistics_every: Optional[int] = None,
+    statistics: options.StatisticsOption = options.Statistics(),
+    refresh: options.Refresh = options.Refresh(),
+    conditioner: options.Conditioner = options.Conditioner(),
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
     input_axes: plan_lib.InputAxes = None,
     axis_name: Optional[Hashable] = None,
@@ -48,13 +37,14 @@ def scsgd(
 
   ``optax.chain(scale_by_sketched_conditioning(...), optax.sgd(learning_rate, momentum, nesterov))``,
   so momentum accumulates the conditioned gradients
-  :math:`\delta (A^{-1} x)^\top` of Section 3. See
-  :func:`scale_by_sketched_conditioning` for the conditioning arguments and their defaults.
+  :math:`\delta (A^{-1} x)^\top` of Section 3. The other arguments are the conditioning's (``rank``, the
+  :class:`Statistics`, :class:`Refresh` and :class:`Conditioner` options, ``kernel_filter``, ``input_axes``,
+  ``axis_name``, ``seed``): see :func:`scale_by_sketched_conditioning`.
 
   Example:
     >>> import jax.numpy as jnp, optax, scsgd_jax
     >>> params = {'dense': {'kernel': jnp.zeros((3, 2)), 'bias': jnp.zeros(2)}}
-    >>> tx = scsgd_jax.scsgd(0.1, rank=1, conditioner='full')
+    >>> tx = scsgd_jax.scsgd(0.1, rank=1, conditioner=scsgd_jax.Conditioner(kind='full'))
     >>> state = tx.init(params)
     >>> grads = {'dense': {'kernel': jnp.ones((3, 2)), 'bias': jnp.ones(2)}}
     >>> inputs = {'dense': {'kernel': jnp.eye(3)}}
@@ -70,27 +60,14 @@ def scsgd(
   if momentum is not None:
     checks.check_float("momentum", momentum, low=0.0, high=1.0, high_open=True)
   return optax.chain(
-      transform.scale_by_sketched_conditioning(
-          rank,
-          update_every=update_every,
-          ema_rate=ema_rate,
-          conditioner=conditioner,
-          statistics=statistics,
-          warm_start=warm_start,
-          normalize=normalize,
-          stagger=stagger,
-          budget=budget,
-          outlier_threshold=outlier_threshold,
-          full_max_dim=full_max_dim,
-          oversample=oversample,
-          power_iterations=power_iterations,
-          eigenvalue_floor=eigenvalue_floor,
-          statistics_every=statistics_every,
-          kernel_filter=kernel_filter,
-          input_axes=input_axes,
-          axis_name=axis_name,
-          seed=seed,
-      ),
+      transform.scale_by_sketched_conditioning(rank,
+                                               statistics=statistics,
+                                               refresh=refresh,
+                                               conditioner=conditioner,
+                                               kernel_filter=kernel_filter,
+                                               input_axes=input_axes,
+                                               axis_name=axis_name,
+                                               seed=seed),
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov),
   )
 
@@ -104,9 +81,13 @@ def scsgd_two_sided(
     split_budget: bool = False,
     graft_decay: float = defaults.GRAFT_DECAY,
     graft_eps: float = defaults.GRAFT_EPS,
-    seed: int = 0,
+    statistics: options.StatisticsOption = options.Statistics(),
+    refresh: options.Refresh = options.Refresh(),
+    conditioner: options.Conditioner = options.Conditioner(),
+    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
     input_axes: plan_lib.InputAxes = None,
-    **conditioning,
+    axis_name: Optional[Hashable] = None,
+    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Two-sided sketched conditioning, grafted: :math:`C^{-1/2} G \Delta^{-1/2}` per kernel (input side from the
   layer's inputs, output side from its back-propagated output rows), at the per-layer norm of a base step,
@@ -118,9 +99,9 @@ def scsgd_two_sided(
                 optax.sgd(learning_rate, momentum=momentum, nesterov=True))
 
   ``update`` takes ``layer_inputs=`` and ``output_grads=`` (see :func:`output_perturbations_nnx`). Leaves
-  neither side conditions (biases, norms) get the grafted base step's direction itself. ``**conditioning``
-  goes to both sides (:func:`scale_by_sketched_conditioning`'s arguments), ``seed`` too (the output side's
-  is ``seed + 1``).
+  neither side conditions (biases, norms) get the grafted base step's direction itself. The options,
+  ``kernel_filter``, ``axis_name`` and ``seed`` go to both sides (:func:`scale_by_sketched_conditioning`'s
+  arguments; the output side's seed is ``seed + 1``).
 
   Memory: momentum's float per parameter, plus the base step's state, plus each side's statistics, each
   side within the memory rule's budget of one float per parameter (``split_budget=True``: half of it
@@ -135,9 +116,8 @@ def scsgd_two_sided(
       (:func:`scale_by_normalized_rms`, distributed Shampoo's ``RMSPROP_NORMALIZED``; a float per
       parameter), or ``'sign'``, ``optax.scale_by_sign`` (distributed Shampoo's ``SQRT_N``: every layer's
       step has norm :math:`\sqrt{\text{size}}` times the rate; no state).
-    split_budget: the two sides split the memory rule's budget, half each (``statistics='auto'``).
+    split_budget: the two sides split the memory rule's budget, half each (``Statistics(kind='auto')``).
     graft_decay, graft_eps: normalized RMSprop's (``magnitude='rms'``).
-    seed: seed of the sides' PRNG keys.
     input_axes: the input side's layouts (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), so that it
       plans every kernel at ``init`` (the output side reads each kernel along its output axes).
   """
@@ -149,15 +129,9 @@ def scsgd_two_sided(
   if not isinstance(split_budget, bool):
     raise ValueError(f"split_budget must be a bool, got {split_budget!r}.")
   share = 0.5 if split_budget else 1.0
-  both = set(inspect.signature(transform.scale_by_sketched_conditioning).parameters) - {"rank", "seed", "input_axes"}
-  for name in conditioning:
-    if name not in both:
-      raise TypeError(f"scsgd_two_sided got an argument neither side takes alike: {name}= (both sides take "
-                      f"{sorted(both)}); for one side only, build the chain above from "
-                      "scale_by_sketched_conditioning and scale_by_output_conditioning.")
-  args = transform.arguments("scsgd_two_sided", rank, seed=seed, **conditioning)
-  inputs = transform.conditioning({**args, "input_axes": input_axes}, budget_share=share)
-  outputs = output.output_conditioning({**args, "seed": seed + 1}, budget_share=share)
+  s = transform.settings(rank, statistics, refresh, conditioner, kernel_filter, None, axis_name, seed)
+  inputs = transform.conditioning(s._replace(input_axes=input_axes), budget_share=share)
+  outputs = output.output_conditioning(s._replace(seed=seed + 1), budget_share=share)
   base = (graft.scale_by_normalized_rms(graft_decay, graft_eps) if magnitude == "rms" else optax.scale_by_sign())
   return optax.chain(
       graft.scale_by_grafting(base, optax.chain(inputs, outputs)),
@@ -176,28 +150,48 @@ def scsgd_eigen(
     mask: Optional[Any] = None,
     tail: eigenbasis.Tail = "factored",
     basis: eigenbasis.Basis = "inputs",
-    **conditioning,
+    sides: eigenbasis.Sides = "input",
+    statistics: options.StatisticsOption = options.Statistics(),
+    refresh: options.Refresh = options.Refresh(),
+    conditioner: options.Conditioner = options.Conditioner(),
+    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
+    input_axes: plan_lib.InputAxes = None,
+    axis_name: Optional[Hashable] = None,
+    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW in each kernel's sketched input eigenbasis (one-sided, sketched EKFAC/SOAP)::
 
     optax.chain(scale_by_eigenbasis_adam(rank, b1=b1, b2=b2, eps=eps, nesterov=nesterov, tail=tail, basis=basis,
-                                         **conditioning),
+                                         sides=sides, statistics=..., refresh=..., ...),
                 optax.add_decayed_weights(weight_decay, mask),
                 optax.scale_by_learning_rate(learning_rate))
 
   Rates on Adam's scale. ``update`` takes ``layer_inputs=`` (the captured inputs, as :func:`scsgd`; with
   ``basis='gradients'`` the basis comes from the gradient's own rows, SOAP's, and no capture is needed).
-  :func:`scale_by_eigenbasis_adam` describes the update, its state and its cost; ``**conditioning`` goes to the
-  conditioning (:func:`scale_by_sketched_conditioning`'s arguments; ``rank`` ``k = n``, e.g.
-  ``conditioner='full', statistics='dense'``, gives Adam in the full eigenbasis).
+  :func:`scale_by_eigenbasis_adam` describes the update, its state and its cost; the options, ``kernel_filter``,
+  ``input_axes``, ``axis_name`` and ``seed`` go to the conditioning (:func:`scale_by_sketched_conditioning`'s
+  arguments; ``conditioner=Conditioner(kind='full'), statistics=Statistics(kind='dense')`` gives Adam in the full
+  eigenbasis).
   """
   if not callable(learning_rate):
     checks.check_float("learning_rate", learning_rate, low=0.0)
   checks.check_float("weight_decay", weight_decay, low=0.0)
   return optax.chain(
-      eigenbasis.scale_by_eigenbasis_adam(rank, b1=b1, b2=b2, eps=eps, nesterov=nesterov, tail=tail, basis=basis,
-                                          **conditioning),
-      optax.add_decayed_weights(weight_decay, mask),
+      eigenbasis.scale_by_eigenbasis_adam(rank,
+                                          b1=b1,
+                                          b2=b2,
+                                          eps=eps,
+                                          nesterov=nesterov,
+                                          tail=tail,
+                                          basis=basis,
+                                          sides=sides,
+                                          statistics=statistics,
+                                          refresh=refresh,
+                                          conditioner=conditioner,
+                                          kernel_filter=kernel_filter,
+                                          input_axes=input_axes,
+                                          axis_name=axis_name,
+                                          seed=seed), optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate))
 
 
@@ -217,13 +211,19 @@ def scsgd_eigen_muon(
     adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
     weight_decay: float = 0.0,
     muon: Optional[dict] = None,
-    **conditioning,
+    statistics: options.StatisticsOption = options.Statistics(),
+    refresh: options.Refresh = options.Refresh(),
+    conditioner: options.Conditioner = options.Conditioner(),
+    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
+    input_axes: plan_lib.InputAxes = None,
+    axis_name: Optional[Hashable] = None,
+    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Muon's momentum scaled by Adam in each hidden kernel's sketched input eigenbasis, then orthogonalized
   (the SOAP-Muon layout, with the eigenbasis sketched)::
 
     optax.chain(scale_by_eigenbasis_adam(rank, b1=beta, b2=b2, eps=eps, nesterov=True, others='identity',
-                                         kernel_filter=hidden, **conditioning),
+                                         kernel_filter=hidden, statistics=..., ...),
                 optax.contrib.muon(learning_rate, beta=0, adam_learning_rate=adam_learning_rate,
                                    weight_decay=weight_decay, **muon))
 
@@ -251,8 +251,9 @@ def scsgd_eigen_muon(
     weight_decay: Muon's decoupled weight decay on the hidden kernels.
     muon: ``optax.contrib.muon``'s other arguments (``ns_steps``, ``adam_b1``, ``adam_b2``,
       ``adam_weight_decay``, ...).
-    **conditioning: :func:`scale_by_eigenbasis_adam`'s other arguments (``kernel_filter``, ``input_axes``,
-      ``update_every``, ``seed``, ...).
+    statistics, refresh, conditioner, input_axes, axis_name, seed: the conditioning's
+      (:func:`scale_by_eigenbasis_adam`).
+    kernel_filter: the hidden kernels (default: see above).
   """
   import optax.contrib
 
@@ -264,12 +265,27 @@ def scsgd_eigen_muon(
     if name in _MUON_OWN:
       raise TypeError(f"scsgd_eigen_muon sets optax.contrib.muon's {name}= itself; pass it as scsgd_eigen_muon's "
                       f"argument where it has one ({', '.join(_MUON_OWN)}).")
-  chosen = conditioning.pop("kernel_filter", None) or muon_lib.muon_kernel_filter(output_layer)
-  hidden = muon_lib.muon_kernels(chosen, conditioning.get("input_axes"))
-  return muon_lib.checked_output_layer(output_layer, muon_lib.behind(
-      eigenbasis.scale_by_eigenbasis_adam(rank, b1=beta, b2=b2, eps=eps, nesterov=True, others="identity",
-                                          kernel_filter=hidden, **conditioning),
-      optax.contrib.muon(
-          learning_rate, beta=0.0, adam_learning_rate=adam_learning_rate, weight_decay=weight_decay,
-          muon_weight_dimension_numbers=muon_lib.muon_dimension_numbers(hidden, conditioning.get("input_axes")),
-          **muon)))
+  chosen = kernel_filter or muon_lib.muon_kernel_filter(output_layer)
+  hidden = muon_lib.muon_kernels(chosen, input_axes)
+  return muon_lib.checked_output_layer(
+      output_layer,
+      muon_lib.behind(
+          eigenbasis.scale_by_eigenbasis_adam(rank,
+                                              b1=beta,
+                                              b2=b2,
+                                              eps=eps,
+                                              nesterov=True,
+                                              others="identity",
+                                              statistics=statistics,
+                                              refresh=refresh,
+                                              conditioner=conditioner,
+                                              kernel_filter=hidden,
+                                              input_axes=input_axes,
+                                              axis_name=axis_name,
+                                              seed=seed),
+          optax.contrib.muon(learning_rate,
+                             beta=0.0,
+                             adam_learning_rate=adam_learning_rate,
+                             weight_decay=weight_decay,
+                             muon_weight_dimension_numbers=muon_lib.muon_dimension_numbers(hidden, input_axes),
+                             **muon)))

@@ -1,9 +1,5 @@
-"""The library's defaults, each in one place (the constructors' signatures read them from here).
-
-Shape-deciding integers are ``None`` in the optimizer's signatures (so that
-``optax.inject_hyperparams``, which turns numeric defaults into arrays, leaves them alone) and
-resolved by :func:`scsgd_jax.resolve_static_args` from the values below.
-"""
+"""The library's defaults, each in one place (the constructors' signatures and the option objects read them from
+here; an option left ``None`` is resolved from them by its ``resolved()``)."""
 
 # The optimizer (scale_by_sketched_conditioning, scsgd)
 RANK = 32  # sketch rank k

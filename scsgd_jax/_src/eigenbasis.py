@@ -16,7 +16,7 @@ stays within Adam's.
 from __future__ import annotations
 
 import functools
-from typing import Literal, NamedTuple, Optional
+from typing import Any, Callable, Hashable, Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ import optax
 from scsgd_jax._src import inputs
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
+from scsgd_jax._src import options
 from scsgd_jax._src import eigen_math as em
 from scsgd_jax._src import output as output_lib
 from scsgd_jax._src import plan as plan_lib
@@ -39,7 +40,7 @@ __all__ = ["ScaleByEigenbasisAdamState", "scale_by_eigenbasis_adam"]
 
 Basis = Literal["inputs", "gradients"]
 Sides = Literal["input", "both"]
-# the conditioning's arguments that move only the conditioner's eigenvalues: the eigenbasis reads its eigenvectors alone
+# the Conditioner's settings that move only the conditioner's eigenvalues: the eigenbasis reads its eigenvectors alone
 _NO_EFFECT = ("eigenvalue_floor", "normalize")
 
 
@@ -173,12 +174,17 @@ def scale_by_eigenbasis_adam(
     sides: Sides = "input",
     others: Literal["adam", "identity"] = "adam",
     memory_share: float = 1.0,
+    statistics: options.StatisticsOption = options.Statistics(),
+    refresh: options.Refresh = options.Refresh(),
+    conditioner: options.Conditioner = options.Conditioner(),
+    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
+    input_axes: plan_lib.InputAxes = None,
+    axis_name: Optional[Hashable] = None,
     seed: int = 0,
-    **conditioning,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adam in the eigenbasis of each kernel's sketched input conditioner (one-sided EKFAC / SOAP, sketched).
 
-  The conditioning (:func:`scale_by_sketched_conditioning`, whose arguments ``**conditioning`` takes) keeps each
+  The conditioning (:func:`scale_by_sketched_conditioning`, whose arguments it takes) keeps each
   kernel's input statistics and refreshes its factor ``A^{-1} = Q B^{-1} Q^\top + a^{-1}(I - QQ^\top)``; at each
   refresh the kernel's basis becomes ``U = Q V`` (:func:`eigenbasis`) and Adam's second moment is carried into it
   (:func:`carried`: SOAP re-projects its moments likewise). Every step, with ``G`` the gradient read as
@@ -234,8 +240,10 @@ def scale_by_eigenbasis_adam(
       kernels, the kernels chosen by ``kernel_filter``, with its AdamW part for the rest).
     memory_share: the share of Adam's second moment that the statistics, factor, rotated moments and rotation
       may take (``statistics='auto'``; with ``sides='both'`` the two sides split it).
-    seed: seed of the conditioning's PRNG key.
-    **conditioning: :func:`scale_by_sketched_conditioning`'s other arguments.
+    statistics, refresh, kernel_filter, input_axes, axis_name, seed: the conditioning's
+      (:func:`scale_by_sketched_conditioning`).
+    conditioner: the conditioning's :class:`Conditioner`; only its ``kind`` and ``full_max_dim`` act here (the
+      eigenbasis reads the factor's eigenvectors, which its floor and normalization leave as they are).
 
   References:
     George et al., Fast Approximate Natural Gradient Descent in a Kronecker-factored Eigenbasis (EKFAC), 2018.
@@ -258,25 +266,31 @@ def scale_by_eigenbasis_adam(
       checks.check_float(name, value, low=0.0, high=1.0, high_open=True)
   if not isinstance(eps, jax.Array):
     checks.check_float("eps", eps, low=0.0)
+  if not isinstance(conditioner, options.Conditioner):
+    raise TypeError(f"conditioner must be a scsgd_jax.Conditioner(kind=...), got {conditioner!r}.")
+  default = options.Conditioner()
   for name in _NO_EFFECT:
-    if name in conditioning:
-      raise TypeError(f"scale_by_eigenbasis_adam got {name}=, which changes the conditioner's eigenvalues only: the "
-                      "eigenbasis reads its eigenvectors, which it leaves as they are; drop it.")
-  args = transform.arguments("scale_by_eigenbasis_adam", rank, seed=seed, **conditioning)
+    if getattr(conditioner, name) != getattr(default, name):
+      raise TypeError(f"scale_by_eigenbasis_adam got Conditioner({name}=...), which changes the conditioner's "
+                      "eigenvalues only: the eigenbasis reads its eigenvectors, which it leaves as they are; drop it.")
+  args = transform.settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed)
   checks.check_float("memory_share", memory_share, low=0.0, high=1.0, low_open=True)
   share = memory_share / 2 if sides == "both" else memory_share
   inner, plans = transform.conditioning_and_plans(args, budget_share=share, extra=_kept_beside(tail))
-  keep = plan_lib.kernels_of(args["kernel_filter"], args["input_axes"])
+  keep = plan_lib.kernels_of(kernel_filter, input_axes)
   on_output_side = lambda path, leaf: keep(path, leaf) and output_lib.output_kernel_filter(path, leaf)
 
   @functools.lru_cache(maxsize=None)
   def output_side(rotatable: frozenset[str]):
     """The output side's conditioning and plans (output rows or the gradient's columns, along the output axes) of
     the kernels in ``rotatable``: no statistics, and no share of the memory, for a kernel it would never rotate."""
-    return transform.conditioning_and_plans(
-        {**args, "seed": seed + 1, "input_axes": None,
-         "kernel_filter": lambda path, leaf: path in rotatable and on_output_side(path, leaf)},
-        default_axes=output_lib.default_output_axes, budget_share=share, extra=_kept_beside(tail, "output"))
+    return transform.conditioning_and_plans(args._replace(
+        seed=seed + 1,
+        input_axes=None,
+        kernel_filter=lambda path, leaf: path in rotatable and on_output_side(path, leaf)),
+                                            default_axes=output_lib.default_output_axes,
+                                            budget_share=share,
+                                            extra=_kept_beside(tail, "output"))
 
   def rotatable(tree) -> frozenset[str]:
     """The kernels of ``tree`` that init's plans rotate on the input side as one layer (a basis, unstacked,

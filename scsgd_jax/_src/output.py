@@ -3,12 +3,13 @@ input side's transformation reading the kernel along its output axes."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import jax
 import optax
 
 from scsgd_jax._src import defaults
+from scsgd_jax._src import options
 from scsgd_jax._src import patches
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import transform
@@ -31,11 +32,14 @@ def default_output_axes(path: str, leaf) -> tuple[int, ...]:
 def scale_by_output_conditioning(
     rank: Optional[int] = None,
     *,
+    statistics: options.StatisticsOption = options.Statistics(),
+    refresh: options.Refresh = options.Refresh(),
+    conditioner: options.Conditioner = options.Conditioner(),
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
     output_axes: plan_lib.InputAxes = None,
     max_rows: Optional[int] = defaults.MAX_ROWS,
+    axis_name: Optional[Hashable] = None,
     seed: int = 0,
-    **kwargs,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Conditions each kernel gradient on its output side: ``G A_out^{-1}``, ``A_out`` built from the correlation
   :math:`\Delta = E[\delta \delta^\top]` of the back-propagated output rows exactly as
@@ -55,7 +59,7 @@ def scale_by_output_conditioning(
   (:func:`output_kernel_filter`).
 
   Args:
-    rank, **kwargs: as for :func:`scale_by_sketched_conditioning`.
+    rank, statistics, refresh, conditioner, axis_name: as for :func:`scale_by_sketched_conditioning`.
     kernel_filter: ``(path, leaf) -> bool``, default :func:`output_kernel_filter`.
     output_axes: each kernel's output axes (callable or mapping), overriding what the perturbations say
       (default: the complement of :func:`default_input_axes`, then what the captured gradients carry).
@@ -63,10 +67,8 @@ def scale_by_output_conditioning(
       the capture's default for the input side.
     seed: seed of the state's PRNG key (the sketches and the row sampling).
   """
-  if "input_axes" in kwargs or "layer_inputs" in kwargs:
-    raise TypeError("scale_by_output_conditioning takes output_axes= (and output_grads= at update), not input_axes.")
-  args = transform.arguments("scale_by_output_conditioning", rank, kernel_filter=kernel_filter, seed=seed, **kwargs)
-  return output_conditioning(args, output_axes=output_axes, max_rows=max_rows)
+  s = transform.settings(rank, statistics, refresh, conditioner, kernel_filter, None, axis_name, seed)
+  return output_conditioning(s, output_axes=output_axes, max_rows=max_rows)
 
 
 def check_output_grads(output_grads, who: str, otherwise: str = "") -> None:
@@ -88,16 +90,18 @@ def sample_rows(output_grads, key: jax.Array, max_rows: Optional[int]):
   return jax.tree_util.tree_unflatten(treedef, sampled)
 
 
-def output_conditioning(args: dict[str, Any], *, output_axes: plan_lib.InputAxes = None,
+def output_conditioning(s: transform.Settings,
+                        *,
+                        output_axes: plan_lib.InputAxes = None,
                         max_rows: Optional[int] = defaults.MAX_ROWS,
                         budget_share: float = 1.0) -> optax.GradientTransformationExtraArgs:
-  """:func:`scale_by_output_conditioning` from the input side's arguments ``args`` (:func:`transform.arguments`)
-  and the budget share (:func:`transform.conditioning`)."""
+  """:func:`scale_by_output_conditioning` from the input side's settings ``s`` and the budget share
+  (:func:`transform.conditioning`)."""
   if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
     raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}.")
-  args = {**args, "kernel_filter": args["kernel_filter"] or output_kernel_filter, "input_axes": output_axes}
-  inner = transform.conditioning(args, default_axes=default_output_axes, budget_share=budget_share)
-  row_seed = args["seed"] + 1  # the key is made in the update: a key made here would leak from a jit building tx
+  s = s._replace(kernel_filter=s.kernel_filter or output_kernel_filter, input_axes=output_axes)
+  inner = transform.conditioning(s, default_axes=default_output_axes, budget_share=budget_share)
+  row_seed = s.seed + 1  # the key is made in the update: a key made here would leak from a jit building tx
 
   def update_fn(updates, state, params=None, *, output_grads=None, **extra_args):
     del extra_args

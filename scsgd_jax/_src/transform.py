@@ -6,11 +6,9 @@ captured rows into the statistics, refreshes the factors when due and conditions
 
 from __future__ import annotations
 
-import inspect
 import math
-import types
 import warnings
-from typing import Any, Callable, Hashable, Literal, Optional, Union
+from typing import Any, Callable, Hashable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ import optax
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
 from scsgd_jax._src import fold as fold_lib
+from scsgd_jax._src import options
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import schedule
 from scsgd_jax._src import sketch
@@ -30,53 +29,42 @@ from scsgd_jax._src.state import ScaleBySketchedConditioningState
 __all__ = [
     "STATIC_ARGS",
     "ScaleBySketchedConditioningState",
-    "resolve_static_args",
     "scale_by_sketched_conditioning",
 ]
 
-ConditionerKind = Literal["auto", "sketched", "full"]
-NormalizeKind = Literal["none", "embeddings", "all"]
-StatisticsKind = Union[Literal["auto", "dense", "streaming", "diagonal"], stats_lib.CorrelationStatistics]
-
-#: Arguments that decide shapes or the compiled schedule; under ``optax.inject_hyperparams`` list
-#: those you pass in ``static_args`` (those left at their defaults need nothing).
-STATIC_ARGS = ("rank", "update_every", "full_max_dim", "oversample", "power_iterations", "statistics_every")
+#: Arguments that decide shapes; under ``optax.inject_hyperparams`` list them in ``static_args`` (the options'
+#: integers are fields of objects, which it leaves alone).
+STATIC_ARGS = ("rank",)
 
 
-def _static_int(name: str, value, default: int, minimum: int) -> int:
-  """A shape-deciding integer argument: a Python int, or a clear error (``inject_hyperparams`` makes arrays)."""
-  if value is None:
-    return default
-  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-    raise ValueError(
-        f"{name} decides shapes or the compiled schedule and must be a Python int, got an array "
-        f"({value!r}); optax.inject_hyperparams turns numeric arguments into arrays: list it in "
-        f"static_args, e.g. optax.inject_hyperparams(scsgd_jax.scsgd, static_args=scsgd_jax.STATIC_ARGS)."
-    )
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
-  return int(value)
+class Settings(NamedTuple):
+  """The conditioning's settings, checked (:func:`settings`): what :func:`scale_by_sketched_conditioning` takes,
+  and what the output side and the eigenbasis build their conditioning from."""
+
+  rank: int
+  statistics: options.StatisticsOption
+  refresh: options.Refresh
+  conditioner: options.Conditioner
+  kernel_filter: Optional[Callable[[str, Any], bool]]
+  input_axes: plan_lib.InputAxes
+  axis_name: Optional[Hashable]
+  seed: int
 
 
-def resolve_static_args(**args) -> dict[str, int]:
-  """The shape-deciding arguments of :func:`scale_by_sketched_conditioning` (:data:`STATIC_ARGS`) with
-  ``None`` (or absent) resolved to the library's defaults, each checked: what a run records.
-
-  >>> resolve_static_args(rank=8)["full_max_dim"]
-  32
-  """
-  unknown = sorted(set(args) - set(STATIC_ARGS))
-  if unknown:
-    raise TypeError(f"resolve_static_args takes {STATIC_ARGS}, got {unknown}.")
-  rank = _static_int("rank", args.get("rank"), defaults.RANK, 1)
-  return {
-      "rank": rank,
-      "update_every": _static_int("update_every", args.get("update_every"), defaults.UPDATE_EVERY, 1),
-      "full_max_dim": _static_int("full_max_dim", args.get("full_max_dim"), defaults.FULL_MAX_DIM_PER_RANK * rank, 0),
-      "oversample": _static_int("oversample", args.get("oversample"), defaults.OVERSAMPLE, 0),
-      "power_iterations": _static_int("power_iterations", args.get("power_iterations"), defaults.POWER_ITERATIONS, 0),
-      "statistics_every": _static_int("statistics_every", args.get("statistics_every"), defaults.STATISTICS_EVERY, 1),
-  }
+def settings(rank: Optional[int] = None,
+             statistics: options.StatisticsOption = options.Statistics(),
+             refresh: options.Refresh = options.Refresh(),
+             conditioner: options.Conditioner = options.Conditioner(),
+             kernel_filter=None,
+             input_axes: plan_lib.InputAxes = None,
+             axis_name: Optional[Hashable] = None,
+             seed: int = 0) -> Settings:
+  """:class:`Settings` from :func:`scale_by_sketched_conditioning`'s arguments, each checked (one place)."""
+  rank = defaults.RANK if rank is None else options.static_int("rank", rank, 1)
+  options.checked_together(statistics, refresh, conditioner)
+  if kernel_filter is not None and not callable(kernel_filter):
+    raise TypeError(f"kernel_filter must be a callable (path, leaf) -> bool, got {kernel_filter!r}.")
+  return Settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed)
 
 
 def _flat_inputs(layer_inputs) -> dict[str, Any]:
@@ -87,20 +75,9 @@ def _flat_inputs(layer_inputs) -> dict[str, Any]:
 def scale_by_sketched_conditioning(
     rank: Optional[int] = None,
     *,
-    update_every: Optional[int] = None,
-    ema_rate: float = defaults.EMA_RATE,
-    conditioner: ConditionerKind = "auto",
-    statistics: StatisticsKind = "auto",
-    warm_start: bool = True,
-    normalize: NormalizeKind = defaults.NORMALIZE,
-    stagger: bool = True,
-    budget: Literal["kernel", "model"] = defaults.BUDGET,
-    outlier_threshold: float = defaults.OUTLIER_THRESHOLD,
-    full_max_dim: Optional[int] = None,
-    oversample: Optional[int] = None,
-    power_iterations: Optional[int] = None,
-    eigenvalue_floor: float = defaults.EIGENVALUE_FLOOR,
-    statistics_every: Optional[int] = None,
+    statistics: options.StatisticsOption = options.Statistics(),
+    refresh: options.Refresh = options.Refresh(),
+    conditioner: options.Conditioner = options.Conditioner(),
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
     input_axes: plan_lib.InputAxes = None,
     axis_name: Optional[Hashable] = None,
@@ -110,9 +87,9 @@ def scale_by_sketched_conditioning(
 
   A kernel ``W`` read as the matrix ``(n, p)`` over its input axes, with inputs ``x``, gets
   ``A^{-1} G`` for its gradient ``G`` (the paper's :math:`\delta (A^{-1} x)^\top`), with
-  :math:`A^{-1} = Q B^{-1} Q^\top + a^{-1} (I - QQ^\top)` rebuilt every ``update_every`` steps
+  :math:`A^{-1} = Q B^{-1} Q^\top + a^{-1} (I - QQ^\top)` rebuilt every ``refresh.every`` steps
   from an EMA of :math:`C = E[x x^\top]`, inside the jitted step. A step costs ``O(n k)`` per
-  gradient column. ``statistics='auto'`` picks each kernel's statistics (dense ``C``, streaming
+  gradient column. The default :class:`Statistics` picks each kernel's statistics (dense ``C``, streaming
   ``C \Omega``, diagonal) so the whole state stays within Adam's; embeddings get the exact
   diagonal ``C^{1/2}`` of their token frequencies. ``state.summary()`` says what each kernel got.
   The full description is in ``docs/how_it_works.md``.
@@ -126,34 +103,12 @@ def scale_by_sketched_conditioning(
 
   Args:
     rank: sketch rank ``k`` (default 32).
-    update_every: refresh period ``N`` in steps (default 50, the paper's).
-    ema_rate: :math:`\nu \in (0, 1]`, the EMA weight of a new batch per step (a fold every ``s``
-      steps weighs its batch :math:`1 - (1 - \nu)^s`, so the average spans the same steps).
-    conditioner: ``'full'`` (:math:`A = C^{1/2}`, Theorem 1), ``'sketched'`` (Algorithm 1) or
-      ``'auto'`` (full when the dense ``C`` is kept and ``n <= full_max_dim``).
-    statistics: ``'auto'``, ``'dense'``, ``'streaming'``, ``'diagonal'`` or a :class:`CorrelationStatistics`.
-    warm_start: bias-corrected statistics and refreshes after 1, 2, 4, ... folds (else the paper's
-      ``C_0 = I`` and refreshes every ``update_every`` steps from step 0).
-    normalize: which kernels are conditioned by ``C / (tr C / n)``, i.e. ``A^{-1}`` times ``sqrt(tr C / n)`` (the
-      direction of ``C``'s mean eigenvalue keeps its gradient's scale, so the conditioned step scales with the
-      inputs as SGD's does): ``'none'`` (the paper's ``A = C^{1/2}`` everywhere, whose step is invariant to the
-      inputs' scale), ``'embeddings'`` (default; the embeddings alone: their inputs are one-hot, ``tr C / n = 1 / vocab``,
-      so the paper's ``A`` multiplies the table's step by ``sqrt(vocab)`` at the mean frequency; normalized, each
-      token's step follows its frequency relative to the uniform one) or ``'all'`` (every kernel: one rate that
-      fits SGD fits every layer).
-    stagger: spread the kernels' periodic refreshes over the window.
-    budget: memory rule of ``'auto'``: ``'model'`` (the model's leftover floats too) or ``'kernel'``.
-    outlier_threshold: rows above this multiple (``>= 1``) of the running ``tr C`` (squared norm) are
-      clipped before they enter the statistics; ``inf`` turns the guard off.
-    full_max_dim: ``n`` up to which ``'auto'`` picks the full conditioner (default ``4 * rank``).
-    oversample: sketch columns beyond ``rank`` (default 10).
-    power_iterations: range-finder power iterations of the dense sketch (default 1).
-    eigenvalue_floor: eigenvalues below this multiple (in ``[0, 1]``) of ``tr(C) / n`` are raised to it
-      (default 1e-2: no direction amplified more than 10x the average scale).
-    statistics_every: fold statistics every this many steps (default 2: half the fold cost; the EMA then
-      averages over twice the steps).
+    statistics: how ``C`` is kept, a :class:`Statistics` (its kind, EMA rate, fold period, outlier guard,
+      sketch and memory rule), or a :class:`~scsgd_jax.sketch.CorrelationStatistics` of your own.
+    refresh: when the conditioner is rebuilt, a :class:`Refresh` (period, staggering, warm start).
+    conditioner: what is built, a :class:`Conditioner` (full or sketched, eigenvalue floor, normalization).
     kernel_filter: ``(path, leaf) -> bool`` selecting the conditioned leaves (default: Flax kernels
-      and embeddings, :func:`default_kernel_filter`).
+      and embeddings, and the matrices ``input_axes`` names, :func:`default_kernel_filter`).
     input_axes: each kernel's input axes, a callable ``(path, leaf) -> axes`` or a mapping ``{path: axes}``
       (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), overriding what the capture read. Not needed
       with :func:`~scsgd_jax.capture_nnx` / :func:`~scsgd_jax.capture_linen`: their output says each
@@ -177,69 +132,74 @@ def scale_by_sketched_conditioning(
     Tropp, Yurtsever, Udell & Cevher, Fixed-rank approximation of a positive-semidefinite
     matrix from streaming data, NeurIPS 2017.
   """
-  return conditioning(dict(locals()))
+  return conditioning(settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed))
 
 
-def arguments(caller: str, rank=None, **kwargs) -> dict[str, Any]:
-  """Every argument of :func:`scale_by_sketched_conditioning`, ``kwargs`` over its defaults: the one
-  signature the output side and :func:`scsgd_jax.contrib.scsgd_two_sided` build from (``caller`` names the
-  function in the error for an argument it does not take)."""
-  try:
-    bound = inspect.signature(scale_by_sketched_conditioning).bind(rank, **kwargs)
-  except TypeError as e:
-    raise TypeError(f"{caller}: {e}") from None
-  bound.apply_defaults()
-  return dict(bound.arguments)
-
-
-def conditioning(args: dict[str, Any], *, default_axes=plan_lib.default_input_axes,
+def conditioning(s: Settings,
+                 *,
+                 default_axes=plan_lib.default_input_axes,
                  budget_share: float = 1.0) -> optax.GradientTransformationExtraArgs:
-  """:func:`scale_by_sketched_conditioning` from its arguments ``args`` (:func:`arguments`), reading a kernel
-  along ``default_axes`` unless told otherwise (the output side passes the kernel's output axes), its
-  statistics within ``budget_share`` of the memory rule's budget under ``statistics='auto'`` (the two sides
-  of :func:`scsgd_jax.contrib.scsgd_two_sided` splitting it)."""
-  tx, _ = conditioning_and_plans(args, default_axes=default_axes, budget_share=budget_share)
+  """:func:`scale_by_sketched_conditioning` from its settings ``s``, reading a kernel along ``default_axes`` unless
+  told otherwise (the output side passes the kernel's output axes), its statistics within ``budget_share`` of the
+  memory rule's budget (the two sides of :func:`scsgd_jax.contrib.scsgd_two_sided` splitting it)."""
+  tx, _ = conditioning_and_plans(s, default_axes=default_axes, budget_share=budget_share)
   return tx
 
 
-def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.default_input_axes,
-                           budget_share: float = 1.0, extra=None):
+def _spec(s: Settings, default_axes, budget_share: float, extra) -> tuple[plan_lib.Spec, int]:
+  """The plans' spec of settings ``s``, and the fold period."""
+  checks.check_float("budget_share", budget_share, low=0.0, high=1.0, low_open=True)
+  custom = isinstance(s.statistics, stats_lib.CorrelationStatistics)
+  st = options.Statistics() if custom else s.statistics
+  got = st.resolved()
+  cond = s.conditioner.resolved(s.rank)
+  # ema_rate is per step: a fold every s steps weighs its batch 1 - (1 - nu)^s, so the EMA spans as many steps
+  fold_rate = 1.0 - (1.0 - got["ema_rate"])**got["every"]
+  choices = plan_lib.StatisticsChoices(fold_rate,
+                                       warm_start=s.refresh.warm_start,
+                                       oversample=got["oversample"],
+                                       power_iterations=got["power_iterations"],
+                                       eigenvalue_floor=cond["eigenvalue_floor"])
+  spec = plan_lib.Spec(s.rank, s.refresh.every, cond["full_max_dim"], got["oversample"], cond["kind"],
+                       s.statistics if custom else st.kind, got["budget"], s.refresh.stagger,
+                       plan_lib.kernels_of(s.kernel_filter,
+                                           s.input_axes), s.input_axes, choices, default_axes, budget_share, extra)
+  return spec, got["every"]
+
+
+def conditioning_and_plans(s: Settings,
+                           *,
+                           default_axes=plan_lib.default_input_axes,
+                           budget_share: float = 1.0,
+                           extra=None):
   """:func:`conditioning` and its plans: ``plans(tree, captured_axes=None) -> {path: KernelPlan}``, the plans its
   ``init`` and ``update`` use for a tree of that structure (cached), for a transformation built on it;
   ``extra``: what that transformation keeps per kernel beside the statistics, for the memory rule
   (:class:`~scsgd_jax._src.plan.Spec`'s)."""
-  a = types.SimpleNamespace(**args)
-  static = resolve_static_args(rank=a.rank, update_every=a.update_every, full_max_dim=a.full_max_dim,
-                               oversample=a.oversample, power_iterations=a.power_iterations,
-                               statistics_every=a.statistics_every)
-  _check_choices(a.conditioner, a.statistics, a.budget, a.warm_start, a.stagger, a.normalize)
-  checks.check_float("outlier_threshold", a.outlier_threshold, low=1.0, allow_inf=True)
-  checks.check_float("ema_rate", a.ema_rate, low=0.0, high=1.0, low_open=True)
-  checks.check_float("budget_share", budget_share, low=0.0, high=1.0, low_open=True)
-  if isinstance(a.statistics, stats_lib.CorrelationStatistics):
-    _refuse_unread_by_custom_statistics(a)
-  # ema_rate is per step: a fold every s steps weighs its batch 1 - (1 - nu)^s, so the EMA spans as many steps
-  fold_rate = 1.0 - (1.0 - a.ema_rate) ** static["statistics_every"]
-  choices = plan_lib.StatisticsChoices(fold_rate, warm_start=a.warm_start, oversample=static["oversample"],
-                                       power_iterations=static["power_iterations"],
-                                       eigenvalue_floor=a.eigenvalue_floor)
-  spec = plan_lib.Spec(static["rank"], static["update_every"], static["full_max_dim"], static["oversample"],
-                       a.conditioner, a.statistics, a.budget, a.stagger, plan_lib.kernels_of(a.kernel_filter, a.input_axes),
-                       a.input_axes, choices, default_axes, budget_share, extra)
+  spec, fold_every = _spec(s, default_axes, budget_share, extra)
+  threshold = (options.Statistics()
+               if isinstance(s.statistics, stats_lib.CorrelationStatistics) else s.statistics).outlier_threshold
   plans = state_lib.PlanCache(spec)
+  every, warm = s.refresh.every, s.refresh.warm_start
 
   def init_fn(params):
     kernel_plans = plans(params)
     if not kernel_plans and default_axes is plan_lib.default_input_axes:  # the input side: say it, once a model
       warn_nothing_conditioned(params, plans.notes)
-    key, fresh = state_lib.fresh_kernel_states(kernel_plans, a.seed)
+    key, fresh = state_lib.fresh_kernel_states(kernel_plans, s.seed)
     return ScaleBySketchedConditioningState(
         count=jnp.zeros([], jnp.int32),
         key=key,
-        statistics={p: f[0] for p, f in fresh.items()},
-        factors={p: f[1] for p, f in fresh.items()},
-        clipped_rows={p: f[2] for p, f in fresh.items()},
-        plan=state_lib.summary_of(kernel_plans, plans.notes, static["rank"]),
+        statistics={
+            p: f[0] for p, f in fresh.items()
+        },
+        factors={
+            p: f[1] for p, f in fresh.items()
+        },
+        clipped_rows={
+            p: f[2] for p, f in fresh.items()
+        },
+        plan=state_lib.summary_of(kernel_plans, plans.notes, s.rank),
     )
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
@@ -252,40 +212,26 @@ def conditioning_and_plans(args: dict[str, Any], *, default_axes=plan_lib.defaul
     # layers the capture cannot condition: plain updates, their state untouched, the summary says so
     skipped = {p: f"not conditioned: {why}" for p, why in getattr(layer_inputs, "unconditioned", {}).items()
                if p in kernel_plans}
-    state = state_lib.replanned(state, kernel_plans, a.seed, skipped, static["rank"])
-    phases = plan_lib.slice_phases(kernel_plans, static["update_every"], a.stagger)  # fixed by the plans
+    state = state_lib.replanned(state, kernel_plans, s.seed, skipped, s.rank)
+    phases = plan_lib.slice_phases(kernel_plans, every, s.refresh.stagger)  # fixed by the plans
     if skipped:
       state_lib.log_unconditioned(skipped)  # once per trace
       kernel_plans = {p: plan for p, plan in kernel_plans.items() if p not in skipped}
     rows = _checked_rows(kernel_plans, layer_inputs)
-    fold = lambda operand: fold_lib.fold(kernel_plans, rows, *operand, a.outlier_threshold, a.axis_name)
+    fold = lambda operand: fold_lib.fold(kernel_plans, rows, *operand, threshold, s.axis_name)
     operand = (state.statistics, state.clipped_rows)
-    if static["statistics_every"] == 1:
+    if fold_every == 1:
       new_stats, clipped = fold(operand)
     else:
-      new_stats, clipped = jax.lax.cond(state.count % static["statistics_every"] == 0, fold, lambda o: o, operand)
-    due = lambda count, phase: schedule.refresh_due(count, phase, static["update_every"], a.warm_start,
-                                            static["statistics_every"])
+      new_stats, clipped = jax.lax.cond(state.count % fold_every == 0, fold, lambda o: o, operand)
+    due = lambda count, phase: schedule.refresh_due(count, phase, every, warm, fold_every)
     factors, key = schedule.refresh(kernel_plans, phases, new_stats, state.factors, state.key, state.count, due,
-                                    a.normalize)
+                                    s.conditioner.normalize)
     return _condition(updates, kernel_plans, factors), state._replace(
         count=optax.safe_increment(state.count), key=key, statistics=new_stats, factors=factors,
         clipped_rows=clipped)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn), plans
-
-
-def _refuse_unread_by_custom_statistics(a) -> None:
-  """A ``CorrelationStatistics`` given as ``statistics=`` carries its own rate, prior, oversampling, power
-  iterations and floor: the same arguments given beside it would do nothing, so they are refused."""
-  given = {name: getattr(a, name) for name, default in (
-      ("ema_rate", defaults.EMA_RATE), ("warm_start", True), ("oversample", None), ("power_iterations", None),
-      ("eigenvalue_floor", defaults.EIGENVALUE_FLOOR)) if getattr(a, name) != default}
-  if given:
-    raise ValueError(
-        f"statistics= is a CorrelationStatistics, which carries its own settings; {given} would do nothing beside "
-        "it: set them on the statistics object (e.g. scsgd_jax.sketch.ema_correlation(rate, oversample=..., "
-        "eigenvalue_floor=..., identity_prior=...)) and leave them out here.")
 
 
 def warn_nothing_conditioned(params, notes: dict[str, str]) -> None:
@@ -303,25 +249,6 @@ def warn_nothing_conditioned(params, notes: dict[str, str]) -> None:
       "'embedding'; for other names (Equinox's 'weight', a plain dict) say each kernel's input axes, e.g. "
       "input_axes={'layers/0/weight': scsgd_jax.Layout(input_axes=(1,))} for an (out, in) weight, (0,) for "
       "(in, out).", stacklevel=3)
-
-
-def _check_choices(conditioner, statistics, budget, warm_start, stagger, normalize) -> None:
-  if conditioner not in ("auto", "sketched", "full"):
-    raise ValueError(f"conditioner must be 'auto', 'sketched' or 'full', got {conditioner!r}.")
-  if not isinstance(statistics, stats_lib.CorrelationStatistics) and statistics not in (
-      "auto", "dense", "streaming", "diagonal"):
-    raise ValueError(
-        "statistics must be 'auto', 'dense', 'streaming', 'diagonal' or a CorrelationStatistics, "
-        f"got {statistics!r}.")
-  if statistics == "streaming" and conditioner == "full":
-    raise ValueError("conditioner='full' needs the dense C: it cannot be combined with statistics='streaming'.")
-  if budget not in ("kernel", "model"):
-    raise ValueError(f"budget must be 'kernel' or 'model', got {budget!r}.")
-  for name, value in (("warm_start", warm_start), ("stagger", stagger)):
-    if not isinstance(value, bool):
-      raise ValueError(f"{name} must be a bool, got {value!r}.")
-  if normalize not in ("none", "embeddings", "all"):
-    raise ValueError(f"normalize must be 'none', 'embeddings' or 'all', got {normalize!r}.")
 
 
 def _condition(updates, kernel_plans, factors):

@@ -37,7 +37,8 @@ def test_unknown_config_key_is_refused_by_the_flags(tmp_path):
 def test_bad_config_value_is_one_line_from_main_and_ablation(tmp_path):
   out = _run("experiments.main", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "m"),
              "--config.optimizer.scsgd.ema_rate=0.0")
-  assert _one_error_line(out)[-1] == "error: config.optimizer.scsgd.ema_rate: ema_rate must lie in (0, 1], got 0.0."
+  assert _one_error_line(
+      out)[-1] == "error: config.optimizer.scsgd.ema_rate: Statistics.ema_rate must lie in (0, 1], got 0.0."
   # the ablation takes --config.* overrides too (it used argparse, and printed tracebacks)
   out = _run("experiments.ablation", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "a"),
              "--results_dir", str(tmp_path / "r"), "--config.max_rows=-1", "--variants=default")

@@ -30,7 +30,7 @@ BAD = [
     ("optimizer.scsgd.rank", 0, "optimizer.scsgd.rank", "rank must be an int >= 1"),
     ("optimizer.scsgd.ema_rate", 0.0, "optimizer.scsgd.ema_rate", "ema_rate must lie in (0, 1]"),
     ("optimizer.scsgd.ema_rate", 1.5, "optimizer.scsgd.ema_rate", "ema_rate must lie in (0, 1]"),
-    ("optimizer.scsgd.update_every", 0, "optimizer.scsgd.update_every", "update_every must be an int >= 1"),
+    ("optimizer.scsgd.update_every", 0, "optimizer.scsgd.update_every", "Refresh.every must be an int >= 1"),
     ("schedule.name", "cosine", "schedule.name", "not one of ['constant', 'inv', 'warmup_cosine']"),
     ("schedule.base", -0.1, "schedule.base", "must be positive"),
     ("optimizer.name", "lion", "optimizer.name", "not one of"),

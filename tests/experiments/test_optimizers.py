@@ -17,6 +17,7 @@ from experiments import peers
 from experiments import train
 from experiments import workdir
 from tests import helpers
+from experiments.options import grouped
 
 
 def test_schedule_values():
@@ -132,7 +133,10 @@ def test_eigen_two_sided_row_is_the_library_alias_on_both_sides():
   config.optimizer.scsgd_eigen_two_sided = optimizers.sub_config("scsgd_eigen_two_sided", update_every=1)
   opt = optimizers.create(config)
   assert opt.capture == "two_sided"
-  by_hand = scsgd_jax.scsgd_eigen(optimizers.learning_rate(config), sides="both", update_every=1, seed=config.seed)
+  by_hand = scsgd_jax.scsgd_eigen(optimizers.learning_rate(config),
+                                  sides="both",
+                                  refresh=scsgd_jax.Refresh(every=1),
+                                  seed=config.seed)
   params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
   rng = np.random.default_rng(0)
   grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
@@ -151,8 +155,9 @@ def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
   config.optimizer.scsgd_graft = optimizers.sub_config("scsgd_graft", graft_decay=0.9, update_every=1)
   opt = optimizers.create(config)
   by_hand = optax.chain(
-      scsgd_jax.contrib.scale_by_grafting(scsgd_jax.contrib.scale_by_normalized_rms(decay=0.9),
-                                  scsgd_jax.scale_by_sketched_conditioning(update_every=1, seed=config.seed)),
+      scsgd_jax.contrib.scale_by_grafting(
+          scsgd_jax.contrib.scale_by_normalized_rms(decay=0.9),
+          scsgd_jax.scale_by_sketched_conditioning(refresh=scsgd_jax.Refresh(every=1), seed=config.seed)),
       optax.sgd(optimizers.learning_rate(config), momentum=0.9, nesterov=True))
   rng = np.random.default_rng(0)
   params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
@@ -168,7 +173,7 @@ def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
   resolved = optimizers.resolved_settings(config)
   assert resolved["graft_decay"] == 0.9
   assert resolved["graft_eps"] == inspect.signature(scsgd_jax.contrib.scale_by_normalized_rms).parameters["eps"].default
-  assert resolved["update_every"] == 1 and resolved["rank"] == scsgd_jax.resolve_static_args()["rank"]
+  assert resolved["update_every"] == 1 and resolved["rank"] == scsgd_jax.Conditioner().resolved()["rank"]
 
 
 @pytest.mark.parametrize("name,fixed", [("scsgd_two_sided", {}),
@@ -182,8 +187,10 @@ def test_scsgd_two_sided_is_the_library_alias_with_its_settings(name, fixed):
   config.optimizer[name] = optimizers.sub_config(name, graft_decay=0.9, update_every=1)
   opt = optimizers.create(config)
   assert opt.capture == "two_sided"
-  by_hand = scsgd_jax.contrib.scsgd_two_sided(optimizers.learning_rate(config), graft_decay=0.9, update_every=1,
-                                      seed=config.seed, **fixed)
+  by_hand = scsgd_jax.contrib.scsgd_two_sided(optimizers.learning_rate(config),
+                                              graft_decay=0.9,
+                                              **grouped(dict(update_every=1, **fixed)),
+                                              seed=config.seed)
   rng = np.random.default_rng(0)
   params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
   s1, s2 = opt.tx.init(params), by_hand.init(params)
@@ -209,8 +216,9 @@ def test_scsgd_muon_is_the_conditioning_in_front_of_the_benchmarks_muon():
                                                       muon_adam_learning_rate=0.003)
   opt = optimizers.create(config)
   by_hand = optax.chain(
-      scsgd_jax.scale_by_sketched_conditioning(update_every=1, seed=config.seed),
-      peers.muon(optimizers.learning_rate(config), output_layer="head",
+      scsgd_jax.scale_by_sketched_conditioning(refresh=scsgd_jax.Refresh(every=1), seed=config.seed),
+      peers.muon(optimizers.learning_rate(config),
+                 output_layer="head",
                  adam_learning_rate=optimizers.learning_rate(config, 0.003)))
   rng = np.random.default_rng(0)
   params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}, "head": {"kernel": jnp.ones((3, 4))}}

@@ -136,16 +136,16 @@ def _error_line(out):
 
 @pytest.mark.parametrize("override,line", [
     ("--config.optimzer.name=sgd", "error: --config.optimzer.name: config has no key 'optimzer' "
-                                   "(did you mean optimizer?)"),
+     "(did you mean optimizer?)"),
     ("--config.optimizer.scsgd.rnak=8", "error: --config.optimizer.scsgd.rnak: config.optimizer.scsgd has no key "
-                                        "'rnak' (did you mean rank?)"),
+     "'rnak' (did you mean rank?)"),
     ("--config.schedule.base=inf", "error: config.schedule.base must be a finite number, got inf."),
     ("--config.optimizer.scsgd.eigenvalue_floor=nan",
      "error: config.optimizer.scsgd.eigenvalue_floor must be a finite number, got nan."),
     ("--config.optimizer.scsgd.eigenvalue_floor=-1.0",
-     "error: config.optimizer.scsgd.eigenvalue_floor: eigenvalue_floor must lie in [0, 1], got -1.0."),
+     "error: config.optimizer.scsgd.eigenvalue_floor: Conditioner.eigenvalue_floor must lie in [0, 1], got -1.0."),
     ("--config.dataset=tiny_shakespeare", "error: config.model: 'lenet' cannot read dataset 'tiny_shakespeare' "
-                                          "(examples (64,) int32): ValueError: "),
+     "(examples (64,) int32): ValueError: "),
 ])
 def test_bad_override_is_one_line_and_nothing_is_written(tmp_path, override, line):
   workdir = tmp_path / "run"

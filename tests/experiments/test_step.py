@@ -25,9 +25,11 @@ class Net(nnx.Module):
     return self.dense(y.reshape(y.shape[0], -1))
 
 
-TXS = {"none": lambda: optax.sgd(0.05, 0.9, nesterov=True),
-       "inputs": lambda: scsgd_jax.scsgd(0.05, update_every=2),
-       "two_sided": lambda: scsgd_jax.contrib.scsgd_two_sided(1e-2, update_every=2)}
+TXS = {
+    "none": lambda: optax.sgd(0.05, 0.9, nesterov=True),
+    "inputs": lambda: scsgd_jax.scsgd(0.05, refresh=scsgd_jax.Refresh(every=2)),
+    "two_sided": lambda: scsgd_jax.contrib.scsgd_two_sided(1e-2, refresh=scsgd_jax.Refresh(every=2))
+}
 
 
 def _readme_nnx(model, tx, capture, batches):

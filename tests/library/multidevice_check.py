@@ -23,7 +23,8 @@ import scsgd_jax as sk  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 STEPS, DEVICES, LOCAL = 8, 4, 8
-KW = dict(rank=4, update_every=3)  # l1 (n = 12): dense C, full C^{1/2}; l2 (n = 24): sketched; 2 refreshes each
+KW = dict(rank=4,
+          refresh=sk.Refresh(every=3))  # l1 (n = 12): dense C, full C^{1/2}; l2 (n = 24): sketched; 2 refreshes each
 
 
 def init_params():

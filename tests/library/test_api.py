@@ -60,3 +60,38 @@ def test_the_api_reference_is_written_from_the_docstrings():
   with open(api_doc.PATH) as f:
     assert f.read() == api_doc.render(), "docs/api.md is stale: run python -m tests.api_doc"
   assert os.path.basename(api_doc.PATH) == "api.md"
+
+
+# the most parameters each public optimizer and transformation takes: one signature per thing, the options grouped
+# in objects (optax's adamw takes 8, scale_by_adam 6)
+PARAMETERS = {
+    "scsgd": 11,
+    "scale_by_sketched_conditioning": 8,
+    "scsgd_eigen": 18,
+    "scsgd_eigen_muon": 16,
+    "scale_by_eigenbasis_adam": 17,
+    "contrib.scsgd_two_sided": 14,
+    "contrib.scale_by_output_conditioning": 9,
+}
+
+
+@pytest.mark.parametrize("name,most", sorted(PARAMETERS.items()))
+def test_each_alias_takes_its_own_parameters_and_no_catch_all(name, most):
+  import inspect
+
+  fn = scsgd_jax
+  for part in name.split("."):
+    fn = getattr(fn, part)
+  params = inspect.signature(fn).parameters.values()
+  assert len(params) <= most, [p.name for p in params]
+  assert not [p.name for p in params if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)], name
+
+
+def test_no_library_module_reads_its_own_arguments_by_introspection():
+  """No ``locals()`` and no ``inspect.signature``: each signature is the one place its arguments are read."""
+  offenders = [
+      str(p.relative_to(ROOT))
+      for p in (ROOT / "scsgd_jax").rglob("*.py")
+      if re.search(r"\blocals\(\)|inspect\.signature", p.read_text())
+  ]
+  assert not offenders, offenders

@@ -32,7 +32,9 @@ def _steps(tx, steps=4, seed=0):
 
 
 def test_inject_hyperparams_without_static_args_and_sketched():
-  tx = optax.inject_hyperparams(sk.scsgd)(learning_rate=0.01, conditioner="sketched", statistics="dense")
+  tx = optax.inject_hyperparams(sk.scsgd)(learning_rate=0.01,
+                                          conditioner=sk.Conditioner(kind="sketched"),
+                                          statistics=sk.Statistics(kind="dense"))
   params, state = _steps(tx)
   assert np.all(np.isfinite(np.asarray(params["dense"]["kernel"])))
   assert state.inner_state[0].factors["dense/kernel"].q.shape == (40, 32)
@@ -40,23 +42,34 @@ def test_inject_hyperparams_without_static_args_and_sketched():
 
 
 def test_inject_hyperparams_with_static_args_constant():
-  tx = optax.inject_hyperparams(sk.scsgd, static_args=sk.STATIC_ARGS)(
-      learning_rate=0.01, rank=4, oversample=3, update_every=2, statistics="dense", conditioner="sketched")
+  tx = optax.inject_hyperparams(sk.scsgd, static_args=sk.STATIC_ARGS)(learning_rate=0.01,
+                                                                      rank=4,
+                                                                      statistics=sk.Statistics(oversample=3,
+                                                                                               kind="dense"),
+                                                                      refresh=sk.Refresh(every=2),
+                                                                      conditioner=sk.Conditioner(kind="sketched"))
   _, state = _steps(tx)
   assert state.inner_state[0].factors["dense/kernel"].q.shape == (40, 4)
 
 
 def test_inject_hyperparams_shape_argument_without_static_args_names_static_args():
-  tx = optax.inject_hyperparams(sk.scsgd)(learning_rate=0.01, oversample=5)
-  with pytest.raises(ValueError, match="oversample decides shapes.*static_args=scsgd_jax.STATIC_ARGS"):
+  """The rank decides shapes: an array from inject_hyperparams is refused naming static_args; the options' integers
+  are fields of objects, which it leaves alone (their numeric settings then act as given)."""
+  tx = optax.inject_hyperparams(sk.scsgd)(learning_rate=0.01, rank=4)
+  with pytest.raises(ValueError, match=r"rank decides shapes.*static_args=\('rank',\)"):
     tx.init(PARAMS)
+  tx = optax.inject_hyperparams(sk.scsgd, static_args=sk.STATIC_ARGS)(learning_rate=0.01,
+                                                                      rank=4,
+                                                                      statistics=sk.Statistics(oversample=5))
+  tx.init(PARAMS)
 
 
 def test_multisteps_conditions_with_the_last_micro_batch_only():
   """optax.MultiSteps calls the inner update once per k micro-batches, with that call's layer_inputs:
   the statistics see 1/k of the rows (pinned here; README documents it)."""
   k = 3
-  inner = sk.scale_by_sketched_conditioning(statistics="dense", conditioner="full", ema_rate=1.0)
+  inner = sk.scale_by_sketched_conditioning(statistics=sk.Statistics(kind="dense", ema_rate=1.0),
+                                            conditioner=sk.Conditioner(kind="full"))
   tx = optax.MultiSteps(inner, every_k_schedule=k)
   state = tx.init(PARAMS)
   rng = np.random.default_rng(1)
@@ -84,8 +97,9 @@ def test_linen_train_state_recipe():
   x = jnp.asarray(np.random.default_rng(2).standard_normal((32, 5)), jnp.float32)
   y = x @ jnp.asarray(np.random.default_rng(3).standard_normal((5, 3)), jnp.float32)
   variables = model.init(jax.random.PRNGKey(0), x)
-  state = train_state.TrainState.create(
-      apply_fn=model.apply, params=variables["params"], tx=sk.scsgd(0.05, statistics="dense"))
+  state = train_state.TrainState.create(apply_fn=model.apply,
+                                        params=variables["params"],
+                                        tx=sk.scsgd(0.05, statistics=sk.Statistics(kind="dense")))
 
   @jax.jit
   def step(state):
@@ -218,7 +232,7 @@ def test_state_round_trips_through_flax_serialization(statistics):
   freshly built optimizer's ``init``: every array equal, the plan summary the target's."""
   from flax import serialization
 
-  tx = sk.scsgd(0.01, rank=8, statistics=statistics, update_every=2)
+  tx = sk.scsgd(0.01, rank=8, statistics=sk.Statistics(kind=statistics), refresh=sk.Refresh(every=2))
   _, state = _steps(tx, steps=5)
   restored = serialization.from_bytes(tx.init(PARAMS), serialization.to_bytes(state))
   assert jax.tree.structure(restored) == jax.tree.structure(state)

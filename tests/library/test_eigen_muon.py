@@ -11,6 +11,7 @@ import pytest
 
 import scsgd_jax as sk
 from tests import helpers
+from experiments.options import grouped
 
 EXACT = dict(statistics="dense", ema_rate=1.0, statistics_every=1, update_every=1, warm_start=False,
              outlier_threshold=float("inf"))
@@ -56,10 +57,17 @@ def _nbytes(tree):
 def test_hidden_kernel_is_newton_schulz_of_the_eigenbasis_adam_and_the_rest_adamw():
   """The hidden kernel's update is -lr NS(u), u the eigenbasis Adam's output (Nesterov, b1 = Muon's beta) at the
   same settings; the head, the embedding table and the bias take Muon's AdamW part's update (NAdamW, at its rate)."""
-  tx = sk.scsgd_eigen_muon(LR, beta=BETA, b2=B2, output_layer="head", adam_learning_rate=ADAM_LR,
-                           conditioner="full", **EXACT)
-  eigen = sk.scale_by_eigenbasis_adam(b1=BETA, b2=B2, nesterov=True, conditioner="full",
-                                      kernel_filter=lambda path, leaf: path == "hidden/kernel", **EXACT)
+  tx = sk.scsgd_eigen_muon(LR,
+                           beta=BETA,
+                           b2=B2,
+                           output_layer="head",
+                           adam_learning_rate=ADAM_LR,
+                           **grouped(dict(conditioner="full", **EXACT)))
+  eigen = sk.scale_by_eigenbasis_adam(b1=BETA,
+                                      b2=B2,
+                                      nesterov=True,
+                                      **grouped(dict(conditioner="full", **EXACT)),
+                                      kernel_filter=lambda path, leaf: path == "hidden/kernel")
   adamw = optax.adamw(ADAM_LR, weight_decay=0.0, nesterov=True)  # Muon's AdamW part is Nesterov's
   got, _ = _run(tx)
   want, _ = _run(eigen)
@@ -87,14 +95,35 @@ def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_coun
   hidden = sk.muon_kernel_filter("head")
   adam_rate = (lambda step: ADAM_LR * rate(step) / LR) if callable(rate) else ADAM_LR
   chain = optax.chain(
-      sk.scale_by_eigenbasis_adam(b1=BETA, b2=B2, nesterov=True, others="identity", kernel_filter=hidden,
-                                  **conditioning),
-      optax.contrib.muon(rate, beta=0.0, adam_learning_rate=adam_rate, adam_b2=B2,
-                         muon_weight_dimension_numbers={"hidden": {"kernel": optax.contrib.MuonDimensionNumbers(0, 1),
-                                                                   "bias": None},
-                                                        "head": {"kernel": None}, "embed": {"embedding": None}}))
-  tx = sk.scsgd_eigen_muon(rate, beta=BETA, b2=B2, output_layer="head", adam_learning_rate=adam_rate,
-                           muon={"adam_b2": B2}, **conditioning)
+      sk.scale_by_eigenbasis_adam(b1=BETA,
+                                  b2=B2,
+                                  nesterov=True,
+                                  others="identity",
+                                  kernel_filter=hidden,
+                                  **grouped(dict(**conditioning))),
+      optax.contrib.muon(rate,
+                         beta=0.0,
+                         adam_learning_rate=adam_rate,
+                         adam_b2=B2,
+                         muon_weight_dimension_numbers={
+                             "hidden": {
+                                 "kernel": optax.contrib.MuonDimensionNumbers(0, 1),
+                                 "bias": None
+                             },
+                             "head": {
+                                 "kernel": None
+                             },
+                             "embed": {
+                                 "embedding": None
+                             }
+                         }))
+  tx = sk.scsgd_eigen_muon(rate,
+                           beta=BETA,
+                           b2=B2,
+                           output_layer="head",
+                           adam_learning_rate=adam_rate,
+                           muon={"adam_b2": B2},
+                           **grouped(dict(**conditioning)))
   got, got_state = _run(tx, steps=6)
   want, want_state = _run(chain, steps=6)
   for g, w in zip(got, want):
@@ -138,8 +167,8 @@ def test_stacked_and_attention_kernels_orthogonalized_as_the_eigenbasis_reads_th
   conv = muon_lib.muon_dimension_numbers(numbers)({"conv": {"kernel": jnp.zeros((5, 5, 3, 8))}})
   assert conv["conv"]["kernel"] == optax.contrib.MuonDimensionNumbers((0, 1, 2), (3,))  # im2col's (kh kw cin, cout)
   args = dict(input_axes={"blocks/kernel": sk.Layout((0,), stack=1)}, update_every=1, warm_start=False)
-  tx = sk.scsgd_eigen_muon(LR, output_layer="head", **args)
-  eigen = sk.scale_by_eigenbasis_adam(b1=0.95, nesterov=True, kernel_filter=numbers, **args)
+  tx = sk.scsgd_eigen_muon(LR, output_layer="head", **grouped(dict(**args)))
+  eigen = sk.scale_by_eigenbasis_adam(b1=0.95, nesterov=True, kernel_filter=numbers, **grouped(dict(**args)))
   rng = np.random.default_rng(2)
   grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
   inputs = {"blocks": {"kernel": jnp.asarray(rng.standard_normal((3, 16, 6)), jnp.float32)},
@@ -176,7 +205,7 @@ def test_state_round_trips_through_flax_serialization():
   goes on from it as from the original."""
   from flax import serialization
 
-  tx = sk.scsgd_eigen_muon(LR, output_layer="head", update_every=1)
+  tx = sk.scsgd_eigen_muon(LR, output_layer="head", refresh=sk.Refresh(every=1))
   outs, state = _run(tx, steps=2)
   restored = serialization.from_bytes(tx.init(_params()), serialization.to_bytes(state))
   grads, inputs = next(_steps(np.random.default_rng(5), 1))

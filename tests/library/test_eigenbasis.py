@@ -11,6 +11,7 @@ from flax import serialization
 
 import scsgd_jax as sk
 from tests import helpers
+from experiments.options import grouped
 
 B1, B2, EPS = 0.9, 0.99, 1e-8
 # C of the latest batch alone (rate 1), folded and refreshed at every step from step 0, no floor, no guard
@@ -46,7 +47,7 @@ def test_full_rank_equals_adam_in_the_full_eigenbasis_of_c():
   into each new basis by (U_new^T U_old)^2, the first moment rotated: three steps, every update equal."""
   rng = np.random.default_rng(0)
   batches = _batches(rng, 3)
-  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, conditioner="full", **EXACT)
+  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, **grouped(dict(conditioner="full", **EXACT)))
   outs, _ = _run(tx, batches)
   m = v = np.zeros((6, 3))
   u_old = np.eye(6)
@@ -68,7 +69,11 @@ def test_full_rank_gradient_basis_equals_adam_in_the_eigenbasis_of_the_gradients
   rng = np.random.default_rng(7)
   n, p = 4, 6
   gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
-  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, conditioner="full", basis="gradients", **EXACT)
+  tx = sk.scale_by_eigenbasis_adam(b1=B1,
+                                   b2=B2,
+                                   eps=EPS,
+                                   **grouped(dict(conditioner="full", **EXACT)),
+                                   basis="gradients")
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
   state = tx.init(params)
   m = v = np.zeros((n, p))
@@ -105,8 +110,12 @@ def test_both_sides_at_full_rank_is_soap():
   rng = np.random.default_rng(9)
   n = p = 5
   gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
-  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, conditioner="full", basis="gradients", sides="both",
-                                   **AVERAGED)
+  tx = sk.scale_by_eigenbasis_adam(b1=B1,
+                                   b2=B2,
+                                   eps=EPS,
+                                   **grouped(dict(conditioner="full", **AVERAGED)),
+                                   basis="gradients",
+                                   sides="both")
   left, right = np.eye(n), np.eye(p)
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
   state = tx.init(params)
@@ -132,7 +141,7 @@ def test_both_sides_of_the_captured_rows_at_full_rank_is_ekfac():
   moments carried by both overlaps first; three steps."""
   rng = np.random.default_rng(12)
   n, p, m_rows = 5, 4, 40
-  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, conditioner="full", sides="both", **EXACT)
+  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, **grouped(dict(conditioner="full", **EXACT)), sides="both")
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
   state = tx.init(params)
   m, v = np.zeros((n, p)), np.zeros((n, p))
@@ -161,8 +170,14 @@ def test_both_sides_sketched_with_the_scalar_tail_equals_numpy():
   rng = np.random.default_rng(10)
   n, p = 6, 5
   gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
-  tx = sk.scale_by_eigenbasis_adam(2, b1=B1, b2=B2, eps=EPS, conditioner="sketched", basis="gradients",
-                                   sides="both", tail="scalar", **AVERAGED)
+  tx = sk.scale_by_eigenbasis_adam(2,
+                                   b1=B1,
+                                   b2=B2,
+                                   eps=EPS,
+                                   **grouped(dict(conditioner="sketched", **AVERAGED)),
+                                   basis="gradients",
+                                   sides="both",
+                                   tail="scalar")
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
   state = tx.init(params)
   m, lead, col = np.zeros((n, p)), np.zeros((2, 2)), 0.0
@@ -197,8 +212,11 @@ def test_both_sides_leave_a_stacked_kernel_to_its_input_side_and_the_inputs_basi
   sides='both' with the inputs' basis and no captured output gradients is refused, naming what it needs."""
   rng = np.random.default_rng(11)
   n, p = 6, 3
-  make = lambda sides: sk.scale_by_eigenbasis_adam(2, conditioner="sketched", basis="gradients", sides=sides,
-                                                   input_axes={"dense/kernel": sk.Layout((0,), stack=1)}, **EXACT)
+  make = lambda sides: sk.scale_by_eigenbasis_adam(2,
+                                                   **grouped(dict(conditioner="sketched", **EXACT)),
+                                                   basis="gradients",
+                                                   sides=sides,
+                                                   input_axes={"dense/kernel": sk.Layout((0,), stack=1)})
   params = {"dense": {"kernel": jnp.zeros((2, n, p))}}
   txs = [make("both"), make("input")]
   states = [tx.init(params) for tx in txs]
@@ -224,10 +242,12 @@ def test_both_sides_keep_output_statistics_only_for_the_kernels_they_rotate_on_b
   it alone (SOAP at full rank, tested against numpy above)."""
   rng = np.random.default_rng(12)
   n, p = 6, 3
-  make = lambda: sk.scale_by_eigenbasis_adam(
-      conditioner="full", basis="gradients", sides="both",
-      input_axes={"stack/kernel": sk.Layout((0,), stack=1)},
-      kernel_filter=lambda path, leaf: path.endswith("kernel") and not path.startswith("head"), **EXACT)
+  make = lambda: sk.scale_by_eigenbasis_adam(**grouped(dict(conditioner="full", **EXACT)),
+                                             basis="gradients",
+                                             sides="both",
+                                             input_axes={"stack/kernel": sk.Layout((0,), stack=1)},
+                                             kernel_filter=lambda path, leaf: path.endswith("kernel") and not path.
+                                             startswith("head"))
   params = {"plain": {"kernel": jnp.zeros((n, p))}, "stack": {"kernel": jnp.zeros((2, n, p))},
             "head": {"kernel": jnp.zeros((p, n))}}
   alone = {"plain": params["plain"]}
@@ -247,7 +267,9 @@ def test_both_sides_keep_output_statistics_only_for_the_kernels_they_rotate_on_b
 def test_both_sides_memory_rule_pools_only_the_kernels_rotated_on_both_sides():
   """Under the memory rule pooled over the model, a stacked kernel (rotated on its input side alone) lends the
   output side no memory: the plain kernel's output plan is the one it gets alone, and the stack has none."""
-  make = lambda: sk.scale_by_eigenbasis_adam(basis="gradients", sides="both", budget="model",
+  make = lambda: sk.scale_by_eigenbasis_adam(basis="gradients",
+                                             sides="both",
+                                             statistics=sk.Statistics(budget="model"),
                                              input_axes={"stack/kernel": sk.Layout((0,), stack=1)})
   mixed = {"plain": {"kernel": jnp.zeros((96, 64))}, "stack": {"kernel": jnp.zeros((4, 96, 64))}}
   got = dict(make().init(mixed).output.plan.items)
@@ -281,7 +303,12 @@ def test_sketched_basis_with_its_tail_equals_numpy(tail):
   mean per column)."""
   rng = np.random.default_rng(1)
   batches = _batches(rng, 3)
-  tx = sk.scale_by_eigenbasis_adam(2, b1=B1, b2=B2, eps=EPS, conditioner="sketched", tail=tail, **EXACT)
+  tx = sk.scale_by_eigenbasis_adam(2,
+                                   b1=B1,
+                                   b2=B2,
+                                   eps=EPS,
+                                   **grouped(dict(conditioner="sketched", **EXACT)),
+                                   tail=tail)
   params = {"dense": {"kernel": jnp.zeros((6, 3)), "bias": jnp.zeros(3)}}
   state = tx.init(params)
   m = np.zeros((6, 3))
@@ -347,7 +374,8 @@ def test_stacked_kernel_equals_each_slice_alone(basis):
   n, p = 6, 3
   xs = [rng.standard_normal((2, 20, n)) * np.linspace(0.5, 3, n) for _ in range(2)]
   gs = [rng.standard_normal((2, n, p)) for _ in range(2)]
-  make = lambda axes: sk.scale_by_eigenbasis_adam(2, conditioner="sketched", input_axes=axes, basis=basis, **EXACT)
+  make = lambda axes: sk.scale_by_eigenbasis_adam(
+      2, **grouped(dict(conditioner="sketched", **EXACT)), input_axes=axes, basis=basis)
   stacked = make({"dense/kernel": sk.Layout((0,), stack=1)})
   params = {"dense": {"kernel": jnp.zeros((2, n, p))}}
   state = stacked.init(params)
@@ -400,7 +428,7 @@ def test_kernel_diagnostics_equal_the_dense_inverse_spectrum(kw):
   rank = kw.pop("rank", None)
   rng = np.random.default_rng(5)
   outs = []
-  for tx in (sk.scsgd(0.1, rank, **kw), sk.scsgd_eigen(1e-3, rank, **kw)):
+  for tx in (sk.scsgd(0.1, rank, **grouped(dict(**kw))), sk.scsgd_eigen(1e-3, rank, **grouped(dict(**kw)))):
     _, state = _run(tx, _batches(rng, 2))
     diag = sk.kernel_diagnostics(state)["dense/kernel"]
     factor = (state[0].conditioning if hasattr(state[0], "conditioning") else state[0]).factors["dense/kernel"]
@@ -417,13 +445,16 @@ def test_others_identity_passes_unconditioned_leaves_through_without_state():
   rng = np.random.default_rng(6)
   batches = _batches(rng, 2)
   kw = dict(conditioner="sketched", **EXACT)
-  ident, _ = _run(sk.scale_by_eigenbasis_adam(2, others="identity", **kw), batches)
-  adam, _ = _run(sk.scale_by_eigenbasis_adam(2, **kw), batches)
+  ident, _ = _run(sk.scale_by_eigenbasis_adam(2, others="identity", **grouped(dict(**kw))), batches)
+  adam, _ = _run(sk.scale_by_eigenbasis_adam(2, **grouped(dict(**kw))), batches)
   for (x, g), a, b in zip(batches, ident, adam):
     np.testing.assert_array_equal(a["dense"]["bias"], np.asarray(g[0], np.float32))
     np.testing.assert_allclose(a["dense"]["kernel"], b["dense"]["kernel"], rtol=1e-5, atol=1e-7)
-  state = sk.scale_by_eigenbasis_adam(2, others="identity", **kw).init({"dense": {"kernel": jnp.zeros((6, 3)),
-                                                                            "bias": jnp.zeros(3)}})
+  state = sk.scale_by_eigenbasis_adam(2, others="identity", **grouped(dict(**kw))).init(
+      {"dense": {
+          "kernel": jnp.zeros((6, 3)),
+          "bias": jnp.zeros(3)
+      }})
   assert jax.tree.leaves(state.mu["dense"]["bias"]) == [] and jax.tree.leaves(state.nu["dense"]["bias"]) == []
 
 
@@ -439,11 +470,11 @@ def test_memory_rule_takes_the_largest_rank_whose_whole_state_fits_adams(tail):
   built at that rank fits, at one rank more it does not."""
   n, p = 96, 40
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
-  state = sk.scsgd_eigen(1e-3, budget="kernel", tail=tail).init(params)
+  state = sk.scsgd_eigen(1e-3, statistics=sk.Statistics(budget="kernel"), tail=tail).init(params)
   summary = state[0].summary()["dense/kernel"]
   assert "streaming" in summary, summary
   k = int(summary.split("rank ")[1].split(",")[0])
-  fixed = lambda rank: sk.scsgd_eigen(1e-3, rank, statistics="streaming", tail=tail).init(params)
+  fixed = lambda rank: sk.scsgd_eigen(1e-3, rank, statistics=sk.Statistics(kind="streaming"), tail=tail).init(params)
   assert _floats(state) == _floats(fixed(k)) <= 2 * n * p < _floats(fixed(k + 1))
 
 

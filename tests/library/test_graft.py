@@ -42,9 +42,11 @@ def test_conditioned_sgd_grafted_onto_normalized_rmsprop_first_two_steps():
   nu, lr, mom, decay, eps = 0.3, 0.1, 0.9, 0.99, 1e-8
   params = {"dense": {"kernel": jnp.zeros((5, 2)), "bias": jnp.zeros(2)}}
   tx = optax.chain(
-      sk.contrib.scale_by_grafting(sk.contrib.scale_by_normalized_rms(decay, eps),
-                           sk.scale_by_sketched_conditioning(conditioner="full", statistics="dense", warm_start=False,
-                                                             ema_rate=nu, update_every=1, statistics_every=1)),
+      sk.contrib.scale_by_grafting(
+          sk.contrib.scale_by_normalized_rms(decay, eps),
+          sk.scale_by_sketched_conditioning(conditioner=sk.Conditioner(kind="full"),
+                                            statistics=sk.Statistics(kind="dense", ema_rate=nu, every=1),
+                                            refresh=sk.Refresh(warm_start=False, every=1))),
       optax.sgd(lr, momentum=mom, nesterov=True))
   state = tx.init(params)
   c, v, trace = np.eye(5), {"kernel": np.zeros((5, 2)), "bias": np.zeros(2)}, {"kernel": 0.0, "bias": 0.0}

@@ -12,6 +12,7 @@ from flax import nnx
 from flax.training import train_state
 
 import scsgd_jax
+from experiments.options import grouped
 
 
 class ResBlock(nn.Module):
@@ -169,7 +170,9 @@ def test_gemma_style_nnx_model_trains_with_no_input_axes_argument():
   # the captured inputs say each kernel's axes: the plan of init (default axes) is redone at the first update
   assert scsgd_jax.input_axes_nnx(GemmaStyle(nnx.Rngs(0))) | GEMMA_AXES == scsgd_jax.input_axes_nnx(
       GemmaStyle(nnx.Rngs(0)))
-  tx = scsgd_jax.scsgd(0.05, statistics="dense", conditioner="full")
+  tx = scsgd_jax.scsgd(0.05,
+                       statistics=scsgd_jax.Statistics(kind="dense"),
+                       conditioner=scsgd_jax.Conditioner(kind="full"))
   model, optimizer, first, out = _train_gemma(tx, 3)
   state = nnx.as_pure(optimizer.opt_state)[0]
   dims = {p: f.dim for p, f in state.factors.items() if p != "embed/embedding"}
@@ -188,8 +191,11 @@ def test_gemma_style_nnx_model_trains_with_no_input_axes_argument():
   got = np.asarray(_train_gemma(tx, 1)[0].q.kernel[...], np.float64) - first["q"]["kernel"]
   np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
   # and the whole run equals one told the axes up front (bitwise: the re-planned state is init's with them)
-  explicit, _, _, _ = _train_gemma(scsgd_jax.scsgd(0.05, statistics="dense", conditioner="full",
-                                                   input_axes=GEMMA_AXES), 3)
+  explicit, _, _, _ = _train_gemma(
+      scsgd_jax.scsgd(0.05,
+                      statistics=scsgd_jax.Statistics(kind="dense"),
+                      conditioner=scsgd_jax.Conditioner(kind="full"),
+                      input_axes=GEMMA_AXES), 3)
   for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(explicit, nnx.Param))):
     np.testing.assert_array_equal(a, b)
 
@@ -256,7 +262,8 @@ def test_linen_einsum_model_trains_with_no_input_axes_argument():
     return state
 
   dense = dict(statistics="dense", conditioner="full")  # the same kinds either way: the runs are equal
-  zero, explicit = run(scsgd_jax.scsgd(0.05, **dense)), run(scsgd_jax.scsgd(0.05, input_axes=axes, **dense))
+  zero, explicit = run(scsgd_jax.scsgd(0.05, **grouped(dict(**dense)))), run(
+      scsgd_jax.scsgd(0.05, input_axes=axes, **grouped(dict(**dense))))
   assert jax.tree.map(np.shape, zero.opt_state) == jax.tree.map(np.shape, explicit.opt_state)
   for a, b in zip(jax.tree.leaves(zero.params), jax.tree.leaves(explicit.params)):
     np.testing.assert_array_equal(a, b)

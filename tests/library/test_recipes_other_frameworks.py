@@ -15,8 +15,9 @@ import scsgd_jax as sk
 from tests import helpers
 
 # C of the latest batch alone, refreshed every step, the full C^{-1/2} without a floor: an exact oracle
-EXACT = dict(conditioner="full", statistics="dense", ema_rate=1.0, statistics_every=1, update_every=1,
-             warm_start=False, eigenvalue_floor=0.0, outlier_threshold=float("inf"))
+EXACT = dict(statistics=sk.Statistics(kind="dense", ema_rate=1.0, every=1, outlier_threshold=float("inf")),
+             refresh=sk.Refresh(every=1, warm_start=False),
+             conditioner=sk.Conditioner(kind="full", eigenvalue_floor=0.0))
 
 
 def test_equinox_mlp_with_out_in_weights_equals_the_dense_oracle():
@@ -83,13 +84,14 @@ def test_output_layer_that_matches_no_kernel_is_refused_naming_the_kernels():
 @pytest.mark.parametrize("name,value", [("eigenvalue_floor", 0.1), ("normalize", "all")])
 def test_eigenbasis_refuses_arguments_that_reach_only_the_eigenvalues(name, value):
   """The eigenbasis reads the conditioner's eigenvectors; a floor or a normalization of its eigenvalues would change
-  nothing: refused by every alias built on it, naming the argument."""
+  nothing: refused by every alias built on it, naming the setting."""
+  conditioner = sk.Conditioner(**{name: value})
   for make in (sk.scsgd_eigen, sk.scsgd_eigen_muon):
-    with pytest.raises(TypeError, match=f"{name}=.*eigenvalues only"):
-      make(1e-3, **{name: value})
-  with pytest.raises(TypeError, match=f"{name}="):
-    sk.scale_by_eigenbasis_adam(**{name: value})
-  optax.chain(sk.scale_by_sketched_conditioning(**{name: value}), optax.adamw(1e-3))  # where it acts: taken
+    with pytest.raises(TypeError, match=rf"Conditioner\({name}=.*eigenvalues only"):
+      make(1e-3, conditioner=conditioner)
+  with pytest.raises(TypeError, match=rf"Conditioner\({name}="):
+    sk.scale_by_eigenbasis_adam(conditioner=conditioner)
+  optax.chain(sk.scale_by_sketched_conditioning(conditioner=conditioner), optax.adamw(1e-3))  # where it acts: taken
 
 
 def test_a_rank_the_memory_rule_cuts_is_said_in_the_summary():
@@ -100,11 +102,49 @@ def test_a_rank_the_memory_rule_cuts_is_said_in_the_summary():
 
 
 def test_options_a_custom_statistics_object_does_not_read_are_refused():
-  """A CorrelationStatistics carries its own rate, prior, oversampling, power iterations and floor: the same
-  arguments beside it are refused, naming them; with the default statistics they act."""
+  """A CorrelationStatistics carries its own rate, sketch, prior and floor (so Statistics' settings cannot be given
+  beside it); a Refresh's warm start or a Conditioner's floor beside it are refused, naming them; with the default
+  statistics they act."""
   custom = sk.sketch.ema_correlation(0.1)
-  for name, value in (("ema_rate", 0.2), ("oversample", 4), ("power_iterations", 2), ("eigenvalue_floor", 0.1),
-                      ("warm_start", False)):
-    with pytest.raises(ValueError, match=re.escape(f"{{'{name}': {value!r}}} would do nothing")):
-      sk.scsgd(0.1, statistics=custom, **{name: value})
-    sk.scsgd(0.1, **{name: value})
+  for name, value, option in (("warm_start", False, sk.Refresh), ("eigenvalue_floor", 0.1, sk.Conditioner)):
+    arg = {sk.Refresh: "refresh", sk.Conditioner: "conditioner"}[option]
+    with pytest.raises(ValueError, match=re.escape(f"['{option.__name__}.{name}'] would do nothing")):
+      sk.scsgd(0.1, statistics=custom, **{arg: option(**{name: value})})
+    sk.scsgd(0.1, **{arg: option(**{name: value})})
+  sk.scsgd(0.1, statistics=custom)
+  for bad, arg in (("dense", "statistics"), ({"every": 3}, "refresh"), ("full", "conditioner")):
+    with pytest.raises(TypeError, match=rf"^{arg} must be a scsgd_jax\."):
+      sk.scsgd(0.1, **{arg: bad})
+
+
+@pytest.mark.parametrize("make,unread", [
+    (lambda: sk.Statistics(kind="diagonal", oversample=4), "{'oversample': 4}"),
+    (lambda: sk.Statistics(kind="streaming", power_iterations=2), "{'power_iterations': 2}"),
+    (lambda: sk.Statistics(kind="dense", budget="kernel"), "{'budget': 'kernel'}"),
+    (lambda: sk.Conditioner(kind="sketched", full_max_dim=64), "{'full_max_dim': 64}"),
+    (lambda: sk.scsgd(
+        0.1, statistics=sk.Statistics(kind="dense", oversample=4), conditioner=sk.Conditioner(kind="full")),
+     "{'Statistics.oversample': 4}"),
+])
+def test_each_option_refuses_a_setting_its_choice_does_not_read(make, unread):
+  with pytest.raises(ValueError, match=re.escape(f"does not read {unread}: leave it out")):
+    make()
+
+
+def test_options_that_cannot_run_together_are_refused_and_defaults_resolve_in_one_place():
+  with pytest.raises(ValueError, match=r"Conditioner\(kind='full'\) needs the dense C"):
+    sk.scsgd(0.1, statistics=sk.Statistics(kind="streaming"), conditioner=sk.Conditioner(kind="full"))
+  assert sk.Statistics().resolved() == dict(kind="auto",
+                                            ema_rate=0.05,
+                                            every=2,
+                                            outlier_threshold=100.0,
+                                            oversample=10,
+                                            power_iterations=1,
+                                            budget="model")
+  assert sk.Refresh().resolved() == dict(every=50, stagger=True, warm_start=True)
+  assert sk.Conditioner().resolved(8) == dict(kind="auto",
+                                              full_max_dim=32,
+                                              eigenvalue_floor=0.01,
+                                              normalize="embeddings",
+                                              rank=8)
+  assert sk.Conditioner().resolved()["rank"] == 32

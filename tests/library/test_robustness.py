@@ -15,6 +15,7 @@ from flax import nnx
 import scsgd_jax as sk
 from tests import helpers
 from tests.library import zoo
+from experiments.options import grouped
 
 KINDS = tuple(zoo.MODELS)
 axes = sk.input_axes_nnx
@@ -22,13 +23,16 @@ FAST = dict(update_every=3)  # refreshes at steps 1, 2, 4 (warm start) and every
 
 # (transformation at rate 1 of a model, b1, nesterov): Adam in the eigenbasis as each alias runs it
 EIGENBASES = {
-    "scsgd_eigen": (lambda m: sk.scsgd_eigen(1.0, input_axes=axes(m), **FAST), 0.9, False),
-    "full_rank": (lambda m: sk.scsgd_eigen(1.0, conditioner="full", statistics="dense", input_axes=axes(m), **FAST),
-                  0.9, False),
+    "scsgd_eigen": (lambda m: sk.scsgd_eigen(1.0, input_axes=axes(m), **grouped(dict(**FAST))), 0.9, False),
+    "full_rank": (lambda m: sk.scsgd_eigen(
+        1.0, **grouped(dict(conditioner="full", statistics="dense", **FAST)), input_axes=axes(m)), 0.9, False),
     # scsgd_eigen_muon's first stage (Nesterov, b1 = Muon's beta), every leaf Adam so every leaf is bounded
     "eigen_muon_stage": (lambda m: optax.chain(
-        sk.scale_by_eigenbasis_adam(b1=0.95, nesterov=True, kernel_filter=sk.muon_kernel_filter("head"),
-                                    input_axes=axes(m), **FAST), optax.scale(-1.0)), 0.95, True),
+        sk.scale_by_eigenbasis_adam(b1=0.95,
+                                    nesterov=True,
+                                    kernel_filter=sk.muon_kernel_filter("head"),
+                                    input_axes=axes(m),
+                                    **grouped(dict(**FAST))), optax.scale(-1.0)), 0.95, True),
 }
 
 

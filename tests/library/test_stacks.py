@@ -20,7 +20,7 @@ IDS = jax.random.randint(jax.random.PRNGKey(1), (4, 6), 0, V)
 
 def _tx(input_axes):
   # dense statistics, one refresh phase: the plans of a stack's slices and of the unstacked layers are equal
-  return sk.scsgd(0.1, statistics="dense", stagger=False, input_axes=input_axes)
+  return sk.scsgd(0.1, statistics=sk.Statistics(kind="dense"), refresh=sk.Refresh(stagger=False), input_axes=input_axes)
 
 
 def _loss(logits):
@@ -323,7 +323,7 @@ def test_stack_replanned_without_input_axes_keeps_its_kind_at_a_rank_that_fits()
   shape = (6, 4, 32, 128)
   # the model's other leaves leave floats over, which the memory rule gives the kernel at init (rank 32)
   params = {"blocks": {"out": {"kernel": jnp.ones(shape)}}, "norm": {"scale": jnp.ones((400_000,))}}
-  tx = transform.conditioning(transform.arguments("test"), budget_share=0.5)
+  tx = transform.conditioning(transform.settings(), budget_share=0.5)
   state = tx.init(params)
   init_rank = int(state.summary()["blocks/out/kernel"].split("rank ")[1].split(",")[0])
   assert state.summary()["blocks/out/kernel"].endswith(f"rank {init_rank}, n=768")

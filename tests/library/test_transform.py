@@ -1,5 +1,7 @@
 """The optax transformation against hand-derived updates, the optax wrappers, and bad input."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ from flax import nnx
 
 import scsgd_jax as sk
 from tests import helpers
+from experiments.options import grouped
 
 LR, NU = 0.1, 0.3
 # the paper's C_0 = I EMA, folded every step, refreshed every N from step 0
@@ -25,7 +28,7 @@ def _plain(rank=3, **kw):
   kw.setdefault("ema_rate", NU)
   kw.setdefault("update_every", 1)
   kw = {**PAPER, **kw}
-  return optax.chain(sk.scale_by_sketched_conditioning(rank, **kw), optax.sgd(LR))
+  return optax.chain(sk.scale_by_sketched_conditioning(rank, **grouped(dict(**kw))), optax.sgd(LR))
 
 
 def test_dense_step_equals_hand_computed_full_conditioner():
@@ -56,7 +59,12 @@ def test_normalized_step_is_the_conditioner_of_c_over_its_mean_eigenvalue(condit
   grads = {"dense": {"kernel": jnp.asarray(g, jnp.float32), "bias": jnp.zeros(2, jnp.float32)}}
 
   def step(normalize, scale=1.0):
-    tx = _plain(rank=rank, conditioner=conditioner, oversample=8, normalize=normalize)
+    tx = _plain(rank=rank,
+                conditioner=conditioner,
+                normalize=normalize,
+                **({} if conditioner == "full" else {
+                    "oversample": 8
+                }))
     updates, _ = tx.update(grads, tx.init(params), params,
                            layer_inputs={"dense": {"kernel": jnp.asarray(scale * x, jnp.float32)}})
     return np.asarray(updates["dense"]["kernel"], np.float64)
@@ -67,8 +75,10 @@ def test_normalized_step_is_the_conditioner_of_c_over_its_mean_eigenvalue(condit
     np.testing.assert_allclose(step("all"), -LR * helpers.psd_power(c / (np.trace(c) / 8), -0.5) @ g, rtol=1e-3,
                                atol=1e-5)
   for bad in (1, True, "mean"):
-    with pytest.raises(ValueError, match=f"^normalize must be 'none', 'embeddings' or 'all', got {bad!r}"):
-      sk.scsgd(0.1, normalize=bad)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"Conditioner.normalize must be one of ('none', 'embeddings', 'all'), got {bad!r}")):
+      sk.scsgd(0.1, conditioner=sk.Conditioner(normalize=bad))
 
 
 @pytest.mark.parametrize("normalize", ["none", "embeddings", "all"])
@@ -152,7 +162,7 @@ def test_conv_step_equals_explicit_im2col_with_stride2_same_padding():
 def test_refresh_only_every_update_every_steps():
   rng = np.random.default_rng(3)
   params = _params(rng)
-  tx = sk.scale_by_sketched_conditioning(3, update_every=3, ema_rate=0.5, conditioner="full", **PAPER)
+  tx = sk.scale_by_sketched_conditioning(3, **grouped(dict(update_every=3, ema_rate=0.5, conditioner="full", **PAPER)))
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   step = jax.jit(tx.update)
@@ -168,7 +178,9 @@ def test_refresh_only_every_update_every_steps():
 def test_kernels_of_equal_dim_are_factored_together_and_match_singletons():
   rng = np.random.default_rng(4)
   params = {"a": {"kernel": jnp.zeros((20, 2))}, "b": {"kernel": jnp.zeros((20, 5))}}
-  tx = sk.scale_by_sketched_conditioning(4, update_every=1, ema_rate=1.0, conditioner="sketched", seed=3, **PAPER)
+  tx = sk.scale_by_sketched_conditioning(4,
+                                         **grouped(dict(update_every=1, ema_rate=1.0, conditioner="sketched", **PAPER)),
+                                         seed=3)
   state = tx.init(params)
   xa = jnp.asarray(rng.standard_normal((64, 20)), jnp.float32)
   xb = jnp.asarray(rng.standard_normal((64, 20)) * np.linspace(0.1, 2, 20), jnp.float32)
@@ -235,7 +247,7 @@ def test_optax_wrappers_condition_exactly_as_the_unwrapped_transformation(wrappe
   """Each wrapper's conditioned kernel equals an oracle built from the unwrapped transformation, and that
   differs from plain Nesterov SGD's: a wrapper that skipped the conditioning would fail."""
   params = _params(np.random.default_rng(5))
-  base = sk.scsgd(0.01, rank=2, update_every=2)
+  base = sk.scsgd(0.01, rank=2, refresh=sk.Refresh(every=2))
   reference = _run(base, params, steps=6)[0]
   plain = _run(optax.sgd(0.01, momentum=0.9, nesterov=True), params, steps=6)[0]
   assert not np.allclose(reference["dense"]["kernel"], plain["dense"]["kernel"], rtol=1e-3)
@@ -248,8 +260,9 @@ def test_optax_wrappers_condition_exactly_as_the_unwrapped_transformation(wrappe
     tx = optax.chain(optax.masked(base, {"dense": {"kernel": True, "bias": False}}), optax.identity())
     reference = _kernel_only_oracle(base, params, lambda g: g)
   elif wrapper == "inject":
-    tx = optax.inject_hyperparams(sk.scsgd, static_args=("rank", "update_every"))(
-        learning_rate=0.01, rank=2, update_every=2)
+    tx = optax.inject_hyperparams(sk.scsgd, static_args=sk.STATIC_ARGS)(learning_rate=0.01,
+                                                                        rank=2,
+                                                                        refresh=sk.Refresh(every=2))
   elif wrapper == "multisteps":
     tx = optax.MultiSteps(base, every_k_schedule=2)
     reference = _multisteps_oracle(base, params)
@@ -287,7 +300,9 @@ def test_schedule_and_convergence_on_least_squares():
 
   grid = [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
   sgd = min(run(lambda s: optax.with_extra_args_support(optax.sgd(s, momentum=0.9, nesterov=True)), lr) for lr in grid)
-  cond = min(run(lambda s: sk.scsgd(s, rank=2, conditioner="full", update_every=10), lr) for lr in grid)
+  cond = min(
+      run(lambda s: sk.scsgd(s, rank=2, conditioner=sk.Conditioner(kind="full"), refresh=sk.Refresh(every=10)), lr)
+      for lr in grid)
   assert cond < 0.2 * sgd, (cond, sgd)
 
 
@@ -301,7 +316,7 @@ def test_nnx_optimizer_forwards_layer_inputs():
       return self.l2(nnx.relu(self.l1(x)))
 
   model = Net(nnx.Rngs(0))
-  opt = nnx.Optimizer(model, sk.scsgd(0.05, rank=2, update_every=1), wrt=nnx.Param)
+  opt = nnx.Optimizer(model, sk.scsgd(0.05, rank=2, refresh=sk.Refresh(every=1)), wrt=nnx.Param)
   x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 5)), jnp.float32)
 
   @nnx.jit
@@ -319,7 +334,7 @@ def test_nnx_optimizer_forwards_layer_inputs():
 
 def test_state_survives_lax_cond_and_bf16_keeps_dtype():
   params = {"dense": {"kernel": jnp.ones((6, 3), jnp.bfloat16), "bias": jnp.zeros(3, jnp.bfloat16)}}
-  tx = sk.scsgd(0.1, rank=2, update_every=1)
+  tx = sk.scsgd(0.1, rank=2, refresh=sk.Refresh(every=1))
   state = tx.init(params)
   grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
   li = {"dense": {"kernel": jnp.ones((4, 6), jnp.bfloat16)}}
@@ -365,22 +380,22 @@ def test_wrong_shape_names_kernel_and_shapes():
 
 def test_rank_at_least_n_names_kernel():
   with pytest.raises(ValueError, match="rank=6 must be < n=6.*'dense/kernel'"):
-    sk.scsgd(0.1, rank=6, conditioner="sketched").init({"dense": {"kernel": jnp.zeros((6, 3))}})
+    sk.scsgd(0.1, rank=6, conditioner=sk.Conditioner(kind="sketched")).init({"dense": {"kernel": jnp.zeros((6, 3))}})
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2.5])
 def test_non_positive_update_every(bad):
-  with pytest.raises(ValueError, match="update_every must be an int >= 1"):
-    sk.scsgd(0.1, update_every=bad)
+  with pytest.raises(ValueError, match=r"Refresh\.every must be an int >= 1"):
+    sk.scsgd(0.1, refresh=sk.Refresh(every=bad))
 
 
 def test_bad_conditioner_and_rank_arguments():
-  with pytest.raises(ValueError, match="conditioner must be"):
-    sk.scsgd(0.1, conditioner="diag")
+  with pytest.raises(ValueError, match=r"Conditioner\.kind must be one of"):
+    sk.scsgd(0.1, conditioner=sk.Conditioner(kind="diag"))
   with pytest.raises(ValueError, match="rank must be an int >= 1"):
     sk.scsgd(0.1, rank=0)
   with pytest.raises(ValueError, match="ema_rate must lie in"):
-    sk.scsgd(0.1, ema_rate=0.0)
+    sk.scsgd(0.1, statistics=sk.Statistics(ema_rate=0.0))
 
 
 # ---------------------------------------------------------------- numerics
@@ -402,8 +417,11 @@ def test_degenerate_inputs_keep_updates_finite(kind, conditioner, statistics, wa
   else:
     x = rng.standard_normal((16, n)) * 1e-20
   params = {"dense": {"kernel": jnp.zeros((n, 3)), "bias": jnp.zeros(3)}}
-  tx = sk.scsgd(0.1, rank=3, update_every=1, ema_rate=1.0, conditioner=conditioner, statistics=statistics,
-                warm_start=warm_start)
+  tx = sk.scsgd(0.1,
+                rank=3,
+                refresh=sk.Refresh(every=1, warm_start=warm_start),
+                statistics=sk.Statistics(ema_rate=1.0, kind=statistics),
+                conditioner=sk.Conditioner(kind=conditioner))
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   for _ in range(3):
@@ -417,7 +435,10 @@ def test_degenerate_inputs_keep_updates_finite(kind, conditioner, statistics, wa
 def test_non_finite_inputs_do_not_poison_statistics(bad):
   rng = np.random.default_rng(8)
   params = {"dense": {"kernel": jnp.zeros((6, 3)), "bias": jnp.zeros(3)}}
-  tx = sk.scale_by_sketched_conditioning(2, update_every=1, ema_rate=0.5, conditioner="full", statistics_every=1)
+  tx = sk.scale_by_sketched_conditioning(2,
+                                         refresh=sk.Refresh(every=1),
+                                         statistics=sk.Statistics(ema_rate=0.5, every=1),
+                                         conditioner=sk.Conditioner(kind="full"))
   grads = jax.tree.map(jnp.ones_like, params)
   good1, good2 = (jnp.asarray(rng.standard_normal((8, 6)), jnp.float32) for _ in range(2))
   poisoned = good1.at[3, 2].set(bad)
@@ -438,8 +459,10 @@ def test_non_finite_inputs_do_not_poison_statistics(bad):
 
 def test_statistics_every_folds_only_on_its_steps():
   params = {"dense": {"kernel": jnp.zeros((4, 2))}}
-  tx = sk.scale_by_sketched_conditioning(2, update_every=100, ema_rate=0.5, conditioner="full",
-                                         **{**PAPER, "statistics_every": 3})
+  tx = sk.scale_by_sketched_conditioning(
+      2, **grouped(dict(update_every=100, ema_rate=0.5, conditioner="full", **{
+          **PAPER, "statistics_every": 3
+      })))
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   x = jnp.full((2, 4), 2.0)
@@ -471,7 +494,10 @@ def test_custom_statistics_plug_in():
 
   stats = sk.sketch.CorrelationStatistics(init, update, factor, correlation, lambda s: jnp.trace(correlation(s)))
   params = {"dense": {"kernel": jnp.zeros((3, 2))}}
-  tx = sk.scale_by_sketched_conditioning(1, conditioner="full", update_every=1, statistics=stats)
+  tx = sk.scale_by_sketched_conditioning(1,
+                                         conditioner=sk.Conditioner(kind="full"),
+                                         refresh=sk.Refresh(every=1),
+                                         statistics=stats)
   rng = np.random.default_rng(9)
   x = rng.standard_normal((20, 3))
   g = rng.standard_normal((3, 2))
@@ -487,11 +513,9 @@ def test_custom_statistics_plug_in():
 ])
 def test_every_float_argument_is_checked_at_construction_naming_it(arg, value):
   """A NaN or out-of-range float once turned the method silently into plain SGD (or worse)."""
-  with pytest.raises(ValueError, match=rf"^{arg} must lie in "):
-    sk.scsgd(0.1, **{arg: value})
-  if arg != "momentum":
-    with pytest.raises(ValueError, match=rf"^{arg} must lie in "):
-      sk.scale_by_sketched_conditioning(**{arg: value})
+  owner = {"eigenvalue_floor": "Conditioner.", "outlier_threshold": "Statistics.", "ema_rate": "Statistics."}
+  with pytest.raises(ValueError, match=rf"^{re.escape(owner.get(arg, ''))}{arg} must lie in "):
+    sk.scsgd(0.1, **grouped(dict(**{arg: value})))
 
 
 @pytest.mark.parametrize("lr", [float("nan"), float("inf"), -0.1])
@@ -503,9 +527,10 @@ def test_learning_rate_must_be_finite_and_non_negative(lr):
 def test_outlier_threshold_inf_turns_the_guard_off():
   rng = np.random.default_rng(3)
   params = _params(rng)
-  tx = sk.scale_by_sketched_conditioning(3, outlier_threshold=float("inf"), conditioner="full", update_every=1,
-                                         statistics_every=1,
-                                         warm_start=False, ema_rate=NU)
+  tx = sk.scale_by_sketched_conditioning(3,
+                                         statistics=sk.Statistics(outlier_threshold=float("inf"), every=1, ema_rate=NU),
+                                         conditioner=sk.Conditioner(kind="full"),
+                                         refresh=sk.Refresh(every=1, warm_start=False))
   state = tx.init(params)
   x = rng.standard_normal((8, 6)).astype(np.float32)
   x[0] *= 1e4  # far above 100x the running tr C: clipped by the default guard, kept here
@@ -521,8 +546,11 @@ def test_a_kernel_with_no_rows_skips_its_fold_and_the_others_fold(statistics):
   """Rows of shape (0, n) (an empty micro-batch, a fully masked layer) once failed inside jnp.median."""
   rng = np.random.default_rng(4)
   params = {"a": _params(rng, n=6, p=3)["dense"], "b": _params(rng, n=5, p=2)["dense"]}
-  tx = sk.scale_by_sketched_conditioning(2, statistics=statistics, ema_rate=NU, warm_start=False,
-                                         conditioner="sketched" if statistics != "diagonal" else "auto")
+  tx = sk.scale_by_sketched_conditioning(
+      2,
+      statistics=sk.Statistics(kind=statistics, ema_rate=NU),
+      refresh=sk.Refresh(warm_start=False),
+      conditioner=sk.Conditioner(kind="sketched" if statistics != "diagonal" else "auto"))
   state = tx.init(params)
   xa = jnp.asarray(rng.standard_normal((7, 6)), jnp.float32)
   grads = jax.tree.map(jnp.ones_like, params)
@@ -543,7 +571,8 @@ def test_summary_names_every_kernel_left_unconditioned_and_why(caplog):
 
   params = {"a": {"kernel": jnp.zeros((40, 3))}, "b": {"kernel": jnp.zeros((300, 1))},
             "e": {"embedding": jnp.zeros((10, 4))}}
-  tx = sk.scale_by_sketched_conditioning(kernel_filter=lambda path, leaf: path != "e/embedding", budget="kernel")
+  tx = sk.scale_by_sketched_conditioning(kernel_filter=lambda path, leaf: path != "e/embedding",
+                                         statistics=sk.Statistics(budget="kernel"))
   with caplog.at_level(logging.INFO, logger="scsgd_jax"):
     summary = tx.init(params).summary()
   assert summary == {"a/kernel": "diagonal C, n=40",
@@ -564,4 +593,4 @@ def test_a_rank_at_least_n_is_refused_with_advice_that_leads_somewhere(kwargs, a
 
   with pytest.raises(ValueError, match=re.escape(f"rank=8 must be < n=8, the input dimension of kernel 'd/kernel': "
                                                  f"lower rank below n, {advice}")):
-    sk.scale_by_sketched_conditioning(**kwargs).init({"d": {"kernel": jnp.zeros((8, 3))}})
+    sk.scale_by_sketched_conditioning(**grouped(dict(**kwargs))).init({"d": {"kernel": jnp.zeros((8, 3))}})
