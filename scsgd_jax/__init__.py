@@ -20,9 +20,9 @@ from scsgd_jax._src.muon import muon_kernel_filter as muon_kernel_filter
 from scsgd_jax._src.options import Conditioner as Conditioner
 from scsgd_jax._src.options import Refresh as Refresh
 from scsgd_jax._src.options import Statistics as Statistics
-from scsgd_jax._src.plan import Layout as Layout
-from scsgd_jax._src.plan import Plain as Plain
-from scsgd_jax._src.plan import default_kernel_filter as default_kernel_filter
+from scsgd_jax._src.layout import Layout as Layout
+from scsgd_jax._src.layout import Plain as Plain
+from scsgd_jax._src.layout import default_kernel_filter as default_kernel_filter
 from scsgd_jax._src.state import ScaleBySketchedConditioningState as ScaleBySketchedConditioningState
 from scsgd_jax._src.transform import STATIC_ARGS as STATIC_ARGS
 from scsgd_jax._src.transform import scale_by_sketched_conditioning as scale_by_sketched_conditioning

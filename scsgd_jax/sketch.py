@@ -6,7 +6,7 @@ from scsgd_jax._src.eigen_math import EigenMoments as EigenMoments
 from scsgd_jax._src.eigen_math import eigenbasis as eigenbasis
 from scsgd_jax._src.patches import conv_patch_rows as conv_patch_rows
 from scsgd_jax._src.patches import dense_rows as dense_rows
-from scsgd_jax._src.plan import default_input_axes as default_input_axes
+from scsgd_jax._src.layout import default_input_axes as default_input_axes
 from scsgd_jax._src.sketch import BoundTerms as BoundTerms
 from scsgd_jax._src.sketch import Factor as Factor
 from scsgd_jax._src.sketch import apply_inverse as apply_inverse

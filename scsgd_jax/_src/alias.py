@@ -13,7 +13,7 @@ from scsgd_jax._src import graft
 from scsgd_jax._src import muon as muon_lib
 from scsgd_jax._src import options
 from scsgd_jax._src import output
-from scsgd_jax._src import plan as plan_lib
+from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import transform
 
 __all__ = ["scsgd", "scsgd_eigen", "scsgd_eigen_muon", "scsgd_two_sided"]
@@ -29,7 +29,7 @@ def scsgd(
     refresh: options.Refresh = options.Refresh(),
     conditioner: options.Conditioner = options.Conditioner(),
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    input_axes: plan_lib.InputAxes = None,
+    input_axes: layout_lib.InputAxes = None,
     axis_name: Optional[Hashable] = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -85,7 +85,7 @@ def scsgd_two_sided(
     refresh: options.Refresh = options.Refresh(),
     conditioner: options.Conditioner = options.Conditioner(),
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    input_axes: plan_lib.InputAxes = None,
+    input_axes: layout_lib.InputAxes = None,
     axis_name: Optional[Hashable] = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -155,7 +155,7 @@ def scsgd_eigen(
     refresh: options.Refresh = options.Refresh(),
     conditioner: options.Conditioner = options.Conditioner(),
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    input_axes: plan_lib.InputAxes = None,
+    input_axes: layout_lib.InputAxes = None,
     axis_name: Optional[Hashable] = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -215,7 +215,7 @@ def scsgd_eigen_muon(
     refresh: options.Refresh = options.Refresh(),
     conditioner: options.Conditioner = options.Conditioner(),
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    input_axes: plan_lib.InputAxes = None,
+    input_axes: layout_lib.InputAxes = None,
     axis_name: Optional[Hashable] = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:

@@ -15,8 +15,8 @@ from scsgd_jax._src.captured import CapturedInputs
 from scsgd_jax._src.layers import LINEN_LAYERS
 from scsgd_jax._src.layers import einsum_arg
 from scsgd_jax._src.layers import layer_spec
-from scsgd_jax._src.plan import Layout
-from scsgd_jax._src.plan import Plain
+from scsgd_jax._src.layout import Layout
+from scsgd_jax._src.layout import Plain
 
 __all__ = ["apply_gradients", "capture_linen", "input_axes_linen", "output_perturbations_linen"]
 

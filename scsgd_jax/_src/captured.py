@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scsgd_jax._src import patches
-from scsgd_jax._src import plan as plan_lib
+from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src.layers import LayerSpec
 from scsgd_jax._src.layers import own_ndim
 
@@ -46,11 +46,11 @@ def merge(rows_tuple):
   return jnp.concatenate(rows, axis=-1 if jnp.issubdtype(rows[0].dtype, jnp.integer) else -2)
 
 
-def layout(spec: LayerSpec, layer, full_ndim) -> plan_lib.Layout:
+def layout(spec: LayerSpec, layer, full_ndim) -> layout_lib.Layout:
   """The :class:`~scsgd_jax._src.plan.Layout` of ``layer``'s kernel whose parameter has ``full_ndim`` axes
   (``None``: unknown): the axes beyond those the layer declares (:func:`own_ndim`) are a stack of layers."""
   stack = max(full_ndim - own_ndim(layer), 0) if full_ndim is not None else 0
-  return plan_lib.Layout(spec.input_axes, stack, spec.groups)
+  return layout_lib.Layout(spec.input_axes, stack, spec.groups)
 
 
 def param_path(name: str, param: str) -> str:
@@ -68,7 +68,7 @@ class Outputs:
     self.perturbations = None if perturbations is None else flat(perturbations)
     self.shapes, self.axes, self.unconditioned = {}, {}, {}
 
-  def __call__(self, path: str, spec: LayerSpec, y, layout: plan_lib.Layout):
+  def __call__(self, path: str, spec: LayerSpec, y, layout: layout_lib.Layout):
     if spec.output_axes is None or spec.input_axes is None:
       return y
     if layout.stack or layout.groups > 1:
@@ -109,4 +109,4 @@ class Outputs:
 def flat(tree) -> dict:
   """``{'layer/kernel': leaf}``, named as the transformation names kernels (:func:`plan.path_to_str`)."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {plan_lib.path_to_str(p): v for p, v in flat}
+  return {layout_lib.path_to_str(p): v for p, v in flat}

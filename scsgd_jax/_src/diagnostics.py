@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from scsgd_jax._src import plan as plan_lib
+from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import sketch
 
 __all__ = ["kernel_diagnostics", "update_diagnostics"]
@@ -82,12 +82,12 @@ def update_diagnostics(grads: Any, updates: Any, params: Any,
   >>> round(float(d['dense/kernel']['relative_step']), 6)
   0.1
   """
-  keep = kernel_filter or plan_lib.default_kernel_filter
+  keep = kernel_filter or layout_lib.default_kernel_filter
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   grads, updates = treedef.flatten_up_to(grads), treedef.flatten_up_to(updates)
   out = {}
   for (path, w), g, u in zip(flat, grads, updates):
-    name = plan_lib.path_to_str(path)
+    name = layout_lib.path_to_str(path)
     if not keep(name, w):
       continue
     norm = lambda x: jnp.linalg.norm(jnp.ravel(x).astype(jnp.float32))

@@ -8,7 +8,7 @@ import jax
 import optax
 import optax.contrib
 
-from scsgd_jax._src import plan as plan_lib
+from scsgd_jax._src import layout as layout_lib
 
 
 def muon_kernel_filter(output_layer: str = "") -> Callable[[str, Any], bool]:
@@ -16,20 +16,20 @@ def muon_kernel_filter(output_layer: str = "") -> Callable[[str, Any], bool]:
   the output layer (a path containing ``output_layer``; ``""``: none is)."""
 
   def hidden(path: str, leaf) -> bool:
-    return (plan_lib.default_kernel_filter(path, leaf) and path.rsplit("/", 1)[-1] != "embedding"
+    return (layout_lib.default_kernel_filter(path, leaf) and path.rsplit("/", 1)[-1] != "embedding"
             and not (output_layer and output_layer in path))
 
   return hidden
 
 
-def _layout(input_axes: plan_lib.InputAxes, path: str, leaf):
+def _layout(input_axes: layout_lib.InputAxes, path: str, leaf):
   """The kernel's ``Layout`` as the conditioning reads it at ``init`` (:func:`axes_of`; ``None``: left plain)."""
-  if plan_lib._plain(input_axes, path) is not None:
+  if layout_lib.plain_why(input_axes, path) is not None:
     return None
-  return plan_lib.axes_of(path, leaf, input_axes)
+  return layout_lib.axes_of(path, leaf, input_axes)
 
 
-def muon_kernels(kernel_filter: Callable[[str, Any], bool], input_axes: plan_lib.InputAxes = None):
+def muon_kernels(kernel_filter: Callable[[str, Any], bool], input_axes: layout_lib.InputAxes = None):
   """``kernel_filter`` narrowed to the kernels Muon can take as matrices: not left plain by ``input_axes`` and
   not grouped (a grouped kernel's blocks are separate problems; Muon's AdamW part takes it)."""
 
@@ -42,14 +42,14 @@ def muon_kernels(kernel_filter: Callable[[str, Any], bool], input_axes: plan_lib
   return keep
 
 
-def muon_dimension_numbers(kernel_filter: Callable[[str, Any], bool], input_axes: plan_lib.InputAxes = None):
+def muon_dimension_numbers(kernel_filter: Callable[[str, Any], bool], input_axes: layout_lib.InputAxes = None):
   """``optax.contrib.muon``'s ``muon_weight_dimension_numbers``: each kernel ``kernel_filter`` keeps is
   orthogonalized as the matrix the eigenbasis reads it as (its input axes against the rest, from ``input_axes``
   or :func:`default_input_axes`; a layer stack's leading axes each their own matrix); every other leaf goes to
   Muon's AdamW part."""
 
   def numbers(path, leaf):
-    name = plan_lib.path_to_str(path)
+    name = layout_lib.path_to_str(path)
     if not kernel_filter(name, leaf):
       return None
     layout = _layout(input_axes, name, leaf)
@@ -146,7 +146,7 @@ def checked_output_layer(output_layer: str, tx: optax.GradientTransformationExtr
     return tx
 
   def init(params):
-    kernels = plan_lib.kernel_paths(params, plan_lib.default_kernel_filter)
+    kernels = layout_lib.kernel_paths(params, layout_lib.default_kernel_filter)
     if not any(output_layer in path for path in kernels):
       raise ValueError(f"output_layer={output_layer!r} is in no kernel's path; the kernels are {sorted(kernels)}: "
                        "pass a part of the head's path (or output_layer='' for none).")

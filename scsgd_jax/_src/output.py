@@ -11,7 +11,7 @@ import optax
 from scsgd_jax._src import defaults
 from scsgd_jax._src import options
 from scsgd_jax._src import patches
-from scsgd_jax._src import plan as plan_lib
+from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import transform
 
 __all__ = ["default_output_axes", "output_kernel_filter", "scale_by_output_conditioning"]
@@ -20,12 +20,12 @@ __all__ = ["default_output_axes", "output_kernel_filter", "scale_by_output_condi
 def output_kernel_filter(path: str, leaf) -> bool:
   """The kernels :func:`scale_by_output_conditioning` conditions by default: :func:`default_kernel_filter`'s
   but embeddings (whose output side is the model's width, conditioned by the layers that read it)."""
-  return plan_lib.default_kernel_filter(path, leaf) and path.rsplit("/", 1)[-1] != "embedding"
+  return layout_lib.default_kernel_filter(path, leaf) and path.rsplit("/", 1)[-1] != "embedding"
 
 
 def default_output_axes(path: str, leaf) -> tuple[int, ...]:
   """A kernel's output axes: those :func:`default_input_axes` leaves (Dense ``(n, p)``: ``(1,)``)."""
-  inputs = plan_lib.default_input_axes(path, leaf)
+  inputs = layout_lib.default_input_axes(path, leaf)
   return tuple(a for a in range(leaf.ndim) if a not in inputs)
 
 
@@ -36,7 +36,7 @@ def scale_by_output_conditioning(
     refresh: options.Refresh = options.Refresh(),
     conditioner: options.Conditioner = options.Conditioner(),
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    output_axes: plan_lib.InputAxes = None,
+    output_axes: layout_lib.InputAxes = None,
     max_rows: Optional[int] = defaults.MAX_ROWS,
     axis_name: Optional[Hashable] = None,
     seed: int = 0,
@@ -92,7 +92,7 @@ def sample_rows(output_grads, key: jax.Array, max_rows: Optional[int]):
 
 def output_conditioning(s: transform.Settings,
                         *,
-                        output_axes: plan_lib.InputAxes = None,
+                        output_axes: layout_lib.InputAxes = None,
                         max_rows: Optional[int] = defaults.MAX_ROWS,
                         budget_share: float = 1.0) -> optax.GradientTransformationExtraArgs:
   """:func:`scale_by_output_conditioning` from the input side's settings ``s`` and the budget share

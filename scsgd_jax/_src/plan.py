@@ -14,45 +14,15 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from scsgd_jax._src import statistics as stats_lib
-
-
-class Layout(NamedTuple):
-  """How a kernel parameter reads as matrices ``(n, p)``: one, or a stack of them.
-
-  Attributes:
-    input_axes: the axes of one slice's kernel contracted with the layer input.
-    stack: leading axes that index layers, not features (``nnx.scan``/``nnx.vmap``/``nn.scan`` stacks):
-      each index is its own layer, conditioned by its own statistics.
-    groups: feature groups of a grouped convolution: the last (output) axis is ``groups`` blocks, block
-      ``i`` read by input channels block ``i`` only, each its own problem (block-diagonal ``C``).
-  """
-
-  input_axes: tuple[int, ...]
-  stack: int = 0
-  groups: int = 1
-
-
-class Plain(NamedTuple):
-  """An ``input_axes`` entry for a kernel whose layer the conditioning cannot read (a transposed conv, ...):
-  ``init`` plans it plain (no statistics) and the summary says ``why`` (:func:`scsgd_jax.input_axes_nnx`)."""
-
-  why: str
-
-
-InputAxes = Union[None, Mapping[str, Union[Sequence[int], Layout, Plain]], Callable[[str, Any], Sequence[int]]]
-
-
-def _plain(input_axes: InputAxes, path: str) -> Optional[str]:
-  """Why ``input_axes`` leaves kernel ``path`` plain, or ``None``."""
-  entry = input_axes.get(path) if isinstance(input_axes, Mapping) else None
-  return entry.why if isinstance(entry, Plain) else None
+from scsgd_jax._src.budget import allot, options, state_floats
+from scsgd_jax._src.layout import InputAxes, Layout, axes_of, kernel_paths, plain_why
 
 
 class KernelPlan(NamedTuple):
@@ -170,161 +140,6 @@ class StatisticsChoices:
     return {"dense": self.dense, "diagonal": self.diagonal, "embedding": self.ids}.get(kind) or self.streaming(k)
 
 
-# ------------------------------------------------------------------------------------------ kernels
-
-
-def _key_str(k) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
-def path_to_str(path) -> str:
-  """``('conv1', 'kernel')``-style key path as ``'conv1/kernel'`` (the names used in errors and in the state).
-
-  The trailing ``.value`` of an ``nnx.Variable`` leaf is dropped, so an NNX state
-  of Variables and its pure-array form give the same names.
-  """
-  path = tuple(path)
-  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
-    path = path[:-1]
-  return "/".join(_key_str(k) for k in path)
-
-
-def default_kernel_filter(path: str, leaf: jax.Array) -> bool:
-  """Flax's conventions: a ``kernel`` with at least two dims (Dense, Conv, DenseGeneral, Einsum) or a 2-D ``embedding``."""
-  name = path.rsplit("/", 1)[-1]
-  ndim = getattr(leaf, "ndim", 0)
-  return (name == "kernel" and ndim >= 2) or (name == "embedding" and ndim == 2)
-
-
-def kernels_of(kernel_filter: Optional[Callable[[str, Any], bool]], input_axes: InputAxes
-               ) -> Callable[[str, Any], bool]:
-  """The kernels conditioned: ``kernel_filter``'s; by default (``None``) Flax's kernels
-  (:func:`default_kernel_filter`) and every matrix an ``input_axes`` mapping names (a model whose kernels Flax's
-  names miss, e.g. Equinox's ``weight``, is conditioned by naming them there)."""
-  if kernel_filter is not None:
-    return kernel_filter
-  if not isinstance(input_axes, Mapping):
-    return default_kernel_filter
-  named = frozenset(input_axes)
-  return lambda path, leaf: default_kernel_filter(path, leaf) or (path in named and getattr(leaf, "ndim", 0) >= 2)
-
-
-def default_input_axes(path: str, leaf: jax.Array) -> tuple[int, ...]:
-  """The input axes of a Flax kernel, read from its name and rank.
-
-  - ``.../embedding`` ``(vocab, features)``: ``(0,)`` (one-hot input).
-  - attention's ``.../query|key|value/kernel`` ``(in, heads, head_dim)`` (``nnx.MultiHeadAttention``,
-    ``nn.MultiHeadDotProductAttention``): ``(0,)``.
-  - everything else: all but the last axis (Dense ``(n, p)``, Conv ``(*window, cin, cout)``,
-    attention's ``out`` ``(heads, head_dim, out)``, a DenseGeneral with one output axis).
-
-  A DenseGeneral with several output axes or an Einsum kernel is read by the axes that
-  :func:`~scsgd_jax.capture_nnx` / :func:`~scsgd_jax.capture_linen` read from the layer itself
-  (carried by the captured inputs); these defaults serve rows captured by other means.
-  """
-  parts = path.split("/")
-  if parts[-1] == "embedding":
-    return (0,)
-  if leaf.ndim == 3 and len(parts) >= 2 and parts[-2] in ("query", "key", "value"):
-    return (0,)
-  return tuple(range(leaf.ndim - 1))
-
-
-def kernel_paths(tree, kernel_filter: Callable[[str, Any], bool] = default_kernel_filter) -> dict[str, Any]:
-  """``{path: leaf}`` of the leaves of ``tree`` that ``kernel_filter`` selects."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {path_to_str(p): leaf for p, leaf in flat if kernel_filter(path_to_str(p), leaf)}
-
-
-def axes_of(path: str, leaf, input_axes: InputAxes, captured: Optional[Mapping[str, Any]] = None,
-            default: Optional[Callable[[str, Any], tuple[int, ...]]] = None) -> Layout:
-  """The checked :class:`Layout` of kernel ``path``: ``input_axes`` (callable or mapping; a tuple of axes or a
-  :class:`Layout`), else what the capture read from the layer (``captured``), else the name-based defaults."""
-  if callable(input_axes):
-    layout = input_axes(path, leaf)
-  elif input_axes is not None and path in input_axes:
-    layout = input_axes[path]
-  elif captured and captured.get(path) is not None:
-    layout = captured[path]
-  else:
-    layout = (default or default_input_axes)(path, leaf)
-  layout = layout if isinstance(layout, Layout) else Layout(tuple(layout))
-  shape = tuple(leaf.shape)
-  ndim = len(shape) - layout.stack
-  if layout.stack < 0 or ndim < 2:
-    raise ValueError(f"kernel '{path}' {shape}: {layout.stack} stack axes leave no matrix to condition.")
-  axes = tuple(int(a) % ndim for a in layout.input_axes)
-  if not axes or len(set(axes)) != len(axes) or len(axes) >= ndim:
-    raise ValueError(
-        f"input axes {axes} of kernel '{path}' {shape} must be distinct and leave at least one output axis"
-        + (f" of each of its {layout.stack}-axis stack's slices {shape[layout.stack:]}." if layout.stack else "."))
-  if layout.groups < 1 or shape[-1] % layout.groups or (layout.groups > 1 and ndim - 1 in axes):
-    raise ValueError(f"kernel '{path}' {shape}: {layout.groups} feature groups must divide its last (output) axis.")
-  return layout._replace(input_axes=axes)
-
-
-# -------------------------------------------------------------------------------------- memory rule
-
-
-def state_floats(kind: str, n: int, k: Optional[int], width: int) -> int:
-  """Floats of one kernel's statistics + factor (a test checks it against real states)."""
-  if kind in ("diagonal", "embedding"):
-    return 2 * n + 1
-  factor = n * n + 1 if k is None else n * k + k * k + 1  # a full conditioner is kept as the dense A^{-1}
-  stats = n * n + 1 if kind == "dense" else 2 * n * width + 2
-  return stats + factor
-
-
-class Option(NamedTuple):
-  kind: str
-  rank: Optional[int]
-  floats: int
-
-
-def options(n: int, rank: int, oversample: int, full: bool) -> list[Option]:
-  """A kernel's options under ``statistics='auto'``, best first."""
-  out = [("dense", None if full else rank)] if full or rank < n else []
-  out += [("streaming", k) for k in range(min(rank, n - 1), 0, -1)] + [("diagonal", 0)]
-  return [Option(kind, k, state_floats(kind, n, k, min((k or 0) + oversample, n))) for kind, k in out]
-
-
-def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], floats: int,
-          budget: str, share: float = 1.0, unplanned_keeps: bool = False) -> dict[str, int]:
-  """Each kernel's option (an index into its list; ``len`` = none fits) under the memory rule.
-
-  Every kernel takes its best option that fits in its own ``n * p`` floats (``share * n * p`` when two
-  transformations split the budget); with ``budget='model'`` the ``floats`` the model has left over then
-  go to the kernels of smallest ``n`` first (cheapest to upgrade), each taking its best option that the
-  leftover pays for. ``unplanned_keeps``: a kernel that gets no option still keeps its own ``share * n * p``
-  floats (a transformation that gives it Adam's second moment instead), so they pay for no other kernel.
-  """
-  own = {path: math.floor(share * n * p) for path, (n, p) in shapes.items()}
-  chosen = {}
-  for path, kernel_opts in opts.items():
-    # 'model': 3 = this kernel's clipped-row counter and, were it alone, the count and key beyond Adam's.
-    bound = own[path] - (3 if budget == "model" else 0)
-    chosen[path] = next((i for i, o in enumerate(kernel_opts) if o.floats <= bound), len(kernel_opts))
-  if budget == "kernel":
-    return chosen
-
-  def cost(path):
-    if chosen[path] < len(opts[path]):
-      return opts[path][chosen[path]].floats
-    return own[path] if unplanned_keeps else 0
-
-  left = floats - sum(cost(path) for path in opts)
-  for path in sorted(opts, key=lambda q: shapes[q][0]):
-    mine = cost(path)
-    best = next((i for i, o in enumerate(opts[path]) if o.floats <= mine + left), chosen[path])
-    if best < chosen[path]:
-      chosen[path] = best
-      left -= cost(path) - mine
-  return chosen
-
-
 # ------------------------------------------------------------------------------------------- plans
 
 
@@ -382,7 +197,7 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
   decided: dict[str, tuple[str, Optional[int]]] = {}
   layouts, dims, shapes, opts, count, stacks, sizes = {}, {}, {}, {}, {}, {}, {}
   for path, leaf in kernel_paths(tree, spec.kernel_filter).items():
-    if _plain(spec.input_axes, path) is not None:
+    if plain_why(spec.input_axes, path) is not None:
       continue
     layout = layouts[path] = axes_of(path, leaf, spec.input_axes, captured, spec.default_axes)
     stacks[path] = tuple(leaf.shape[:layout.stack])
@@ -448,7 +263,7 @@ def unconditioned(tree, spec: Spec, plans: Mapping[str, KernelPlan]) -> dict[str
   out = {}
   for path, leaf in kernel_paths(tree).items():
     if path not in plans:
-      why = _plain(spec.input_axes, path)
+      why = plain_why(spec.input_axes, path)
       out[path] = ("not conditioned: excluded by kernel_filter" if not spec.kernel_filter(path, leaf) else
                    f"not conditioned: {why}" if why is not None else
                    "not conditioned: its basis is the coordinate one (token frequencies)"

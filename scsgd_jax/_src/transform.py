@@ -19,6 +19,7 @@ from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
 from scsgd_jax._src import fold as fold_lib
 from scsgd_jax._src import options
+from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import schedule
 from scsgd_jax._src import sketch
@@ -46,7 +47,7 @@ class Settings(NamedTuple):
   refresh: options.Refresh
   conditioner: options.Conditioner
   kernel_filter: Optional[Callable[[str, Any], bool]]
-  input_axes: plan_lib.InputAxes
+  input_axes: layout_lib.InputAxes
   axis_name: Optional[Hashable]
   seed: int
 
@@ -56,7 +57,7 @@ def settings(rank: Optional[int] = None,
              refresh: options.Refresh = options.Refresh(),
              conditioner: options.Conditioner = options.Conditioner(),
              kernel_filter=None,
-             input_axes: plan_lib.InputAxes = None,
+             input_axes: layout_lib.InputAxes = None,
              axis_name: Optional[Hashable] = None,
              seed: int = 0) -> Settings:
   """:class:`Settings` from :func:`scale_by_sketched_conditioning`'s arguments, each checked (one place)."""
@@ -69,7 +70,7 @@ def settings(rank: Optional[int] = None,
 
 def _flat_inputs(layer_inputs) -> dict[str, Any]:
   flat, _ = jax.tree_util.tree_flatten_with_path(layer_inputs)
-  return {plan_lib.path_to_str(p): leaf for p, leaf in flat}
+  return {layout_lib.path_to_str(p): leaf for p, leaf in flat}
 
 
 def scale_by_sketched_conditioning(
@@ -79,7 +80,7 @@ def scale_by_sketched_conditioning(
     refresh: options.Refresh = options.Refresh(),
     conditioner: options.Conditioner = options.Conditioner(),
     kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    input_axes: plan_lib.InputAxes = None,
+    input_axes: layout_lib.InputAxes = None,
     axis_name: Optional[Hashable] = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -137,7 +138,7 @@ def scale_by_sketched_conditioning(
 
 def conditioning(s: Settings,
                  *,
-                 default_axes=plan_lib.default_input_axes,
+                 default_axes=layout_lib.default_input_axes,
                  budget_share: float = 1.0) -> optax.GradientTransformationExtraArgs:
   """:func:`scale_by_sketched_conditioning` from its settings ``s``, reading a kernel along ``default_axes`` unless
   told otherwise (the output side passes the kernel's output axes), its statistics within ``budget_share`` of the
@@ -162,14 +163,14 @@ def _spec(s: Settings, default_axes, budget_share: float, extra) -> tuple[plan_l
                                        eigenvalue_floor=cond["eigenvalue_floor"])
   spec = plan_lib.Spec(s.rank, s.refresh.every, cond["full_max_dim"], got["oversample"], cond["kind"],
                        s.statistics if custom else st.kind, got["budget"], s.refresh.stagger,
-                       plan_lib.kernels_of(s.kernel_filter,
+                       layout_lib.kernels_of(s.kernel_filter,
                                            s.input_axes), s.input_axes, choices, default_axes, budget_share, extra)
   return spec, got["every"]
 
 
 def conditioning_and_plans(s: Settings,
                            *,
-                           default_axes=plan_lib.default_input_axes,
+                           default_axes=layout_lib.default_input_axes,
                            budget_share: float = 1.0,
                            extra=None):
   """:func:`conditioning` and its plans: ``plans(tree, captured_axes=None) -> {path: KernelPlan}``, the plans its
@@ -184,7 +185,7 @@ def conditioning_and_plans(s: Settings,
 
   def init_fn(params):
     kernel_plans = plans(params)
-    if not kernel_plans and default_axes is plan_lib.default_input_axes:  # the input side: say it, once a model
+    if not kernel_plans and default_axes is layout_lib.default_input_axes:  # the input side: say it, once a model
       warn_nothing_conditioned(params, plans.notes)
     key, fresh = state_lib.fresh_kernel_states(kernel_plans, s.seed)
     return ScaleBySketchedConditioningState(
@@ -241,7 +242,7 @@ def warn_nothing_conditioned(params, notes: dict[str, str]) -> None:
     warnings.warn("scsgd_jax: no leaf is conditioned, so every leaf gets plain updates: "
                   + "; ".join(f"{p} ({why})" for p, why in notes.items()), stacklevel=3)
     return
-  matrices = [plan_lib.path_to_str(p) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+  matrices = [layout_lib.path_to_str(p) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
               if np.ndim(leaf) >= 2]
   warnings.warn(
       f"scsgd_jax: no leaf is conditioned, so every leaf gets plain updates: the kernel filter took none of the "
@@ -255,7 +256,7 @@ def _condition(updates, kernel_plans, factors):
   """``A^{-1} G`` for every conditioned kernel; other leaves pass through."""
 
   def condition(path, g):
-    p = plan_lib.path_to_str(path)
+    p = layout_lib.path_to_str(path)
     if p not in kernel_plans or g is None:
       return g
     plan = kernel_plans[p]

@@ -1,6 +1,7 @@
 """The library's face: a tiered API (at most 25 names at the top, sorted ``__all__`` in every tier), an optax core
 that imports without Flax, experiments that use only the public API, and an API reference that is not stale."""
 
+import ast
 import os
 import pathlib
 import re
@@ -95,3 +96,24 @@ def test_no_library_module_reads_its_own_arguments_by_introspection():
       if re.search(r"\blocals\(\)|inspect\.signature", p.read_text())
   ]
   assert not offenders, offenders
+
+
+def _code_lines(node) -> int:
+  """A function's lines, its docstring left out."""
+  body = node.body
+  docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and len(body) > 1
+  return node.end_lineno - (body[1] if docstring else body[0]).lineno + 1
+
+
+def test_library_modules_and_functions_stay_small():
+  """No library module over 350 lines (the pure sketching functions excepted), no function over 60 (docstrings
+  aside): a room with two jobs is split, not let grow."""
+  big, long = [], []
+  for path in sorted((ROOT / "scsgd_jax").rglob("*.py")):
+    text = path.read_text()
+    if text.count("\n") > 350 and path.name != "sketch.py":
+      big.append((path.name, text.count("\n")))
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node) > 60:
+        long.append((path.name, node.name, _code_lines(node)))
+  assert not big and not long, (big, long)

@@ -9,7 +9,7 @@ import pytest
 import scsgd_jax as sk
 from scsgd_jax._src import defaults
 from scsgd_jax._src import statistics as stats_lib
-from scsgd_jax._src import plan
+from scsgd_jax._src import budget
 from scsgd_jax._src import fold
 
 
@@ -119,7 +119,7 @@ def test_memory_rule_counts_the_real_state(kind, k):
       conditioner=sk.Conditioner(kind="full" if k is None else "sketched" if kind != "diagonal" else "auto"))
   state = jax.eval_shape(tx.init, {"kernel": jnp.zeros((n, p))})
   real = _floats((state.statistics, state.factors))
-  assert real == plan.state_floats(kind, n, k, min((k or 0) + 5, n))
+  assert real == budget.state_floats(kind, n, k, min((k or 0) + 5, n))
 
 
 N_GRID = [8, 25, 64, 256, 500, 800, 1024, 4096, 16384]
