@@ -1,4 +1,4 @@
-"""Optimizer-state memory by layer width: experiments/benchmark_scaling.py."""
+"""Optimizer-state memory by layer width: experiments/studies/benchmark_scaling.py."""
 
 import ml_collections
 

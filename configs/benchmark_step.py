@@ -1,4 +1,4 @@
-"""Step cost of SCSGD against Nesterov SGD, AdamW and Muon: experiments/benchmark_step.py."""
+"""Step cost of SCSGD against Nesterov SGD, AdamW and Muon: experiments/studies/benchmark_step.py."""
 
 import ml_collections
 

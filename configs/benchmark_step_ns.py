@@ -1,8 +1,8 @@
 """The step benchmark's two transformers with fewer Newton-Schulz steps (Polar Express's per-step
-coefficients, experiments/peers.py), against the five default steps: experiments/benchmark_step.py with these
+coefficients, experiments/optim/peers.py), against the five default steps: experiments/studies/benchmark_step.py with these
 variants.
 
-  python -m experiments.benchmark_step --config configs/benchmark_step_ns.py --results_dir experiments/results/step_ns
+  python -m experiments.studies.benchmark_step --config configs/benchmark_step_ns.py --results_dir experiments/results/step_ns
 """
 
 from configs import benchmark_step
@@ -14,7 +14,7 @@ def get_config():
 
   keep = ("sgd", "sgd_again", "muon", "scsgd_eigen_muon")
   variants = {name: dict(config.variants[name]) for name in keep}
-  # the registry's rows with three Newton-Schulz steps at Polar Express's coefficients (experiments/peers.py)
+  # the registry's rows with three Newton-Schulz steps at Polar Express's coefficients (experiments/optim/peers.py)
   variants["muon_polar3"] = {"name": "muon_polar3"}
   variants["scsgd_eigen_muon_polar3"] = {"name": "scsgd_eigen_muon_polar3"}
   config.variants = variants

@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
   # One sub-config per optimizer: its keyword arguments beyond the learning rate, only those that differ
   # from the library's defaults (the command line reaches every argument: --config.optimizer.scsgd.rank=8).
   config.optimizer = ml_collections.ConfigDict()
-  config.optimizer.name = "scsgd"  # any name in experiments/registry.py
+  config.optimizer.name = "scsgd"  # any name in experiments/optim/registry.py
   # scsgd_jax.scsgd at its defaults; e.g. dict(statistics="dense", warm_start=False, normalize="none") is the
   # paper's recipe.
   config.optimizer.scsgd = ml_collections.ConfigDict()

@@ -1,4 +1,4 @@
-"""The development task (experiments/develop.py): the head to head's char transformer on a
+"""The development task (experiments/studies/develop.py): the head to head's char transformer on a
 synthetic order-2 Markov source, so that no variant is tuned on a benchmark task's data. Short runs at
 the protocol's schedule (warmup + cosine), tuning (rate grid grown past a winning end, 3 seeds at the
 chosen rate: configs/benchmark/common.py) and each optimizer's authors' settings (transformer kind)."""

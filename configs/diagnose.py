@@ -1,4 +1,4 @@
-"""Plain SCSGD against Nesterov SGD, kernel by kernel, on the development source: experiments/diagnose.py."""
+"""Plain SCSGD against Nesterov SGD, kernel by kernel, on the development source: experiments/studies/diagnose.py."""
 
 import ml_collections
 

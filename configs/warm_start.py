@@ -1,4 +1,4 @@
-"""The warm start against the paper's C_0 = I: experiments/warm_start.py."""
+"""The warm start against the paper's C_0 = I: experiments/paper/warm_start.py."""
 
 import ml_collections
 

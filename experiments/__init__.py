@@ -1,4 +1,6 @@
-"""The paper's experiments and the benchmarks, run as ``python -m experiments.<name>``."""
+"""The paper's experiments and the benchmarks, in five subpackages: ``run`` (one training run from a config),
+``optim`` (every optimizer and its recipe), ``head_to_head`` (the harness and its reports), ``paper`` (the paper's
+replication) and ``studies`` (one-off studies); each entry point is ``python -m experiments.<subpackage>.<name>``."""
 
 import os
 

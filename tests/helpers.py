@@ -77,8 +77,8 @@ def final_state(workdir, step=None):
   one reader."""
   import os
 
-  from experiments import build
-  from experiments import checkpoints
+  from experiments.run import build
+  from experiments.run import checkpoints
 
   ckpts = checkpoints.Checkpoints(os.path.join(workdir, "checkpoints"), os.path.join(workdir, "damaged"))
   abstract = build.abstract_state(build.build(smoke_config(), abstract=True))

@@ -1,6 +1,6 @@
-"""What every benchmark task shares: the protocol (experiments/benchmark.py) and the schedule.
+"""What every benchmark task shares: the protocol (experiments/head_to_head/benchmark.py) and the schedule.
 
-Each optimizer's settings and the centre of its rate grid are its authors' (``experiments/registry.py``,
+Each optimizer's settings and the centre of its rate grid are its authors' (``experiments/optim/registry.py``,
 ``recipe(name, kind)``, with the sources); a task names its model ``kind``.
 """
 

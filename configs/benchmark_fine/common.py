@@ -29,7 +29,7 @@ def finer(config, task: str, cadence: int):
   return config
 
 
-# experiments/report.py's code hash of the library version that keeps the eigenbasis' whole state within Adam's
+# experiments/run/report.py's code hash of the library version that keeps the eigenbasis' whole state within Adam's
 # (the memory rule that counts the rotated second moment, the tail and the rotation)
 STATE_RULE_CODE = "b298a2205499b59b"
 
@@ -53,7 +53,7 @@ def on_state_rule_version(config, task: str, rows: tuple[str, ...], retune: tupl
 # the step rule's tables: the eigenbasis in front of Muon with three Newton-Schulz steps at Polar Express's
 # coefficients (chosen on the development task), beside its five-step row, the first peer and the target's rows
 STEP_RULE_ROWS = ("scsgd_eigen_muon_polar3", "muon", "scsgd_eigen_muon", "adamw", "sgd")
-# experiments/report.py's code hash of the version the step rule's tables run: the fold's guard on float32's sums
+# experiments/run/report.py's code hash of the version the step rule's tables run: the fold's guard on float32's sums
 # of squares, the eigenbasis U = Q V formed once a step (the same updates, to rounding, as the version before)
 STEP_RULE_CODE = "7404a489e98023d7"
 

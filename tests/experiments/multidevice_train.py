@@ -1,12 +1,12 @@
 """Run by test_devices.py: the smoke config on tfds mock data into ``argv[1]``, on as many host CPU devices as
-``XLA_FLAGS`` gives; prints the device line of ``experiments.main`` and the last metrics row."""
+``XLA_FLAGS`` gives; prints the device line of ``experiments.run.main`` and the last metrics row."""
 
 import sys
 
 import tensorflow_datasets as tfds
 
-from experiments import devices
-from experiments import train
+from experiments.run import devices
+from experiments.run import train
 from tests import helpers
 
 if __name__ == "__main__":

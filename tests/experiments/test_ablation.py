@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from experiments import ablation
-from experiments import errors
+from experiments.paper import ablation
+from experiments.run import errors
 from tests import helpers
 
 # a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run, .ci/apart)

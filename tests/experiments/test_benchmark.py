@@ -12,15 +12,15 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs.benchmark import convex
-from experiments import baselines
-from experiments import benchmark
-from experiments import benchmark_report
-from experiments import data
-from experiments import errors
-from experiments import models
-from experiments import optimizers
-from experiments import registry
-from experiments import train
+from experiments.head_to_head import baselines
+from experiments.head_to_head import benchmark
+from experiments.head_to_head import benchmark_report
+from experiments.run import data
+from experiments.run import errors
+from experiments.run import models
+from experiments.optim import optimizers
+from experiments.optim import registry
+from experiments.run import train
 
 # the head to head's checks: CI runs them in a step of their own when its files change (.ci/run)
 pytestmark = pytest.mark.head_to_head
@@ -161,7 +161,7 @@ def test_step_time_ratios_only_between_rows_of_one_machine(tmp_path):
 
 
 def test_records_carry_the_code_hash_of_library_and_training_code(tmp_path):
-  from experiments import report
+  from experiments.run import report
   root = tmp_path / "repo"
   for entry in report.TRAINING_CODE:
     target = root / entry / "m.py" if not entry.endswith(".py") else root / entry

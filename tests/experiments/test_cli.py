@@ -11,8 +11,8 @@ import time
 import jax
 import pytest
 
-from experiments import cli
-from experiments import errors
+from experiments.run import cli
+from experiments.run import errors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED_TFDS = os.path.join(ROOT, "..", "shared", "tfds")
@@ -29,28 +29,28 @@ def _one_error_line(out):
 
 
 def test_unknown_config_key_is_refused_by_the_flags(tmp_path):
-  out = _run("experiments.main", "--config", "configs/smoke.py", "--workdir", str(tmp_path),
+  out = _run("experiments.run.main", "--config", "configs/smoke.py", "--workdir", str(tmp_path),
              "--config.optimizer.learning_rte=0.1")
   assert out.returncode != 0 and "learning_rte" in out.stderr
 
 
 def test_bad_config_value_is_one_line_from_main_and_ablation(tmp_path):
-  out = _run("experiments.main", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "m"),
+  out = _run("experiments.run.main", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "m"),
              "--config.optimizer.scsgd.ema_rate=0.0")
   assert _one_error_line(
       out)[-1] == "error: config.optimizer.scsgd.ema_rate: Statistics.ema_rate must lie in (0, 1], got 0.0."
   # the ablation takes --config.* overrides too (it used argparse, and printed tracebacks)
-  out = _run("experiments.ablation", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "a"),
+  out = _run("experiments.paper.ablation", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "a"),
              "--results_dir", str(tmp_path / "r"), "--config.max_rows=-1", "--variants=default")
   assert _one_error_line(out)[-1] == "error: config.max_rows must be >= 0 (0: every row), got -1."
   assert not (tmp_path / "a" / "default").exists()
 
 
 def test_missing_dataset_and_unknown_optimizer_are_one_line(tmp_path):
-  out = _run("experiments.main", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "w"),
+  out = _run("experiments.run.main", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "w"),
              "--data_dir", str(tmp_path / "nothing_here"), "--config.download=False")
   assert _one_error_line(out)[-1].startswith("error: dataset 'mnist' (split 'train') is not prepared")
-  out = _run("experiments.compare", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "c"),
+  out = _run("experiments.paper.compare", "--config", "configs/smoke.py", "--workdir", str(tmp_path / "c"),
              "--optimizers", "sgd,lion")
   assert "unknown optimizer 'lion'" in _one_error_line(out)[-1]
 
@@ -61,7 +61,7 @@ def test_missing_dataset_and_unknown_optimizer_are_one_line(tmp_path):
 def test_live_run_holds_its_workdir_and_a_stop_signal_exits_cleanly(tmp_path, sig, code, said):
   """Ctrl-C, and SIGTERM as Slurm, Kubernetes and TPU preemption send it."""
   workdir = str(tmp_path / "run")
-  args = ["experiments.main", "--config", "configs/smoke.py", "--workdir", workdir, "--data_dir", SHARED_TFDS,
+  args = ["experiments.run.main", "--config", "configs/smoke.py", "--workdir", workdir, "--data_dir", SHARED_TFDS,
           "--config.num_steps=1000000"]
   proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
                           text=True)
@@ -119,13 +119,13 @@ def test_guarded_main_lets_bugs_raise():
 
 @pytest.mark.head_to_head
 def test_benchmark_takes_config_overrides_and_writes_its_results_file(tmp_path):
-  out = _run("experiments.benchmark_step", "--config", "configs/benchmark_step.py", "--config.windows=1",
+  out = _run("experiments.studies.benchmark_step", "--config", "configs/benchmark_step.py", "--config.windows=1",
              "--config.only=dense_256", "--results_dir", str(tmp_path))
   assert out.returncode == 0, out.stderr[-2000:]
   import json
 
   record = json.load(open(tmp_path / "benchmark_step.json"))
-  assert record["command"].startswith("python -m experiments.benchmark_step --config configs/benchmark_step.py")
+  assert record["command"].startswith("python -m experiments.studies.benchmark_step --config configs/benchmark_step.py")
   assert record["commit"] and record["versions"]["jax"] == jax.__version__
   result = record["models"]["dense_256"]
   assert list(record["models"]) == ["dense_256"]
@@ -136,7 +136,7 @@ def test_benchmark_takes_config_overrides_and_writes_its_results_file(tmp_path):
   # each variant in a pass of its own with SGD: its ratio is against SGD's step of that pass
   assert result["muon"]["sgd_median_ms"] > 0 and "sgd_median_ms" not in result["sgd"]
   # what a user waits for before the first step: each variant's lowering and compilation, against SGD's
-  out = _run("experiments.benchmark_step", "--config", "configs/benchmark_step.py", "--config.compile_only=True",
+  out = _run("experiments.studies.benchmark_step", "--config", "configs/benchmark_step.py", "--config.compile_only=True",
              "--config.only=dense_256", "--results_dir", str(tmp_path))
   assert out.returncode == 0, out.stderr[-2000:]
   compiled = json.load(open(tmp_path / "benchmark_compile.json"))["models"]["dense_256"]
@@ -150,7 +150,7 @@ def test_benchmark_takes_config_overrides_and_writes_its_results_file(tmp_path):
 
 
 def test_step_phases_by_hand():
-  from experiments import benchmark_step
+  from experiments.studies import benchmark_step
 
   out = {"sgd_capture": {"median_vs_sgd": 1.01, "window_mean_vs_sgd": 1.0},
          "scsgd_no_fold": {"median_vs_sgd": 1.05, "window_mean_vs_sgd": 1.07},
@@ -162,7 +162,7 @@ def test_recorded_command_names_the_package_of_a_package_main(monkeypatch):
   import types
 
   main = types.ModuleType("__main__")
-  main.__spec__ = types.SimpleNamespace(name="experiments.convex.__main__")
+  main.__spec__ = types.SimpleNamespace(name="experiments.paper.convex.__main__")
   monkeypatch.setitem(sys.modules, "__main__", main)
   assert cli.command_line(["x", "--config", "configs/convex smoke.py"]) == (
-      "python -m experiments.convex --config 'configs/convex smoke.py'")
+      "python -m experiments.paper.convex --config 'configs/convex smoke.py'")

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from experiments import benchmark
-from experiments import optimizers
+from experiments.head_to_head import benchmark
+from experiments.optim import optimizers
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "results", "benchmark")
 TASKS = sorted(os.path.basename(d) for d in glob.glob(os.path.join(RESULTS, "*")) if os.path.isdir(d))
@@ -48,7 +48,7 @@ def test_the_harness_finds_no_committed_row_to_rerun(protocol, task, tmp_path, c
 def test_the_provenance_file_is_what_the_records_say(tmp_path):
   """experiments/results/provenance.json is machine-written from the records: regenerated, it lists every
   row of every table at the commits the rows record (a hand edit or a forgotten regeneration fails here)."""
-  from experiments import provenance
+  from experiments.head_to_head import provenance
 
   fresh = provenance.collect(os.path.join(RESULTS, ".."))
   with open(os.path.join(RESULTS, "..", provenance.OUT)) as f:

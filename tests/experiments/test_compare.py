@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from experiments import compare
-from experiments import errors
-from experiments import train
+from experiments.paper import compare
+from experiments.run import errors
+from experiments.run import train
 from tests import helpers
 
 

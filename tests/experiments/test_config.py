@@ -6,10 +6,10 @@ import os
 import pytest
 import tensorflow_datasets as tfds
 
-from experiments import errors
-from experiments import train
-from experiments import validate
-from experiments import workdir as workdir_lib
+from experiments.run import errors
+from experiments.run import train
+from experiments.run import validate
+from experiments.run import workdir as workdir_lib
 from tests import helpers
 
 
@@ -69,7 +69,7 @@ def test_adam_learning_rate_must_be_positive(tmp_path):
 
 
 def test_batch_larger_than_the_dataset_is_caught_before_decoding(tmp_path, monkeypatch):
-  from experiments import data as data_lib
+  from experiments.run import data as data_lib
 
   def no_decoding(*args, **kwargs):
     raise AssertionError("decoded before checking the batch size")

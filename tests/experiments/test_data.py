@@ -6,8 +6,8 @@ import shutil
 import numpy as np
 import pytest
 
-from experiments import data as data_lib
-from experiments import errors
+from experiments.run import data as data_lib
+from experiments.run import errors
 
 SHARED_MNIST = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "tfds", "mnist")
 

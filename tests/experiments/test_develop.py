@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from configs import develop as develop_config
-from experiments import develop
-from experiments import registry
+from experiments.studies import develop
+from experiments.optim import registry
 
 # a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run, .ci/apart)
 pytestmark = pytest.mark.studies
@@ -36,7 +36,7 @@ def test_two_step_runs_write_every_rate_seed_and_anchor_and_resume(tmp_path, mon
   config.benchmark.grid = (1.0,)
   config.benchmark.seeds = (0, 1)
   config.develop.heldout_windows = 4
-  develop.develop(config, str(tmp_path), "python -m experiments.develop (test)")
+  develop.develop(config, str(tmp_path), "python -m experiments.studies.develop (test)")
   record = json.load(open(os.path.join(tmp_path, "develop.json")))
   rate = {name: registry.recipe(name, "transformer").learning_rate for name in ("sgd", "scsgd_graft")}
   assert [(r["optimizer"], r["learning_rate"], r["seed"]) for r in record["runs"]] == [
@@ -54,11 +54,11 @@ def test_two_step_runs_write_every_rate_seed_and_anchor_and_resume(tmp_path, mon
   assert all(r["heldout_loss"] > record["anchors"]["source"] + 0.5 for r in record["runs"])
   # a second invocation finds every run written (no training); other settings train again
   monkeypatch.setattr(develop, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained again")))
-  again = develop.develop(config, str(tmp_path), "python -m experiments.develop (test)")
+  again = develop.develop(config, str(tmp_path), "python -m experiments.studies.develop (test)")
   assert again["runs"] == record["runs"]
   config.num_steps = 3
   with pytest.raises(AssertionError, match="trained again"):
-    develop.develop(config, str(tmp_path), "python -m experiments.develop (test)")
+    develop.develop(config, str(tmp_path), "python -m experiments.studies.develop (test)")
 
 
 def test_probe_settings_reach_the_optimizer_and_are_recorded():

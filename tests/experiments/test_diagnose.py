@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from configs import diagnose as diagnose_config
-from experiments import develop
-from experiments import diagnose
+from experiments.studies import develop
+from experiments.studies import diagnose
 
 # a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run, .ci/apart)
 pytestmark = pytest.mark.studies

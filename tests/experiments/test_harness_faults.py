@@ -11,12 +11,12 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs.benchmark import convex
-from experiments import benchmark
-from experiments import cli
-from experiments import errors
-from experiments import report
-from experiments import train
-from experiments import workdir as workdir_lib
+from experiments.head_to_head import benchmark
+from experiments.run import cli
+from experiments.run import errors
+from experiments.run import report
+from experiments.run import train
+from experiments.run import workdir as workdir_lib
 
 # the head to head's checks: CI runs them in a step of their own when its files change (.ci/run)
 pytestmark = pytest.mark.head_to_head

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import models
+from experiments.run import models
 
 
 @pytest.mark.parametrize("name,shape", [("lenet", (3, 28, 28, 1)), ("svhn_net", (3, 32, 32, 3))])

@@ -1,4 +1,4 @@
-"""Past one process: ``experiments.main`` run as 2 processes x 2 CPU devices (JAX's multi-controller runtime on
+"""Past one process: ``experiments.run.main`` run as 2 processes x 2 CPU devices (JAX's multi-controller runtime on
 localhost, gloo collectives) trains the smoke config to the state of 1 process on 4 devices; checkpoints are
 written once and restore on another process count (2 -> 1, 1 -> 2); metrics are written by one process; a
 process that dies takes the run down in bounded time. Real MNIST from ../shared/tfds, as a user runs it."""
@@ -27,7 +27,7 @@ def _port() -> int:
 
 
 def _args(workdir, *extra):
-  return [sys.executable, "-m", "experiments.main", "--config", "configs/smoke.py", "--workdir", str(workdir),
+  return [sys.executable, "-m", "experiments.run.main", "--config", "configs/smoke.py", "--workdir", str(workdir),
           "--data_dir", SHARED_TFDS, "--config.download=False", *extra]
 
 

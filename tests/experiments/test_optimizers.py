@@ -11,13 +11,13 @@ import pytest
 
 import scsgd_jax
 from configs import default
-from experiments import optimizers
-from experiments import registry
-from experiments import peers
-from experiments import train
-from experiments import workdir
+from experiments.optim import optimizers
+from experiments.optim import registry
+from experiments.optim import peers
+from experiments.run import train
+from experiments.run import workdir
 from tests import helpers
-from experiments.options import grouped
+from experiments.optim.options import grouped
 
 
 def test_schedule_values():
@@ -305,9 +305,9 @@ def test_lenet_trains_bit_for_bit_at_the_paper_scale_under_the_default_normalize
   ('none'): LeNet's training step lowers to the same program (the figures of LeNet/MNIST stand), while 'all'
   lowers to another (the comparison can tell)."""
   from flax import nnx
-  from experiments import build as build_lib
-  from experiments import data as data_lib
-  from experiments import step as step_lib
+  from experiments.run import build as build_lib
+  from experiments.run import data as data_lib
+  from experiments.run import step as step_lib
 
   def program(normalize):
     cfg = helpers.smoke_config()

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("precondition")
 pytest.importorskip("kfac_jax")
 
-from experiments import peers  # noqa: E402
-from experiments import registry  # noqa: E402
+from experiments.optim import peers  # noqa: E402
+from experiments.optim import registry  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def allow_rank_promotion():
@@ -67,7 +67,7 @@ def _python(code):
 def test_precondition_still_needs_the_jax_aliases():
   out = _python(SHAMPOO_STEP)  # a fresh process, unpatched
   assert out.returncode != 0 and "module 'jax' has no attribute 'tree_map'" in out.stderr, out.stderr[-500:]
-  patched = _python("from experiments import upstream; upstream.patch_precondition()\n" + SHAMPOO_STEP)
+  patched = _python("from experiments.optim import upstream; upstream.patch_precondition()\n" + SHAMPOO_STEP)
   assert patched.returncode == 0, patched.stderr[-2000:]
 
 
@@ -84,14 +84,14 @@ print("FINITE", bool(jnp.all(jnp.isfinite(u["w"]))))
 def test_psgd_still_needs_the_clipping_module_and_then_steps():
   out = _python(PSGD_STEP)  # a fresh process, unpatched
   assert out.returncode != 0 and "clipping" in out.stderr, out.stderr[-500:]
-  patched = _python("from experiments import upstream; upstream.patch_psgd()\n" + PSGD_STEP)
+  patched = _python("from experiments.optim import upstream; upstream.patch_psgd()\n" + PSGD_STEP)
   assert patched.returncode == 0 and "FINITE True" in patched.stdout, patched.stderr[-2000:]
 
 
 def test_kfac_still_needs_the_bind_params_patch_and_then_learns():
   out = _python(KFAC_STEP)
   assert out.returncode != 0 and "too many values to unpack" in out.stderr, out.stderr[-500:]
-  patched = _python("from experiments import upstream; upstream.patch_kfac()\n" + KFAC_STEP)
+  patched = _python("from experiments.optim import upstream; upstream.patch_kfac()\n" + KFAC_STEP)
   assert patched.returncode == 0, patched.stderr[-2000:]
   first, last = map(float, patched.stdout.split("LOSS")[1].split())
   assert last < first

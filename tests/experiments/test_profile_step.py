@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import benchmark_step
-from experiments import profile_step
+from experiments.studies import benchmark_step
+from experiments.studies import profile_step
 
 # a study's slow checks: CI runs them in a step of their own when the studies' files change (.ci/run, .ci/apart)
 pytestmark = pytest.mark.studies

@@ -17,11 +17,11 @@ import pytest
 import tensorflow_datasets as tfds
 
 import scsgd_jax
-from experiments import checkpoints
-from experiments import data as data_lib
-from experiments import errors
-from experiments import train
-from experiments import workdir as workdir_lib
+from experiments.run import checkpoints
+from experiments.run import data as data_lib
+from experiments.run import errors
+from experiments.run import train
+from experiments.run import workdir as workdir_lib
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -123,7 +123,7 @@ def test_a_changed_library_default_is_named_and_a_changed_layout_is_not_called_d
 
 
 def _run(*args, timeout=300):
-  return subprocess.run([sys.executable, "-m", "experiments.main", *args], cwd=ROOT, capture_output=True, text=True,
+  return subprocess.run([sys.executable, "-m", "experiments.run.main", *args], cwd=ROOT, capture_output=True, text=True,
                         timeout=timeout)
 
 
@@ -166,7 +166,7 @@ def test_unusable_workdirs_are_refused_in_one_line(tmp_path):
            str(tmp_path / "a_file" / "run"): f"error: --workdir {tmp_path / 'a_file' / 'run'} lies under the file "
                                              f"{tmp_path / 'a_file'}"}
   for workdir, line in cases.items():
-    out = subprocess.run([sys.executable, "-m", "experiments.main", "--config",
+    out = subprocess.run([sys.executable, "-m", "experiments.run.main", "--config",
                           os.path.join(ROOT, "configs/smoke.py"), "--workdir", workdir], cwd=tmp_path if not workdir else ROOT, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert _error_line(out).startswith(line), workdir

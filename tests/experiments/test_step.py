@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 import scsgd_jax
-from experiments import registry
-from experiments import step as step_lib
+from experiments.optim import registry
+from experiments.run import step as step_lib
 
 
 class Net(nnx.Module):

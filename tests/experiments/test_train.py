@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from experiments import data as data_lib
-from experiments import errors
-from experiments import metrics as metrics_lib
-from experiments import train
-from experiments import workdir as workdir_lib
+from experiments.run import data as data_lib
+from experiments.run import errors
+from experiments.run import metrics as metrics_lib
+from experiments.run import train
+from experiments.run import workdir as workdir_lib
 from tests import helpers
 
 
@@ -256,7 +256,7 @@ def test_a_state_with_zero_size_arrays_is_saved_and_restored(tmp_path):
   """Orbax refuses zero-size arrays (Shampoo's state has some); the checkpoint keeps them by shape."""
   import jax.numpy as jnp
 
-  from experiments import checkpoints
+  from experiments.run import checkpoints
 
   state = {"w": jnp.arange(6.0).reshape(2, 3), "empty": jnp.zeros((0, 4), jnp.int32), "n": jnp.asarray(3)}
   ckpts = checkpoints.Checkpoints(str(tmp_path / "c"), str(tmp_path / "d"))
@@ -273,7 +273,7 @@ def test_checkpoints_in_a_relative_directory_are_read_back(tmp_path, monkeypatch
   """Orbax refuses relative paths; every restore from one failed and read as 'every checkpoint is damaged'."""
   import jax.numpy as jnp
 
-  from experiments import checkpoints
+  from experiments.run import checkpoints
 
   monkeypatch.chdir(tmp_path)
   state = {"w": jnp.arange(3.0)}

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import scsgd_jax as sk
-from experiments.options import grouped
+from experiments.optim.options import grouped
 
 # each alias at a rate on its own scale (SGD's, Adam's), a small rank with the dense C so that the sketch is
 # exercised on the small kernel (the memory rule would leave it unconditioned)

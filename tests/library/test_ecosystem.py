@@ -11,7 +11,7 @@ from flax import nnx
 from flax.training import train_state
 
 import scsgd_jax as sk
-from experiments import models
+from experiments.run import models
 
 PARAMS = {"dense": {"kernel": jnp.zeros((40, 64)), "bias": jnp.zeros(64)}}
 

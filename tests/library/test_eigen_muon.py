@@ -11,7 +11,7 @@ import pytest
 
 import scsgd_jax as sk
 from tests import helpers
-from experiments.options import grouped
+from experiments.optim.options import grouped
 
 EXACT = dict(statistics="dense", ema_rate=1.0, statistics_every=1, update_every=1, warm_start=False,
              outlier_threshold=float("inf"))

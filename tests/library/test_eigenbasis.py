@@ -11,7 +11,7 @@ from flax import serialization
 
 import scsgd_jax as sk
 from tests import helpers
-from experiments.options import grouped
+from experiments.optim.options import grouped
 
 B1, B2, EPS = 0.9, 0.99, 1e-8
 # C of the latest batch alone (rate 1), folded and refreshed at every step from step 0, no floor, no guard

@@ -12,7 +12,7 @@ from flax import nnx
 from flax.training import train_state
 
 import scsgd_jax
-from experiments.options import grouped
+from experiments.optim.options import grouped
 
 
 class ResBlock(nn.Module):

@@ -15,7 +15,7 @@ from flax import nnx
 import scsgd_jax as sk
 from tests import helpers
 from tests.library import zoo
-from experiments.options import grouped
+from experiments.optim.options import grouped
 
 KINDS = tuple(zoo.MODELS)
 axes = sk.input_axes_nnx

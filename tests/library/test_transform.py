@@ -11,7 +11,7 @@ from flax import nnx
 
 import scsgd_jax as sk
 from tests import helpers
-from experiments.options import grouped
+from experiments.optim.options import grouped
 
 LR, NU = 0.1, 0.3
 # the paper's C_0 = I EMA, folded every step, refreshed every N from step 0

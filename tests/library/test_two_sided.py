@@ -16,7 +16,7 @@ import scsgd_jax as sk
 from scsgd_jax._src import defaults
 from tests import helpers
 from tests.library.test_layers import CASES, X3, _kernel_matrix
-from experiments.options import grouped
+from experiments.optim.options import grouped
 
 LR = 0.1
 RNG = np.random.default_rng(1)

@@ -1,0 +1,1 @@
+"""The paper's replication: LeNet/MNIST (compare, ablation, warm start) and the convex experiments."""
