@@ -65,9 +65,9 @@ def flat_parameters(fn, params) -> list[inspect.Parameter]:
 
 
 def grouped(kwargs: dict[str, Any]) -> dict[str, Any]:
-  """``kwargs`` with its flat names gathered into the library's option objects (only those given; an object given
-  under its argument's name, e.g. a ``CorrelationStatistics`` as ``statistics``, passes as it is)."""
-  out = {k: v for k, v in kwargs.items() if k not in FLAT or not isinstance(v, (str, int, float, bool))}
+  """``kwargs`` with its flat names gathered into the library's option objects (only those given; an option object
+  given under its argument's name passes as it is; a ``CorrelationStatistics`` as ``statistics`` is its kind)."""
+  out = {k: v for k, v in kwargs.items() if k not in FLAT or isinstance(v, tuple(OPTIONS.values()))}
   fields: dict[str, dict] = {}
   for flat, (option, field) in FLAT.items():
     if flat in kwargs and flat not in out:

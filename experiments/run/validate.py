@@ -38,7 +38,7 @@ def _library_key(sub: str, kwargs: dict, e: Exception) -> str:
     at = [i for i in (0 if text.startswith(key) else -1, text.find(f"{key}="), text.find(f" {key} ")) if i >= 0]
     if key in options.FLAT:  # a library option's field, named as the option names it ("Statistics.ema_rate")
       option, field = options.FLAT[key]
-      at += [i for i in (text.find(f"{options.OPTIONS[option].__name__}.{field}"),) if i >= 0]
+      at += [i for i in (text.find(f"{options.OPTIONS[option].__name__}.{field}"), text.find(f"'{field}'")) if i >= 0]
     if at:
       found.append((min(at), key))
   return f"{sub}.{min(found)[1]}" if found else sub

@@ -14,19 +14,14 @@ times are measured by ``benchmark_step``.
 from __future__ import annotations
 
 import importlib
-import os
 
 import jax
 import ml_collections
-from absl import flags
 
 from experiments.head_to_head import benchmark
-from experiments.run import cli
-from experiments.run import machine
+from experiments.studies import scaffold
 from experiments.optim import optimizers
-from experiments.run import report
 
-FLAGS = flags.FLAGS
 OUTPUTS = 1024
 
 
@@ -62,9 +57,7 @@ def task_states(module: str, rows) -> dict:
   return out
 
 
-def main(argv):
-  del argv
-  config = cli.config()
+def study(config: ml_collections.ConfigDict, results_dir: str):
   results = {"setup": {"outputs": OUTPUTS, "variants": config.variants.to_dict()}, "dense_layer": {}}
   for n in config.dims:
     results["dense_layer"][str(n)] = dense_layer(config, n)
@@ -73,9 +66,8 @@ def main(argv):
   for module in config.tasks:
     results["tasks"][module] = task_states(module, config.task_rows)
     print(module, {k: round(v["state_vs_adamw"], 4) for k, v in results["tasks"][module].items()}, flush=True)
-  report.write_results(FLAGS.results_dir, results, cli.command_line(), "benchmark_scaling.json", machine.describe())
+  return results, "benchmark_scaling.json"
 
 
 if __name__ == "__main__":
-  cli.define_flags(workdir=False, data=False, results_dir=os.path.join(os.path.dirname(os.path.dirname(__file__)), "results"))
-  cli.run(main)
+  scaffold.run(study)

@@ -34,26 +34,21 @@ mean less its median) and ``fold`` (SCSGD's window mean less that variant's).
 from __future__ import annotations
 
 import gc
-import os
 import time
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
-from absl import flags
 from flax import nnx
 
 import scsgd_jax
-from experiments.run import cli
-from experiments.run import machine
+from experiments.studies import scaffold
 from experiments.run import models
 from experiments.optim import optimizers
 from experiments.optim import registry
-from experiments.run import report
 from experiments.run import step as step_lib
 
-FLAGS = flags.FLAGS
 BASELINE = "sgd"
 CONTROL = "sgd_again"  # the A/A control: SGD's step timed against itself
 
@@ -208,10 +203,7 @@ def run_model(config: ml_collections.ConfigDict, name: str, spec: dict) -> dict[
   return out
 
 
-def main(argv):
-  del argv
-  config = cli.config()
-  report.provenance()  # the commit of the code this process imported, read now: the checkout may move on
+def study(config: ml_collections.ConfigDict, results_dir: str):
   only = [m for m in config.only.split(",") if m]
   results = {
       "setup": {
@@ -235,10 +227,8 @@ def main(argv):
     r = results["models"][name]
     print(name, {k: round(v["window_mean_vs_sgd"], 3) for k, v in r.items() if "window_mean_vs_sgd" in v},
           r.get("phases_ms_per_step"), flush=True)
-  filename = "benchmark_compile.json" if config.compile_only else "benchmark_step.json"
-  report.write_results(FLAGS.results_dir, results, cli.command_line(), filename, machine.describe())
+  return results, "benchmark_compile.json" if config.compile_only else "benchmark_step.json"
 
 
 if __name__ == "__main__":
-  cli.define_flags(workdir=False, data=False, results_dir=os.path.join(os.path.dirname(os.path.dirname(__file__)), "results"))
-  cli.run(main)
+  scaffold.run(study)

@@ -31,6 +31,7 @@ from flax import nnx
 
 from experiments.head_to_head import benchmark
 from experiments.run import cli
+from experiments.studies import scaffold
 from experiments.run import models
 from experiments.optim import optimizers
 from experiments.optim import registry
@@ -182,12 +183,9 @@ def develop(config: ml_collections.ConfigDict, results_dir: str, command: str) -
   return record
 
 
-def main(argv):
-  del argv
-  report.provenance()  # the commit of the code this process imported, read now
-  develop(cli.config(), FLAGS.results_dir, cli.command_line())
+def study(config: ml_collections.ConfigDict, results_dir: str) -> None:
+  develop(config, results_dir, cli.command_line())  # writes its own record, run by run
 
 
 if __name__ == "__main__":
-  cli.define_flags(workdir=False, data=False)
-  cli.run(main)
+  scaffold.run(study, results_dir=None)

@@ -22,19 +22,16 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from absl import flags
 from flax import nnx
 
 import scsgd_jax
-from experiments.run import cli
+from experiments.studies import scaffold
 from experiments.studies import develop
 from experiments.run import models
 from experiments.optim import optimizers
 from experiments.optim import registry
-from experiments.run import report
 from experiments.run import step as step_lib
 
-FLAGS = flags.FLAGS
 
 
 def run(config: ml_collections.ConfigDict, label: str, rate: float, table: np.ndarray, heldout: np.ndarray) -> dict:
@@ -99,10 +96,7 @@ def _plot(runs: list[dict], rate: float, path: str) -> None:
   fig.savefig(path, dpi=110)
 
 
-def main(argv):
-  del argv
-  config = cli.config()
-  report.provenance()
+def study(config: ml_collections.ConfigDict, results_dir: str):
   d = config.develop
   table = develop.markov_source(d.vocab, d.concentration, d.source_seed)
   heldout = develop.sample_windows(table, d.heldout_windows, d.context + 1, np.random.default_rng(d.source_seed + 1))
@@ -113,13 +107,10 @@ def main(argv):
       runs.append(r)
       print(f"{label} lr {rate:g}: held-out {r['heldout_loss']:.4f}"
             + (f", diverged at step {r['diverged_at']}" if r["diverged_at"] is not None else ""), flush=True)
-  os.makedirs(FLAGS.results_dir, exist_ok=True)
-  report.write_results(FLAGS.results_dir, {"config": config.to_dict(), "runs": runs}, cli.command_line(),
-                       filename="diagnose.json")
-  _plot(runs, config.diagnose.plot_rate, os.path.join(FLAGS.results_dir, "rel_step.png"))
+  os.makedirs(results_dir, exist_ok=True)
+  _plot(runs, config.diagnose.plot_rate, os.path.join(results_dir, "rel_step.png"))
+  return {"config": config.to_dict(), "runs": runs}, "diagnose.json"
 
 
 if __name__ == "__main__":
-  cli.define_flags(workdir=False, data=False,
-                   results_dir=os.path.join(os.path.dirname(os.path.dirname(__file__)), "results", "diagnose"))
-  cli.run(main)
+  scaffold.run(study, results_dir=os.path.join(scaffold.RESULTS, "diagnose"))

@@ -29,14 +29,10 @@ import time
 from typing import Any
 
 import jax
-from absl import flags
 
 from experiments.studies import benchmark_step
-from experiments.run import cli
-from experiments.run import machine
-from experiments.run import report
+from experiments.studies import scaffold
 
-FLAGS = flags.FLAGS
 # trace events that are not one executed kernel: the profiler's Python frames, the runtime's waits and
 # dispatch, and the kernels that hold others (their inner kernels are events of their own)
 _NOT_A_KERNEL = re.compile(r"(\$|ThunkExecutor|SlinkyThreadPool|ThreadpoolListener|PjitFunction|CommonPjRt|Wait for |"
@@ -129,10 +125,7 @@ def extra_over(base: dict[str, Any], other: dict[str, Any]) -> dict[str, dict[st
   return dict(sorted(rows.items(), key=lambda kv: -abs(kv[1]["ms"])))
 
 
-def main(argv):
-  del argv
-  config = cli.config()
-  report.provenance()
+def study(config, results_dir: str):
   results = {"setup": {"warmup": config.warmup, "steps": config.steps, "variants": config.variants.to_dict(),
                        "models": config.models.to_dict(), "run": config.run.to_dict()}, "models": {}}
   for name, spec in config.models.items():
@@ -147,9 +140,8 @@ def main(argv):
       if vname in out and base in out:
         out[vname]["extra_over"] = {"baseline": base, "by_file": extra_over(out[base], out[vname])}
     results["models"][name] = out
-  report.write_results(FLAGS.results_dir, results, cli.command_line(), "profile_step.json", machine.describe())
+  return results, "profile_step.json"
 
 
 if __name__ == "__main__":
-  cli.define_flags(workdir=False, data=False, results_dir=os.path.join(os.path.dirname(os.path.dirname(__file__)), "results"))
-  cli.run(main)
+  scaffold.run(study)

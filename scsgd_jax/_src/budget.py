@@ -25,7 +25,7 @@ class Option(NamedTuple):
 
 
 def options(n: int, rank: int, oversample: int, full: bool) -> list[Option]:
-  """A kernel's options under ``statistics='auto'``, best first."""
+  """A kernel's options under ``Statistics(kind='auto')``, best first."""
   out = [("dense", None if full else rank)] if full or rank < n else []
   out += [("streaming", k) for k in range(min(rank, n - 1), 0, -1)] + [("diagonal", 0)]
   return [Option(kind, k, state_floats(kind, n, k, min((k or 0) + oversample, n))) for kind, k in out]

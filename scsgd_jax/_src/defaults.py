@@ -7,10 +7,10 @@ UPDATE_EVERY = 50  # refresh period N (the paper's)
 OVERSAMPLE = 10  # sketch columns beyond the rank
 POWER_ITERATIONS = 1  # range-finder power iterations of the dense sketch
 STATISTICS_EVERY = 2  # fold the statistics every other step (half the fold cost)
-FULL_MAX_DIM_PER_RANK = 4  # statistics='auto' uses the full C^{1/2} up to n = 4 * rank
+FULL_MAX_DIM_PER_RANK = 4  # Statistics(kind='auto') uses the full C^{1/2} up to n = 4 * rank
 EMA_RATE = 0.05  # nu, the EMA weight of a new batch
 OUTLIER_THRESHOLD = 100.0  # rows above 100x the running tr C (squared norm) are clipped
-BUDGET = "model"  # statistics='auto': the model-wide memory rule
+BUDGET = "model"  # Statistics(kind='auto'): the model-wide memory rule
 NORMALIZE = "embeddings"  # embeddings conditioned by C / (tr C / n); every other kernel by C itself (the paper's)
 MOMENTUM = 0.9  # scsgd's Nesterov momentum (the paper's)
 GRAFT_DECAY = 0.999  # normalized RMSprop of the grafting (distributed Shampoo's default)

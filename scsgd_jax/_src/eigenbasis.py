@@ -8,7 +8,7 @@ or one scalar as Sketchy); the update is Adam's, taken in those coordinates and 
 conditioning does not read (biases, norms, and the diagonal kinds: embeddings, whose eigenbasis is the
 coordinate one) get Adam itself.
 
-The memory rule (``statistics='auto'``) counts everything the eigenbasis keeps per kernel in place of Adam's
+The memory rule (``Statistics(kind='auto')``) counts everything the eigenbasis keeps per kernel in place of Adam's
 second moment (statistics, factor, rotated moments, tail, rotation) against that moment's floats, so the state
 stays within Adam's.
 """
@@ -137,7 +137,7 @@ def scale_by_eigenbasis_adam(
   three back; three at ``k = n``: ``O(n k p)``, the conditioning's own order), and
   an ``eigh`` of ``k x k`` per refresh. State: Adam's first moment (``n p``), the rotated second moment
   (``k p``), the tail (``n + p``), the basis as a rotation of the factor's ``Q`` (``k^2``), the conditioning's
-  factor and statistics. Under ``statistics='auto'`` the memory rule counts all but the first moment against
+  factor and statistics. Under ``Statistics(kind='auto')`` the memory rule counts all but the first moment against
   ``memory_share`` of Adam's second moment (per kernel, or over the kernels with ``budget='model'``): each kernel
   gets the best statistics and rank that fit, so the state is at most Adam's. A kernel whose only fit would be
   diagonal statistics (a coordinate basis) gets Adam itself, keeping no statistics.
@@ -156,7 +156,7 @@ def scale_by_eigenbasis_adam(
       for a chain whose next transformation treats them, e.g. Muon's orthogonalization of the conditioned
       kernels, the kernels chosen by ``kernel_filter``, with its AdamW part for the rest).
     memory_share: the share of Adam's second moment that the statistics, factor, rotated moments and rotation
-      may take (``statistics='auto'``; with ``sides='both'`` the two sides split it).
+      may take (``Statistics(kind='auto')``; with ``sides='both'`` the two sides split it).
     statistics, refresh, kernel_filter, input_axes, axis_name, seed: the conditioning's
       (:func:`scale_by_sketched_conditioning`).
     conditioner: the conditioning's :class:`Conditioner`; only its ``kind`` and ``full_max_dim`` act here (the

@@ -61,11 +61,13 @@ class Statistics:
   kernel's statistics, factor and what the optimizer keeps beside them within Adam's second moment of the
   kernel (``budget='kernel'``), or within the model's (``budget='model'``, default: the leftover of small
   kernels goes to the kernels of smallest ``n``). Embeddings keep the exact diagonal of their token counts.
-  ``'dense'``, ``'streaming'`` and ``'diagonal'`` give every kernel that kind. ``state.summary()`` says what each
-  kernel got.
+  ``'dense'``, ``'streaming'`` and ``'diagonal'`` give every kernel that kind; a
+  :class:`~scsgd_jax.sketch.CorrelationStatistics` of your own gives every kernel that (it carries its own rate,
+  sketch, prior and floor, so those settings are refused beside it; the fold period and the outlier guard act).
+  ``state.summary()`` says what each kernel got.
 
   Attributes:
-    kind: ``'auto'``, ``'dense'``, ``'streaming'`` or ``'diagonal'``.
+    kind: ``'auto'``, ``'dense'``, ``'streaming'``, ``'diagonal'`` or a ``CorrelationStatistics``.
     ema_rate: :math:`\nu \in (0, 1]`, the EMA weight of a new batch per step.
     every: fold the captured rows every this many steps (default 2: half the fold's cost; a fold weighs its
       batch :math:`1 - (1 - \nu)^s`, so the average spans as many steps).
@@ -77,7 +79,7 @@ class Statistics:
     budget: the memory rule's reach, ``'model'`` (default) or ``'kernel'``; read by ``'auto'`` only.
   """
 
-  kind: StatisticsKind = "auto"
+  kind: Union[StatisticsKind, stats_lib.CorrelationStatistics] = "auto"
   ema_rate: float = defaults.EMA_RATE
   every: int = defaults.STATISTICS_EVERY
   outlier_threshold: float = defaults.OUTLIER_THRESHOLD
@@ -86,6 +88,9 @@ class Statistics:
   budget: Optional[Literal["model", "kernel"]] = None
 
   def __post_init__(self):
+    if isinstance(self.kind, stats_lib.CorrelationStatistics):
+      self._check_custom()
+      return
     _choice("Statistics.kind", self.kind, ("auto", "dense", "streaming", "diagonal"))
     checks.check_float("Statistics.ema_rate", self.ema_rate, low=0.0, high=1.0, low_open=True)
     static_int("Statistics.every", self.every, 1)
@@ -103,6 +108,19 @@ class Statistics:
       _refuse(where + " (power iterations run on the dense C alone)", {"power_iterations": self.power_iterations})
     if self.kind == "diagonal":
       _refuse(where + " (it keeps no sketch)", {"oversample": self.oversample})
+
+  @property
+  def custom(self) -> bool:
+    """Whether ``kind`` is a ``CorrelationStatistics`` of the user's."""
+    return isinstance(self.kind, stats_lib.CorrelationStatistics)
+
+  def _check_custom(self) -> None:
+    static_int("Statistics.every", self.every, 1)
+    checks.check_float("Statistics.outlier_threshold", self.outlier_threshold, low=1.0, allow_inf=True)
+    carried = {"ema_rate": None if self.ema_rate == defaults.EMA_RATE else self.ema_rate,
+               "oversample": self.oversample, "power_iterations": self.power_iterations, "budget": self.budget}
+    _refuse("Statistics(kind=<a CorrelationStatistics>) (it carries its own rate and sketch; the memory rule is "
+            "auto's)", carried)
 
   def resolved(self) -> dict:
     """Every setting as it runs: ``None`` replaced by the library's default."""
@@ -176,6 +194,11 @@ class Conditioner:
 StatisticsOption = Union[Statistics, stats_lib.CorrelationStatistics]
 
 
+def as_statistics(statistics: StatisticsOption) -> Statistics:
+  """``statistics`` as a :class:`Statistics` (a bare ``CorrelationStatistics`` is ``Statistics(kind=it)``)."""
+  return Statistics(kind=statistics) if isinstance(statistics, stats_lib.CorrelationStatistics) else statistics
+
+
 def checked_together(statistics: StatisticsOption, refresh: Refresh, conditioner: Conditioner) -> None:
   """Refuses, naming the arguments, a combination of options that cannot run or where one would do nothing."""
   for name, value, kind in (("statistics", statistics, (Statistics, stats_lib.CorrelationStatistics)),
@@ -184,19 +207,22 @@ def checked_together(statistics: StatisticsOption, refresh: Refresh, conditioner
       hint = {"statistics": "scsgd_jax.Statistics(kind=...)", "refresh": "scsgd_jax.Refresh(every=...)",
               "conditioner": "scsgd_jax.Conditioner(kind=...)"}[name]
       raise TypeError(f"{name} must be a {hint}, got {value!r}.")
-  if isinstance(statistics, stats_lib.CorrelationStatistics):
-    unread = {"Refresh.warm_start": refresh.warm_start is not True,
-              "Conditioner.eigenvalue_floor": conditioner.eigenvalue_floor != defaults.EIGENVALUE_FLOOR}
-    given = [k for k, v in unread.items() if v]
-    if given:
+  statistics = as_statistics(statistics)
+  if statistics.custom:
+    if conditioner.eigenvalue_floor != defaults.EIGENVALUE_FLOOR:
       raise ValueError(
-          f"statistics= is a CorrelationStatistics, which carries its own prior and floor; {given} would do "
-          "nothing beside it: set them on the statistics object (e.g. scsgd_jax.sketch.ema_correlation(rate, "
-          "eigenvalue_floor=..., identity_prior=...)).")
+          "statistics= is a CorrelationStatistics, which carries its own floor; ['Conditioner.eigenvalue_floor'] "
+          "would do nothing beside it: set it on the statistics object (e.g. scsgd_jax.sketch.ema_correlation(rate, "
+          "eigenvalue_floor=...)).")
     return
-  if conditioner.kind == "full" and statistics.kind == "streaming":
-    raise ValueError("Conditioner(kind='full') needs the dense C: it cannot run on Statistics(kind='streaming').")
-  if conditioner.kind == "full" and statistics.kind == "dense":
-    _refuse("Conditioner(kind='full') (it runs no sketch: oversampling and power iterations are the sketched "
-            "conditioner's)", {"Statistics.oversample": statistics.oversample,
-                               "Statistics.power_iterations": statistics.power_iterations})
+  kind = statistics.kind
+  if conditioner.kind == "full" and kind in ("streaming", "diagonal"):
+    raise ValueError(f"Conditioner(kind='full') needs the dense C: it cannot run on Statistics(kind={kind!r}).")
+  if conditioner.kind == "full":  # every kernel keeps the dense C and gets the full C^(1/2): no sketch, no choice
+    _refuse(f"Conditioner(kind='full') on Statistics(kind={kind!r}) (every kernel keeps the dense C and its full "
+            "C^(1/2): no sketch runs and the memory rule chooses nothing)",
+            {"Statistics.oversample": statistics.oversample, "Statistics.power_iterations": statistics.power_iterations,
+             "Statistics.budget": statistics.budget})
+  if kind in ("streaming", "diagonal"):
+    _refuse(f"Conditioner on Statistics(kind={kind!r}) (the size rule picks the full C^(1/2) where the dense C is "
+            "kept)", {"Conditioner.full_max_dim": conditioner.full_max_dim})

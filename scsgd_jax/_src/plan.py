@@ -3,7 +3,7 @@ r"""Which kernels are conditioned, and how: the per-kernel plan and the memory r
 Decided from the parameters' shapes (at ``init``), once more at the first update when the captured
 inputs read a kernel by other axes than the name-based defaults (a DenseGeneral/Einsum), and static
 afterwards. For each kernel: its input axes (so the kernel reads as the matrix ``(n, p)``), the
-statistics kept for it and the conditioner's rank (:class:`KernelPlan`). Under ``statistics='auto'`` the choice follows the memory
+statistics kept for it and the conditioner's rank (:class:`KernelPlan`). Under ``Statistics(kind='auto')`` the choice follows the memory
 rule: each kernel's options, best first (dense ``C``, streaming at ``rank``, at each smaller rank,
 diagonal), each costing :func:`state_floats`; a kernel takes the best that fits in its own ``n * p``
 floats (Adam's second moment), and with ``budget='model'`` the model's leftover floats then go to the
@@ -148,12 +148,13 @@ def _check_kernel_rank(path: str, n: int, k: int, spec: "Spec") -> None:
   if k < n:
     return
   if spec.statistics == "streaming":
-    advice = ("lower rank below n, or use statistics='auto' (the default: narrow kernels then get the dense C "
-              "and the full C^(1/2)) or statistics='dense'")
+    advice = ("lower rank below n, or use Statistics(kind='auto') (the default: narrow kernels then get the dense "
+              "C and the full C^(1/2)) or Statistics(kind='dense')")
   elif spec.conditioner == "sketched":
-    advice = "lower rank below n, or use conditioner='auto' (the default: the full C^(1/2) up to full_max_dim)"
+    advice = ("lower rank below n, or use Conditioner(kind='auto') (the default: the full C^(1/2) up to "
+              "full_max_dim)")
   else:
-    advice = f"lower rank below n, or raise full_max_dim (now {spec.full_max_dim}) to at least n"
+    advice = f"lower rank below n, or raise Conditioner(full_max_dim=...) (now {spec.full_max_dim}) to at least n"
   raise ValueError(f"rank={k} must be < n={n}, the input dimension of kernel '{path}': {advice}.")
 
 
@@ -258,7 +259,7 @@ def slice_phases(kernel_plans: Mapping[str, KernelPlan], update_every: int, stag
 def unconditioned(tree, spec: Spec, plans: Mapping[str, KernelPlan]) -> dict[str, str]:
   """``{path: why}`` of every Flax kernel or embedding of ``tree`` (:func:`default_kernel_filter`'s) that
   gets no conditioning: excluded by ``kernel_filter``, a layer ``input_axes`` says is :class:`Plain`, or left
-  plain by the memory rule (no statistics fit its budget under ``statistics='auto'``; with ``spec.extra``, none
+  plain by the memory rule (no statistics fit its budget under ``Statistics(kind='auto')``; with ``spec.extra``, none
   of use: an embedding, or a kernel that fits only diagonal statistics)."""
   out = {}
   for path, leaf in kernel_paths(tree).items():
@@ -268,7 +269,7 @@ def unconditioned(tree, spec: Spec, plans: Mapping[str, KernelPlan]) -> dict[str
                    f"not conditioned: {why}" if why is not None else
                    "not conditioned: its basis is the coordinate one (token frequencies)"
                    if spec.extra is not None and path.rsplit("/", 1)[-1] == "embedding" else
-                   "not conditioned: no statistics fit its memory budget (statistics='auto')"
+                   "not conditioned: no statistics fit its memory budget (Statistics(kind='auto'))"
                    + (", none of use beside its moments" if spec.extra is not None else ""))
   return out
 
@@ -278,7 +279,7 @@ def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[s
   """``planned`` (``init``'s plans, by the default axes) with each kernel that the capture read by another
   layout (other input axes, a stack, groups) re-planned with it: its kind of statistics kept (so the state
   keeps its structure, which ``nnx.Optimizer`` needs), its ``n`` and rank those of the true axes (rank below
-  ``n``; the full conditioner up to ``full_max_dim``), and, under ``statistics='auto'``, its memory at most
+  ``n``; the full conditioner up to ``full_max_dim``), and, under ``Statistics(kind='auto')``, its memory at most
   its own budget (a clear error otherwise)."""
   leaves = kernel_paths(tree, spec.kernel_filter)
   out = {}

@@ -24,7 +24,6 @@ from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import schedule
 from scsgd_jax._src import sketch
 from scsgd_jax._src import state as state_lib
-from scsgd_jax._src import statistics as stats_lib
 from scsgd_jax._src.state import ScaleBySketchedConditioningState
 
 __all__ = [
@@ -43,7 +42,7 @@ class Settings(NamedTuple):
   and what the output side and the eigenbasis build their conditioning from."""
 
   rank: int
-  statistics: options.StatisticsOption
+  statistics: options.Statistics
   refresh: options.Refresh
   conditioner: options.Conditioner
   kernel_filter: Optional[Callable[[str, Any], bool]]
@@ -65,7 +64,7 @@ def settings(rank: Optional[int] = None,
   options.checked_together(statistics, refresh, conditioner)
   if kernel_filter is not None and not callable(kernel_filter):
     raise TypeError(f"kernel_filter must be a callable (path, leaf) -> bool, got {kernel_filter!r}.")
-  return Settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed)
+  return Settings(rank, options.as_statistics(statistics), refresh, conditioner, kernel_filter, input_axes, axis_name, seed)
 
 
 def _flat_inputs(layer_inputs) -> dict[str, Any]:
@@ -150,9 +149,8 @@ def conditioning(s: Settings,
 def _spec(s: Settings, default_axes, budget_share: float, extra) -> tuple[plan_lib.Spec, int]:
   """The plans' spec of settings ``s``, and the fold period."""
   checks.check_float("budget_share", budget_share, low=0.0, high=1.0, low_open=True)
-  custom = isinstance(s.statistics, stats_lib.CorrelationStatistics)
-  st = options.Statistics() if custom else s.statistics
-  got = st.resolved()
+  st = s.statistics
+  got = (options.Statistics(every=st.every) if st.custom else st).resolved()
   cond = s.conditioner.resolved(s.rank)
   # ema_rate is per step: a fold every s steps weighs its batch 1 - (1 - nu)^s, so the EMA spans as many steps
   fold_rate = 1.0 - (1.0 - got["ema_rate"])**got["every"]
@@ -162,7 +160,7 @@ def _spec(s: Settings, default_axes, budget_share: float, extra) -> tuple[plan_l
                                        power_iterations=got["power_iterations"],
                                        eigenvalue_floor=cond["eigenvalue_floor"])
   spec = plan_lib.Spec(s.rank, s.refresh.every, cond["full_max_dim"], got["oversample"], cond["kind"],
-                       s.statistics if custom else st.kind, got["budget"], s.refresh.stagger,
+                       st.kind, got["budget"], s.refresh.stagger,
                        layout_lib.kernels_of(s.kernel_filter,
                                            s.input_axes), s.input_axes, choices, default_axes, budget_share, extra)
   return spec, got["every"]
@@ -178,8 +176,7 @@ def conditioning_and_plans(s: Settings,
   ``extra``: what that transformation keeps per kernel beside the statistics, for the memory rule
   (:class:`~scsgd_jax._src.plan.Spec`'s)."""
   spec, fold_every = _spec(s, default_axes, budget_share, extra)
-  threshold = (options.Statistics()
-               if isinstance(s.statistics, stats_lib.CorrelationStatistics) else s.statistics).outlier_threshold
+  threshold = s.statistics.outlier_threshold
   plans = state_lib.PlanCache(spec)
   every, warm = s.refresh.every, s.refresh.warm_start
 

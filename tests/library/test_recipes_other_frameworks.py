@@ -102,19 +102,33 @@ def test_a_rank_the_memory_rule_cuts_is_said_in_the_summary():
 
 
 def test_options_a_custom_statistics_object_does_not_read_are_refused():
-  """A CorrelationStatistics carries its own rate, sketch, prior and floor (so Statistics' settings cannot be given
-  beside it); a Refresh's warm start or a Conditioner's floor beside it are refused, naming them; with the default
-  statistics they act."""
+  """A CorrelationStatistics carries its own rate, sketch, prior and floor: given as a Statistics' kind, the rate,
+  sketch and memory rule beside it are refused, naming them, and so is a Conditioner's floor; the fold period, the
+  outlier guard and the refresh schedule act (an oracle below: one fold in three)."""
   custom = sk.sketch.ema_correlation(0.1)
-  for name, value, option in (("warm_start", False, sk.Refresh), ("eigenvalue_floor", 0.1, sk.Conditioner)):
-    arg = {sk.Refresh: "refresh", sk.Conditioner: "conditioner"}[option]
-    with pytest.raises(ValueError, match=re.escape(f"['{option.__name__}.{name}'] would do nothing")):
-      sk.scsgd(0.1, statistics=custom, **{arg: option(**{name: value})})
-    sk.scsgd(0.1, **{arg: option(**{name: value})})
-  sk.scsgd(0.1, statistics=custom)
+  for name, value in (("ema_rate", 0.2), ("oversample", 4), ("power_iterations", 2), ("budget", "kernel")):
+    with pytest.raises(ValueError, match=re.escape(f"does not read {{'{name}': {value!r}}}")):
+      sk.Statistics(kind=custom, **{name: value})
+  with pytest.raises(ValueError, match=re.escape("['Conditioner.eigenvalue_floor'] would do nothing")):
+    sk.scsgd(0.1, statistics=custom, conditioner=sk.Conditioner(eigenvalue_floor=0.1))
+  sk.scsgd(0.1, statistics=custom, refresh=sk.Refresh(warm_start=False))
   for bad, arg in (("dense", "statistics"), ({"every": 3}, "refresh"), ("full", "conditioner")):
     with pytest.raises(TypeError, match=rf"^{arg} must be a scsgd_jax\."):
       sk.scsgd(0.1, **{arg: bad})
+  # the fold period acts on a custom statistics: folded every third step it holds step 0's rows alone (the custom
+  # EMA at rate 1/2 from its identity prior: (I + x^T x / 3) / 2 for three rows x), every step it mixes in the rest
+  params = {"d": {"kernel": jnp.zeros((4, 2))}}
+  x = jnp.arange(12.0).reshape(3, 4)
+  held = {}
+  for every in (1, 3):
+    tx = sk.scale_by_sketched_conditioning(statistics=sk.Statistics(kind=sk.sketch.ema_correlation(0.5), every=every),
+                                           conditioner=sk.Conditioner(kind="full"))
+    state = tx.init(params)
+    for t in range(3):
+      _, state = tx.update(params, state, params, layer_inputs={"d": {"kernel": (t + 1.0) * x}})
+    held[every] = np.asarray(state.statistics["d/kernel"].moments)
+  np.testing.assert_allclose(held[3], (np.eye(4) + np.asarray(x.T @ x) / 3) / 2, rtol=1e-5)
+  assert not np.allclose(held[1], held[3], rtol=1e-3)
 
 
 @pytest.mark.parametrize("make,unread", [
@@ -132,8 +146,9 @@ def test_each_option_refuses_a_setting_its_choice_does_not_read(make, unread):
 
 
 def test_options_that_cannot_run_together_are_refused_and_defaults_resolve_in_one_place():
-  with pytest.raises(ValueError, match=r"Conditioner\(kind='full'\) needs the dense C"):
-    sk.scsgd(0.1, statistics=sk.Statistics(kind="streaming"), conditioner=sk.Conditioner(kind="full"))
+  for kind in ("streaming", "diagonal"):
+    with pytest.raises(ValueError, match=r"Conditioner\(kind='full'\) needs the dense C"):
+      sk.scsgd(0.1, statistics=sk.Statistics(kind=kind), conditioner=sk.Conditioner(kind="full"))
   assert sk.Statistics().resolved() == dict(kind="auto",
                                             ema_rate=0.05,
                                             every=2,

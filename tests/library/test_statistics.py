@@ -159,7 +159,7 @@ def test_auto_gives_each_kernel_alone_its_best_option_within_n_times_p():
       "mid/kernel": "streaming C Omega, rank 8, n=200",  # dense C (40,000 floats) > 12,000
       "thin/kernel": "diagonal C, n=200",  # streaming at rank 1 (4,604 floats) > 2,000
       # p = 1: nothing fits beside the momentum: plain SGD, and the summary says so
-      "column/kernel": "not conditioned: no statistics fit its memory budget (statistics='auto')",
+      "column/kernel": "not conditioned: no statistics fit its memory budget (Statistics(kind='auto'))",
   }
 
 

@@ -576,17 +576,17 @@ def test_summary_names_every_kernel_left_unconditioned_and_why(caplog):
   with caplog.at_level(logging.INFO, logger="scsgd_jax"):
     summary = tx.init(params).summary()
   assert summary == {"a/kernel": "diagonal C, n=40",
-                     "b/kernel": "not conditioned: no statistics fit its memory budget (statistics='auto')",
+                     "b/kernel": "not conditioned: no statistics fit its memory budget (Statistics(kind='auto'))",
                      "e/embedding": "not conditioned: excluded by kernel_filter"}
   assert [r.getMessage() for r in caplog.records] == [
       "kernels left unconditioned (plain updates): b/kernel (not conditioned: no statistics fit its memory budget "
-      "(statistics='auto')); e/embedding (not conditioned: excluded by kernel_filter)"]
+      "(Statistics(kind='auto'))); e/embedding (not conditioned: excluded by kernel_filter)"]
 
 
 @pytest.mark.parametrize("kwargs,advice", [
-    (dict(statistics="streaming", rank=8), "or use statistics='auto'"),
-    (dict(conditioner="sketched", rank=8), "or use conditioner='auto'"),
-    (dict(statistics="dense", rank=8, full_max_dim=4), "or raise full_max_dim (now 4) to at least n"),
+    (dict(statistics="streaming", rank=8), "or use Statistics(kind='auto')"),
+    (dict(conditioner="sketched", rank=8), "or use Conditioner(kind='auto')"),
+    (dict(statistics="dense", rank=8, full_max_dim=4), "or raise Conditioner(full_max_dim=...) (now 4) to at least n"),
 ])
 def test_a_rank_at_least_n_is_refused_with_advice_that_leads_somewhere(kwargs, advice):
   import re
