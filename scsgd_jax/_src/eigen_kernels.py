@@ -264,18 +264,18 @@ class Kernels:
     return {p for p in map(layout_lib.path_to_str, (q for q, _ in jax.tree_util.tree_flatten_with_path(tree)[0]))
             if p not in kernel_plans and (self.others == "adam" or p in chosen)}
 
-  def adam_moment(self, params, kernel_plans):
-    """Adam's zero second moment at the leaves that get Adam itself; ``MaskedNode`` elsewhere."""
-    adam = self.adam_leaves(params, kernel_plans)
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: jnp.zeros_like(x) if layout_lib.path_to_str(p) in adam else optax.MaskedNode(), params)
-
   def kernel_moments(self, params, kernel_plans, two=None) -> dict[str, EigenMoments]:
     """Each conditioned kernel's zero moments in its rotated coordinates (:func:`~eigen_kernels.fresh_moments`)."""
     two = two or {}
     leaves = {layout_lib.path_to_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     return {path: fresh_moments(plan, leaves[path].size // (plan.n * (plan.slices or 1)), self.tail, two.get(path))
             for path, plan in kernel_plans.items()}
+
+
+def zeros_at(params, paths: set[str]):
+  """A moment shaped like ``params``: zeros at the leaves in ``paths``, ``optax.MaskedNode`` elsewhere."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: jnp.zeros_like(x) if layout_lib.path_to_str(p) in paths else optax.MaskedNode(), params)
 
 
 def rotations_of(factors, kernel_plans):

@@ -168,8 +168,9 @@ def scale_by_eigenbasis_adam(
     Liu et al., COSMOS: A Hybrid Adaptive Optimizer for Memory-Efficient Training of LLMs, 2025.
     Gonen & Shalev-Shwartz, Faster SGD Using Sketched Conditioning, 2015.
   """
-  _check_arguments(b1, b2, eps, nesterov, tail, basis, sides, others, conditioner)
+  _check_arguments(b1, b2, eps, nesterov, tail, basis, sides, others)
   s = transform.settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed)
+  _check_eigenvectors_only(s.conditioner)
   checks.check_float("memory_share", memory_share, low=0.0, high=1.0, low_open=True)
   k = ek.Kernels(s, tail, sides, others, memory_share / 2 if sides == "both" else memory_share)
   adam = _Adam(b1, b2, eps, nesterov)
@@ -179,12 +180,11 @@ def scale_by_eigenbasis_adam(
     conditioning_state = k.inner.init(params)
     two = k.both_sides(params, kernel_plans)
     output_state = k.output_summary(params, k.output_of(params)[0].init(params)) if sides == "both" else None
-    held = k.adam_leaves(params, kernel_plans) | set(kernel_plans)
+    adam = k.adam_leaves(params, kernel_plans)  # Adam itself; the conditioned kernels' second moments are rotated
     return ScaleByEigenbasisAdamState(
         conditioning=conditioning_state,
-        mu=jax.tree_util.tree_map_with_path(
-            lambda p, x: jnp.zeros_like(x) if layout_lib.path_to_str(p) in held else optax.MaskedNode(), params),
-        nu=k.adam_moment(params, kernel_plans),
+        mu=ek.zeros_at(params, adam | set(kernel_plans)),
+        nu=ek.zeros_at(params, adam),
         moments=k.kernel_moments(params, kernel_plans, two),
         rotations=ek.rotations_of(conditioning_state.factors, kernel_plans),
         output=output_state,
@@ -211,7 +211,7 @@ def scale_by_eigenbasis_adam(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_arguments(b1, b2, eps, nesterov, tail, basis, sides, others, conditioner) -> None:
+def _check_arguments(b1, b2, eps, nesterov, tail, basis, sides, others) -> None:
   """:func:`scale_by_eigenbasis_adam`'s own arguments, each checked (a traced value, as
   ``optax.inject_hyperparams`` passes, is not)."""
   if tail not in ("factored", "scalar", "orthogonal"):
@@ -229,8 +229,10 @@ def _check_arguments(b1, b2, eps, nesterov, tail, basis, sides, others, conditio
       checks.check_float(name, value, low=0.0, high=1.0, high_open=True)
   if not isinstance(eps, jax.Array):
     checks.check_float("eps", eps, low=0.0)
-  if not isinstance(conditioner, options.Conditioner):
-    raise TypeError(f"conditioner must be a scsgd_jax.Conditioner(kind=...), got {conditioner!r}.")
+
+
+def _check_eigenvectors_only(conditioner: options.Conditioner) -> None:
+  """Refuses the :class:`Conditioner` settings that move only the eigenvalues, which the eigenbasis does not read."""
   default = options.Conditioner()
   for name in _NO_EFFECT:
     if getattr(conditioner, name) != getattr(default, name):
@@ -261,7 +263,8 @@ def _leaf_steps(updates, state, kernel_plans, two, kept: ek.Kept, conditioning_s
          for m, (_, g) in zip(treedef.flatten_up_to(state.mu), flat)]
   out, nus, moments, rotations, out_rotations = [], [], {}, {}, {}
   for (p, g), m, v in zip(flat, mus, treedef.flatten_up_to(state.nu)):
-    path, plan = layout_lib.path_to_str(p), kernel_plans.get(layout_lib.path_to_str(p))
+    path = layout_lib.path_to_str(p)
+    plan = kernel_plans.get(path)
     if isinstance(m, optax.MaskedNode):  # others="identity"
       out.append(g)
       nus.append(v)

@@ -88,13 +88,13 @@ class Statistics:
   budget: Optional[Literal["model", "kernel"]] = None
 
   def __post_init__(self):
-    if isinstance(self.kind, stats_lib.CorrelationStatistics):
+    static_int("Statistics.every", self.every, 1)
+    checks.check_float("Statistics.outlier_threshold", self.outlier_threshold, low=1.0, allow_inf=True)
+    if self.custom:
       self._check_custom()
       return
     _choice("Statistics.kind", self.kind, ("auto", "dense", "streaming", "diagonal"))
     checks.check_float("Statistics.ema_rate", self.ema_rate, low=0.0, high=1.0, low_open=True)
-    static_int("Statistics.every", self.every, 1)
-    checks.check_float("Statistics.outlier_threshold", self.outlier_threshold, low=1.0, allow_inf=True)
     if self.oversample is not None:
       static_int("Statistics.oversample", self.oversample, 0)
     if self.power_iterations is not None:
@@ -115,8 +115,6 @@ class Statistics:
     return isinstance(self.kind, stats_lib.CorrelationStatistics)
 
   def _check_custom(self) -> None:
-    static_int("Statistics.every", self.every, 1)
-    checks.check_float("Statistics.outlier_threshold", self.outlier_threshold, low=1.0, allow_inf=True)
     carried = {"ema_rate": None if self.ema_rate == defaults.EMA_RATE else self.ema_rate,
                "oversample": self.oversample, "power_iterations": self.power_iterations, "budget": self.budget}
     _refuse("Statistics(kind=<a CorrelationStatistics>) (it carries its own rate and sketch; the memory rule is "
@@ -199,8 +197,9 @@ def as_statistics(statistics: StatisticsOption) -> Statistics:
   return Statistics(kind=statistics) if isinstance(statistics, stats_lib.CorrelationStatistics) else statistics
 
 
-def checked_together(statistics: StatisticsOption, refresh: Refresh, conditioner: Conditioner) -> None:
-  """Refuses, naming the arguments, a combination of options that cannot run or where one would do nothing."""
+def checked_together(statistics: StatisticsOption, refresh: Refresh, conditioner: Conditioner) -> Statistics:
+  """``statistics`` as a :class:`Statistics` (:func:`as_statistics`), after refusing, naming the arguments, a
+  combination of options that cannot run or where one would do nothing."""
   for name, value, kind in (("statistics", statistics, (Statistics, stats_lib.CorrelationStatistics)),
                             ("refresh", refresh, Refresh), ("conditioner", conditioner, Conditioner)):
     if not isinstance(value, kind):
@@ -214,7 +213,7 @@ def checked_together(statistics: StatisticsOption, refresh: Refresh, conditioner
           "statistics= is a CorrelationStatistics, which carries its own floor; ['Conditioner.eigenvalue_floor'] "
           "would do nothing beside it: set it on the statistics object (e.g. scsgd_jax.sketch.ema_correlation(rate, "
           "eigenvalue_floor=...)).")
-    return
+    return statistics
   kind = statistics.kind
   if conditioner.kind == "full" and kind in ("streaming", "diagonal"):
     raise ValueError(f"Conditioner(kind='full') needs the dense C: it cannot run on Statistics(kind={kind!r}).")
@@ -226,3 +225,4 @@ def checked_together(statistics: StatisticsOption, refresh: Refresh, conditioner
   if kind in ("streaming", "diagonal"):
     _refuse(f"Conditioner on Statistics(kind={kind!r}) (the size rule picks the full C^(1/2) where the dense C is "
             "kept)", {"Conditioner.full_max_dim": conditioner.full_max_dim})
+  return statistics

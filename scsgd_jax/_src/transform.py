@@ -61,10 +61,10 @@ def settings(rank: Optional[int] = None,
              seed: int = 0) -> Settings:
   """:class:`Settings` from :func:`scale_by_sketched_conditioning`'s arguments, each checked (one place)."""
   rank = defaults.RANK if rank is None else options.static_int("rank", rank, 1)
-  options.checked_together(statistics, refresh, conditioner)
+  statistics = options.checked_together(statistics, refresh, conditioner)
   if kernel_filter is not None and not callable(kernel_filter):
     raise TypeError(f"kernel_filter must be a callable (path, leaf) -> bool, got {kernel_filter!r}.")
-  return Settings(rank, options.as_statistics(statistics), refresh, conditioner, kernel_filter, input_axes, axis_name, seed)
+  return Settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed)
 
 
 def _flat_inputs(layer_inputs) -> dict[str, Any]:
