@@ -23,6 +23,7 @@ from scsgd_jax._src.options import Statistics as Statistics
 from scsgd_jax._src.layout import Layout as Layout
 from scsgd_jax._src.layout import Plain as Plain
 from scsgd_jax._src.layout import default_kernel_filter as default_kernel_filter
+from scsgd_jax._src.shardings import state_shardings as state_shardings
 from scsgd_jax._src.state import ScaleBySketchedConditioningState as ScaleBySketchedConditioningState
 from scsgd_jax._src.transform import STATIC_ARGS as STATIC_ARGS
 from scsgd_jax._src.transform import scale_by_sketched_conditioning as scale_by_sketched_conditioning
@@ -58,6 +59,7 @@ __all__ = sorted([
     "scsgd",
     "scsgd_eigen",
     "scsgd_eigen_muon",
+    "state_shardings",
     "update_diagnostics",
     *_LAZY,
 ])

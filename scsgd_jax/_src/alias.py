@@ -118,8 +118,8 @@ def scsgd_two_sided(
       step has norm :math:`\sqrt{\text{size}}` times the rate; no state).
     split_budget: the two sides split the memory rule's budget, half each (``Statistics(kind='auto')``).
     graft_decay, graft_eps: normalized RMSprop's (``magnitude='rms'``).
-    input_axes: the input side's layouts (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), so that it
-      plans every kernel at ``init`` (the output side reads each kernel along its output axes).
+    input_axes: the input side's layouts (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), so that ``init``
+      plans every kernel (the output side reads each kernel along the axes its input axes leave).
   """
   if not callable(learning_rate):
     checks.check_float("learning_rate", learning_rate, low=0.0)
@@ -131,7 +131,9 @@ def scsgd_two_sided(
   share = 0.5 if split_budget else 1.0
   s = transform.settings(rank, statistics, refresh, conditioner, kernel_filter, None, axis_name, seed)
   inputs = transform.conditioning(s._replace(input_axes=input_axes), budget_share=share)
-  outputs = output.output_conditioning(s._replace(seed=seed + 1), budget_share=share)
+  outputs = output.output_conditioning(
+      s._replace(seed=seed + 1, kernel_filter=output.output_kernel_filter_from(kernel_filter, input_axes)),
+      output_axes=output.output_axes_from(input_axes), budget_share=share)
   base = (graft.scale_by_normalized_rms(graft_decay, graft_eps) if magnitude == "rms" else optax.scale_by_sign())
   return optax.chain(
       graft.scale_by_grafting(base, optax.chain(inputs, outputs)),

@@ -194,12 +194,11 @@ def checked_moments(moments) -> dict[str, EigenMoments]:
 
 
 class Kept(NamedTuple):
-  """What an update starts from, per kernel: its moments and rotations (a re-planned kernel's afresh)."""
+  """What an update starts from, per kernel: its moments and rotations."""
 
   moments: dict[str, EigenMoments]
   rotations: dict[str, jax.Array]
   out_rotations: dict[str, jax.Array]
-  restart: set[str]
 
 
 class Kernels:
@@ -220,14 +219,14 @@ class Kernels:
     the kernels in ``rotatable``: no statistics, and no share of the memory, for a kernel it would never rotate."""
     chosen = lambda path, leaf: path in rotatable and self.on_output_side(path, leaf)
     return transform.conditioning_and_plans(
-        self.s._replace(seed=self.s.seed + 1, input_axes=None, kernel_filter=chosen),
+        self.s._replace(seed=self.s.seed + 1, input_axes=output_lib.output_axes_from(self.s.input_axes),
+                        kernel_filter=chosen),
         default_axes=output_lib.default_output_axes, budget_share=self.share,
         extra=kept_beside(self.tail, "output"))
 
   def rotatable(self, tree) -> frozenset[str]:
     """The kernels of ``tree`` that init's plans rotate on the input side as one layer (a basis, unstacked,
-    ungrouped). A kernel that the first update re-plans (a layout init could not read, e.g. a stack) keeps the
-    output side init gave it, unread: ``input_axes`` plans it at init (the re-planning warning says so)."""
+    ungrouped)."""
     return frozenset(p for p, plan in self.plans(tree).items() if rank(plan) is not None and plan.slices is None)
 
   def output_of(self, tree):
@@ -238,7 +237,7 @@ class Kernels:
     alone = set(layout_lib.kernel_paths(tree, self.on_output_side)) - self.rotatable(tree)
     why = "no output side: rotated on its input side alone (a stack, feature groups, or no basis there)"
     return output_state._replace(plan=state_lib.PlanSummary(
-        (p, why if p in alone else d) for p, d in output_state.plan.items))
+        ((p, why if p in alone else d) for p, d in output_state.plan.items), output_state.plan.layouts))
 
   def both_sides(self, tree, kernel_plans) -> dict[str, plan_lib.KernelPlan]:
     """The output side's plans of the kernels rotated on both sides: one unstacked, ungrouped layer whose input
@@ -301,19 +300,15 @@ def output_update(k: Kernels, basis: str, updates, state, params, output_grads):
   return k.output_summary(updates, output_state)
 
 
-def kept(k: Kernels, state, updates, kernel_plans, two, conditioning_state, output_state) -> Kept:
-  """The moments and rotations this update starts from: a kernel re-planned at the first update (a layout init could
-  not read) starts its moments and basis afresh."""
+def kept(k: Kernels, state, updates, kernel_plans, two) -> Kept:
+  """The moments and rotations this update starts from, checked against the plans (fixed at ``init``): moments of
+  other shapes (a checkpoint of another plan) are refused, naming the kernel."""
   moments = checked_moments(state.moments)
   shapes = jax.eval_shape(lambda: k.kernel_moments(updates, kernel_plans, two))
-  restart = {p for p, f in shapes.items() if p not in moments or not state_lib.same_shapes(f, moments[p])}
-  if restart:
-    fresh = k.kernel_moments(updates, kernel_plans, two)
-    moments = {p: fresh[p] if p in restart else moments[p] for p in kernel_plans}
-  rotations = {**state.rotations, **{p: r for p, r in rotations_of(conditioning_state.factors, kernel_plans).items()
-                                     if p in restart or p not in state.rotations}}
-  out_rotations = {} if output_state is None else {
-      **{p: r for p, r in (state.output_rotations or {}).items() if p in two},
-      **{p: r for p, r in rotations_of(output_state.factors, two).items()
-         if p in restart or p not in (state.output_rotations or {})}}
-  return Kept(moments, rotations, out_rotations, restart)
+  for p, f in shapes.items():
+    if p not in moments or not state_lib.same_shapes(f, moments[p]):
+      raise ValueError(
+          f"scale_by_eigenbasis_adam's moments of kernel '{p}' do not have the shapes its plan keeps: the state "
+          "comes from another plan or an earlier version of the state. Restore checkpoints into the state of "
+          "tx.init(params) of the same optimizer and scsgd_jax version.")
+  return Kept(moments, dict(state.rotations), {p: r for p, r in (state.output_rotations or {}).items() if p in two})

@@ -199,7 +199,7 @@ def scale_by_eigenbasis_adam(
                                            **extra_args)
     two = k.both_sides(updates, kernel_plans)
     output_state = None if sides != "both" else ek.output_update(k, basis, updates, state, params, output_grads)
-    kept = ek.kept(k, state, updates, kernel_plans, two, conditioning_state, output_state)
+    kept = ek.kept(k, state, updates, kernel_plans, two)
     count = optax.safe_increment(state.count)  # the conditioning's count before this update
     c = ek.Step(b2, 1.0 - b2**count, eps, em.adam_ratio_bound(b1, b2, count, nesterov), tail, basis == "gradients")
     out, mu, nu, moments, rotations, out_rotations = _leaf_steps(updates, state, kernel_plans, two, kept,
@@ -277,10 +277,10 @@ def _leaf_steps(updates, state, kernel_plans, two, kept: ek.Kept, conditioning_s
       nus.append(v)
       continue
     nus.append(v)  # a conditioned kernel's moments are in `moments`
-    old = None if path in kept.restart else state.conditioning.factors[path]
+    old = state.conditioning.factors[path]
     new = conditioning_state.factors[path]
     if path in two:  # rotated on both sides: U^T M U_out, one layer
-      old_out = None if path in kept.restart else state.output.factors[path]
+      old_out = state.output.factors[path]
       direction, moments[path], rotations[path], out_rotations[path] = ek.both_sides(
           plan, g32, m_hat, kept.moments[path], kept.rotations[path], kept.out_rotations[path], old, new, old_out,
           output_state.factors[path], c)

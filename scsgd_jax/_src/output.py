@@ -3,7 +3,7 @@ input side's transformation reading the kernel along its output axes."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Mapping, Optional
 
 import jax
 import optax
@@ -27,6 +27,33 @@ def default_output_axes(path: str, leaf) -> tuple[int, ...]:
   """A kernel's output axes: those :func:`default_input_axes` leaves (Dense ``(n, p)``: ``(1,)``)."""
   inputs = layout_lib.default_input_axes(path, leaf)
   return tuple(a for a in range(leaf.ndim) if a not in inputs)
+
+
+def output_axes_from(input_axes: layout_lib.InputAxes) -> layout_lib.InputAxes:
+  """The output side's layouts from the input side's ``input_axes``: each kernel read along the axes of one slice
+  its input axes leave (its stack kept), so that a layout given for the input side (an
+  Einsum's, a stack's) plans the output side at ``init`` too (a grouped conv's output side is the whole layer's, as
+  the capture reads it); ``None`` when ``input_axes`` is ``None``. A kernel the input side leaves :class:`Plain`
+  is left out by :func:`output_kernel_filter_from`."""
+  if input_axes is None:
+    return None
+
+  def axes(path: str, leaf) -> layout_lib.Layout:
+    if layout_lib.plain_why(input_axes, path) is not None or not (callable(input_axes) or path in input_axes):
+      return layout_lib.Layout(default_output_axes(path, leaf))
+    layout = layout_lib.axes_of(path, leaf, input_axes)
+    rest = tuple(a for a in range(leaf.ndim - layout.stack) if a not in layout.input_axes)
+    return layout._replace(input_axes=rest, groups=1)  # the output rows are the whole layer's, as captured
+
+  return axes
+
+
+def output_kernel_filter_from(kernel_filter, input_axes: layout_lib.InputAxes):
+  """``kernel_filter`` (default :func:`output_kernel_filter`) less the kernels ``input_axes`` leaves plain."""
+  base = kernel_filter or output_kernel_filter
+  if not isinstance(input_axes, Mapping):
+    return base
+  return lambda path, leaf: base(path, leaf) and layout_lib.plain_why(input_axes, path) is None
 
 
 def scale_by_output_conditioning(

@@ -1,8 +1,7 @@
 r"""Which kernels are conditioned, and how: the per-kernel plan and the memory rule.
 
-Decided from the parameters' shapes (at ``init``), once more at the first update when the captured
-inputs read a kernel by other axes than the name-based defaults (a DenseGeneral/Einsum), and static
-afterwards. For each kernel: its input axes (so the kernel reads as the matrix ``(n, p)``), the
+Decided from the parameters' shapes and ``input_axes`` at ``init`` and fixed afterwards: an update whose
+captured layers read a kernel by another layout is refused (:func:`check_layouts`). For each kernel: its input axes (so the kernel reads as the matrix ``(n, p)``), the
 statistics kept for it and the conditioner's rank (:class:`KernelPlan`). Under ``Statistics(kind='auto')`` the choice follows the memory
 rule: each kernel's options, best first (dense ``C``, streaming at ``rank``, at each smaller rank,
 diagonal), each costing :func:`state_floats`; a kernel takes the best that fits in its own ``n * p``
@@ -274,46 +273,21 @@ def unconditioned(tree, spec: Spec, plans: Mapping[str, KernelPlan]) -> dict[str
   return out
 
 
-def replan(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[str, Any]
-           ) -> dict[str, KernelPlan]:
-  """``planned`` (``init``'s plans, by the default axes) with each kernel that the capture read by another
-  layout (other input axes, a stack, groups) re-planned with it: its kind of statistics kept (so the state
-  keeps its structure, which ``nnx.Optimizer`` needs), its ``n`` and rank those of the true axes (rank below
-  ``n``; the full conditioner up to ``full_max_dim``), and, under ``Statistics(kind='auto')``, its memory at most
-  its own budget (a clear error otherwise)."""
+def check_layouts(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[str, Any]) -> None:
+  """Refuses a kernel whose layer reads it by another layout (input axes, a stack, feature groups) than ``init``
+  planned from the parameters alone: the plans, and so the state's shapes, are fixed at ``init``. The fix, named
+  in the error: ``input_axes``, which ``init`` reads."""
   leaves = kernel_paths(tree, spec.kernel_filter)
-  out = {}
+  wrong = {}
   for path, plan in planned.items():
-    leaf = leaves[path]
-    layout = axes_of(path, leaf, spec.input_axes, captured, spec.default_axes)
-    if layout == plan.layout():
-      out[path] = plan
-      continue
-    n, slices = _input_dim(leaf, layout), _slices(leaf, layout)
-    k = plan.rank
-    if plan.kind in ("dense", "custom"):
-      k = None if spec.conditioner != "sketched" and (_full(spec, n) or plan.rank is None or plan.rank >= n) else k
-      if k is not None and k >= n:
-        _check_kernel_rank(path, n, k, spec)
-    elif plan.kind == "streaming":
-      k = min(plan.rank, n - 1)
-    kind = "dense" if plan.kind == "custom" else plan.kind
-
-    def cost(n, k, slices):  # all slices' floats (with spec.extra: what the transformation keeps beside)
-      extra = 0 if spec.extra is None else spec.extra(kind, n, k, leaf.size // (n * slices)) or 0
-      return slices * (state_floats(kind, n, k, min((k or 0) + spec.oversample, n)) + extra)
-
-    budget = max(cost(plan.n, plan.rank, plan.slices or 1), math.floor(spec.share * leaf.size))
-    if spec.statistics == "auto" and plan.kind == "streaming":
-      while k > 1 and cost(n, k, slices) > budget:  # the same kind of statistics at the rank that fits
-        k -= 1
-    if k == 0 and plan.kind == "streaming" or (spec.statistics == "auto" and cost(n, k, slices) > budget):
-      raise ValueError(
-          f"kernel '{path}' {tuple(leaf.shape)}: its layer reads it as {layout} (n={n}), but init, which sees "
-          f"only the parameters, planned it as {plan.layout()} (n={plan.n}) with '{plan.describe()}', a "
-          "statistic that does not fit the true n within its memory. Pass input_axes=scsgd_jax.input_axes_nnx("
-          "model) (or input_axes_linen) so that init plans it with the true layout.")
-    stats = spec.statistics if plan.kind == "custom" else spec.choices.of(plan.kind, k)
-    out[path] = plan._replace(input_axes=layout.input_axes, n=n, rank=k, statistics=stats,
-                              stack=tuple(leaf.shape[:layout.stack]), groups=layout.groups)
-  return out
+    layout = axes_of(path, leaves[path], spec.input_axes, captured, spec.default_axes)
+    if layout != plan.layout():
+      wrong[path] = (tuple(leaves[path].shape), layout, _input_dim(leaves[path], layout), plan)
+  if wrong:
+    raise ValueError(
+        "the layers read these kernels by another layout than init planned from the parameters alone (plans, and "
+        "the state's shapes, are fixed at init): " + "; ".join(
+            f"'{p}' {shape} read as {layout} (n={n}), planned as {plan.layout()} (n={plan.n})"
+            for p, (shape, layout, n, plan) in wrong.items())
+        + ". Pass input_axes=scsgd_jax.input_axes_nnx(model) (Linen: scsgd_jax.input_axes_linen(module, variables, *inputs)) "
+        "to the optimizer, so that init plans each kernel by its layer's layout.")

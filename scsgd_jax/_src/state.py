@@ -1,5 +1,6 @@
 """The state of :func:`~scsgd_jax.scale_by_sketched_conditioning`: its form, what it holds before any data,
-and the plans it is kept for (computed once per tree of shapes, re-planned once by the captured axes)."""
+and the plans it is kept for (decided by ``init`` from the shapes, fixed afterwards: the capture only confirms
+them)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ class PlanSummary:
   note (a layer the capture cannot condition), as ``lax.scan`` carries, ``nnx.Optimizer`` and checkpoint
   templates need. Compare ``items`` to compare the descriptions."""
 
-  def __init__(self, items):
+  def __init__(self, items, layouts=()):
     self.items = tuple(items)
+    self.layouts = dict(layouts)  # {kernel path: Layout} of the conditioned kernels (what state_shardings reads)
 
   def __eq__(self, other):
     return isinstance(other, PlanSummary)
@@ -98,8 +100,9 @@ def _one_initial_factor(plan: plan_lib.KernelPlan) -> sketch.Factor:
 
 
 class PlanCache:
-  """The plans of a parameter tree, computed once per tree of shapes and captured input axes (at ``init``
-  and at the first update) and reused by later updates."""
+  """The plans of a parameter tree, computed once per tree of shapes (at ``init``) and reused by every update,
+  which checks once per captured layout that the layers read their kernels as planned
+  (:func:`plan.check_layouts`)."""
 
   def __init__(self, spec: plan_lib.Spec):
     self._spec, self._plans, self._notes = spec, {}, {}
@@ -122,15 +125,9 @@ class PlanCache:
     if not captured:
       return self._plans[key]
     key_captured = key + (tuple(sorted(captured.items())),)
-    if key_captured not in self._plans:
-      planned = self._plans[key]
-      plans = self._plans[key_captured] = plan_lib.replan(planned, tree, self._spec, captured)
-      changed = [p for p in plans if plans[p] != planned[p]]
-      if changed:  # once per tree of shapes and layouts
-        logging.getLogger("scsgd_jax").warning(
-            "kernels re-planned at the first update by their layers' layouts, which init cannot read from the "
-            "parameters (their state starts afresh and changes shape): %s. Pass input_axes="
-            "scsgd_jax.input_axes_nnx(model) (or input_axes_linen) to plan them at init.", ", ".join(changed))
+    if key_captured not in self._plans:  # once per tree of shapes and layouts
+      plan_lib.check_layouts(self._plans[key], tree, self._spec, captured)
+      self._plans[key_captured] = self._plans[key]
     return self._plans[key_captured]
 
 
@@ -145,7 +142,7 @@ def summary_of(kernel_plans, notes=(), asked_rank: Optional[int] = None) -> Plan
   and why (``notes``, which win over a plan of the same kernel)."""
   notes = dict(notes)
   return PlanSummary([*((p, plan.describe(asked_rank)) for p, plan in kernel_plans.items() if p not in notes),
-                      *notes.items()])
+                      *notes.items()], {p: plan.layout() for p, plan in kernel_plans.items()})
 
 
 def fresh_kernel_states(kernel_plans, seed: int):
@@ -168,24 +165,16 @@ def same_shapes(a, b) -> bool:
       np.shape(x) == np.shape(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def replanned(state: ScaleBySketchedConditioningState, kernel_plans, seed: int, skipped=(),
-              asked_rank: Optional[int] = None):
-  """``state`` with every kernel whose statistics or factor do not have its plan's shapes started afresh, and
-  its summary: the plans, the kernels left unconditioned at ``init`` and those ``skipped`` in this update.
-
-  ``init`` sees only the parameters, so it reads a DenseGeneral/Einsum kernel by the name-based default
-  axes; the captured inputs say the layer's true axes, and the first update re-plans such a kernel
-  (:func:`plan.replan`: same kind of statistics, so the same structure) and starts its state afresh (a
-  kernel whose shapes already fit, e.g. from an earlier update, keeps its state).
-  """
+def noted(state: ScaleBySketchedConditioningState, kernel_plans, skipped=(), asked_rank: Optional[int] = None):
+  """``state`` with its summary: the plans, the kernels left unconditioned at ``init`` and those ``skipped`` in
+  this update. A state whose statistics or factors do not have the plans' shapes (a checkpoint of another plan or
+  of an earlier version of the state) is refused, naming the kernel."""
   notes = {**{p: why for p, why in state.plan.items if p not in kernel_plans}, **dict(skipped)}
-  state = state._replace(plan=summary_of(kernel_plans, notes, asked_rank))
-  _, shapes = jax.eval_shape(lambda: fresh_kernel_states(kernel_plans, seed))
-  stale = [p for p in kernel_plans
-           if not same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2])]
-  if not stale:
-    return state
-  _, fresh = fresh_kernel_states(kernel_plans, seed)
-  pick = lambda field, i: {p: fresh[p][i] if p in stale else field[p] for p in kernel_plans}
-  return state._replace(statistics=pick(state.statistics, 0), factors=pick(state.factors, 1),
-                        clipped_rows=pick(state.clipped_rows, 2))
+  _, shapes = jax.eval_shape(lambda: fresh_kernel_states(kernel_plans, 0))
+  for p in kernel_plans:
+    if not same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2]):
+      raise ValueError(
+          f"the state of kernel '{p}' does not have the shapes its plan keeps ({kernel_plans[p].describe()}): it "
+          "comes from another plan or an earlier version of the state. Restore checkpoints into the state of "
+          "tx.init(params) of the same optimizer and scsgd_jax version (see the changelog for format changes).")
+  return state._replace(plan=summary_of(kernel_plans, notes, asked_rank))

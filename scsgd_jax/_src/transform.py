@@ -110,14 +110,10 @@ def scale_by_sketched_conditioning(
     kernel_filter: ``(path, leaf) -> bool`` selecting the conditioned leaves (default: Flax kernels
       and embeddings, and the matrices ``input_axes`` names, :func:`default_kernel_filter`).
     input_axes: each kernel's input axes, a callable ``(path, leaf) -> axes`` or a mapping ``{path: axes}``
-      (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), overriding what the capture read. Not needed
-      with :func:`~scsgd_jax.capture_nnx` / :func:`~scsgd_jax.capture_linen`: their output says each
-      kernel's axes, read from its layer (Einsum equations included). ``init`` sees only the parameters
-      and reads a kernel by :func:`default_input_axes` (right for Dense, Conv, attention, embeddings);
-      a DenseGeneral/Einsum kernel read otherwise is re-planned at the first update with its true axes,
-      keeping the kind of statistics ``init`` chose (so the state keeps its structure) and starting them
-      afresh (the state's shapes change once: ``jit`` traces twice, and a checkpoint template from
-      ``init`` does not fit it; pass ``input_axes`` to plan with the true axes at ``init``).
+      (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), read by ``init``. ``init`` sees only the
+      parameters and reads any other kernel by :func:`default_input_axes` (right for Dense, Conv, attention,
+      embeddings). Plans are fixed at ``init``: an update whose captured layers read a kernel otherwise (a
+      DenseGeneral/Einsum, a stack, feature groups) is refused, naming the kernel and this fix.
     axis_name: under ``jax.pmap`` or ``shard_map`` with a data-parallel axis, its name: the folded
       statistics are averaged over it (``lax.pmean``), so every replica keeps the same state, equal to
       one device folding the gathered rows. Not needed under ``jit`` with sharded arrays (the rows are
@@ -210,7 +206,7 @@ def conditioning_and_plans(s: Settings,
     # layers the capture cannot condition: plain updates, their state untouched, the summary says so
     skipped = {p: f"not conditioned: {why}" for p, why in getattr(layer_inputs, "unconditioned", {}).items()
                if p in kernel_plans}
-    state = state_lib.replanned(state, kernel_plans, s.seed, skipped, s.rank)
+    state = state_lib.noted(state, kernel_plans, skipped, s.rank)
     phases = plan_lib.slice_phases(kernel_plans, every, s.refresh.stagger)  # fixed by the plans
     if skipped:
       state_lib.log_unconditioned(skipped)  # once per trace

@@ -2,7 +2,9 @@
 
 Kernels annotated ``nnx.with_partitioning(init, (None, "model"))`` on a (data 2, model 4) mesh; the model's and the
 ``nnx.Optimizer``'s state constrained by ``nnx.get_partition_spec`` inside ``nnx.jit`` (Flax's guide); 6 sharded
-steps, against the same steps on one device. Prints one JSON line: per alias, the largest parameter difference.
+steps, against the same steps on one device. Then the optax path with the state placed by
+``scsgd_jax.state_shardings``, kernels sharded on their input axis (FSDP) or output axis (tensor parallel). Prints one
+JSON line: per alias, the largest parameter difference (and the placed statistics' specs).
 """
 
 import json
@@ -89,18 +91,63 @@ def run(name, mesh):
   return model
 
 
+def run_placed(name, mesh, kernel_spec):
+  """The optax path with the state placed by ``scsgd_jax.state_shardings``: 6 jitted steps whose outputs keep the
+  parameters' and the state's shardings; the parameters, and each kernel statistic's spec."""
+  with jax.set_mesh(mesh):  # the kernels' annotations need a mesh; the placement below is the rule's own
+    model = MLP(nnx.Rngs(0))
+  tx = aliases(model)[name]
+  graphdef, params = nnx.split(model, nnx.Param)
+  params = nnx.to_pure_dict(params)
+  ps = jax.tree.map(lambda leaf: NamedSharding(mesh, kernel_spec if leaf.ndim == 2 else P()), params)
+  ss = sk.state_shardings(tx, params, ps)
+  params = jax.device_put(params, ps)
+  state = jax.jit(tx.init, out_shardings=ss)(params)
+  two_sided = name == "scsgd_two_sided"
+
+  def step(params, state, x, y):
+    def loss_fn(params, perturbations):
+      logits, inputs = sk.capture_nnx(nnx.merge(graphdef, nnx.State(params)), x, max_rows=None,
+                                      output_perturbations=perturbations)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), inputs
+
+    perturbations = (sk.contrib.output_perturbations_nnx(nnx.merge(graphdef, nnx.State(params)), x)
+                     if two_sided else None)
+    (_, inputs), (grads, deltas) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, perturbations)
+    updates, state = tx.update(grads, state, params, layer_inputs=inputs,
+                               **({"output_grads": deltas} if two_sided else {}))
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, out_shardings=(ps, ss))
+  rng = np.random.default_rng(0)
+  for _ in range(6):
+    x, y = jnp.asarray(rng.standard_normal((16, 16)), jnp.float32), jnp.asarray(rng.integers(0, 8, 16))
+    params, state = step(params, state, x, y)
+  specs = {jax.tree_util.keystr(p): str(leaf.sharding.spec) for p, leaf in jax.tree_util.tree_leaves_with_path(state)
+           if "statistics['l2/kernel']" in jax.tree_util.keystr(p) and leaf.ndim == 2}
+  return params, specs
+
+
 def main():
   auto = (jax.sharding.AxisType.Auto,) * 2
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
   one = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"), axis_types=auto)
-  out = {}
-  for name in ("scsgd", "scsgd_eigen", "scsgd_eigen_muon", "scsgd_two_sided", "conditioning_adamw"):
+  out, placed = {}, {}
+  names = ("scsgd", "scsgd_eigen", "scsgd_eigen_muon", "scsgd_two_sided", "conditioning_adamw")
+  for name in names:
     sharded, single = run(name, mesh), run(name, one)
     kernel = sharded.l1.kernel[...]
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
                zip(jax.tree.leaves(nnx.state(sharded, nnx.Param)), jax.tree.leaves(nnx.state(single, nnx.Param))))
     out[name] = {"difference": diff, "kernel_spec": str(kernel.sharding.spec)}
-  print(json.dumps({"devices": jax.device_count(), "aliases": out}))
+  for layout, spec in (("fsdp", P("model", None)), ("tensor_parallel", P(None, "model"))):
+    placed[layout] = {}
+    for name in names:
+      (sharded, specs), (single, _) = run_placed(name, mesh, spec), run_placed(name, one, spec)
+      diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                 for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single)))
+      placed[layout][name] = {"difference": diff, "statistics_specs": specs}
+  print(json.dumps({"devices": jax.device_count(), "aliases": out, "state_shardings": placed}))
 
 
 if __name__ == "__main__":

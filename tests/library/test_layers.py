@@ -1,5 +1,7 @@
 """Every captured layer type, NNX and Linen: rows reproduce the layer's output, and one step equals a dense oracle."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from flax import nnx
 
 import scsgd_jax as sk
 from scsgd_jax._src import defaults
-from scsgd_jax._src import statistics as stats_lib
+from scsgd_jax._src import layout as layout_lib
 from tests import helpers
 
 LR = 0.1
@@ -99,9 +101,17 @@ def _one_dense_step(layer, x, input_axes=None):
 @pytest.mark.parametrize("name,make,_,x,axes", CASES, ids=[c[0] for c in CASES])
 def test_one_conditioned_step_equals_dense_oracle(name, make, _, x, axes, told):
   """C from this batch alone (ema_rate = 1), A = C^{1/2} (an embedding's at SGD's scale, the default): the update
-  is -lr A^{-1} G in the kernel's layout, with the axes the capture read from the layer, or told up front."""
+  is -lr A^{-1} G in the kernel's layout, told up front or read by init's defaults; a layout the capture reads
+  otherwise than init planned is refused, naming the kernel and the fix."""
   layer = _nnx_layer(make)
   param = "embedding" if name == "embed" else "kernel"
+  leaf = nnx.as_pure(nnx.state(layer, nnx.Param))[param]
+  if not told and sk.Layout(tuple(axes)) != sk.Layout(tuple(layout_lib.default_input_axes(param, leaf))):
+    # plans are fixed at init, which reads the parameters alone: a layout it cannot see is refused, with the fix
+    with pytest.raises(ValueError, match=rf"'{param}' .* read as Layout\(input_axes={re.escape(str(tuple(axes)))}"
+                       r".*planned as .*input_axes=scsgd_jax.input_axes_nnx\(model\)"):
+      _one_dense_step(layer, x)
+    return
   grads, li, updates, _ = _one_dense_step(layer, x, {param: axes} if told else None)
   g_mat, moved_shape = _kernel_matrix(grads[param], axes)
   if name == "embed":
@@ -151,13 +161,15 @@ def test_wrong_input_axes_are_reported_naming_the_kernel():
   told = sk.scsgd(0.1, statistics=sk.Statistics(kind="dense"), input_axes={"kernel": (0,)})
   with pytest.raises(ValueError, match=r"'kernel' read with input axes \(0,\) \(n=6\)"):
     told.update(grads, told.init(params), params, layer_inputs=li)
-  # the captured inputs alone: init's plan (n = 6) is redone at the first update (n = 8), under jit
-  _, state = jax.jit(tx.update)(grads, tx.init(params), params, layer_inputs=li)
+  # the captured inputs alone: init's plan (n = 6) is not redone (plans are fixed at init), it is refused with the fix
+  with pytest.raises(ValueError, match=r"fixed at init.*'kernel' \(6, 8\) read as Layout\(input_axes=\(1,\).*\(n=8\), "
+                     r"planned as Layout\(input_axes=\(0,\).*\(n=6\).*input_axes_nnx"):
+    jax.jit(tx.update)(grads, tx.init(params), params, layer_inputs=li)
+  # told up front, init plans n = 8 and the state keeps it
+  told = sk.scsgd(0.1, statistics=sk.Statistics(kind="dense", every=1), input_axes=sk.input_axes_nnx(layer))
+  _, state = jax.jit(told.update)(grads, told.init(params), params, layer_inputs=li)
   assert state[0].summary() == {"kernel": "dense C, full C^(1/2), n=8"}
   assert state[0].statistics["kernel"].moments.shape == (8, 8)
-  _, again = jax.jit(tx.update)(grads, state, params, layer_inputs=li)  # shapes fit now: the state is kept
-  # re-started afresh, the same rows would give the first fold's moments again
-  assert not np.allclose(again[0].statistics["kernel"].moments, state[0].statistics["kernel"].moments)
 
 
 def test_unknown_layer_kernel_gets_a_clear_error():
@@ -214,7 +226,10 @@ def test_grouped_conv_step_equals_per_group_dense_oracle(groups, cin, cout):
   each block of the kernel gets ``C_g^{-1/2} G_g`` with ``C_g`` from the explicit im2col of its channels."""
   layer = nnx.Conv(cin, cout, (3, 3), feature_group_count=groups, use_bias=False, rngs=nnx.Rngs(0))
   x = jnp.asarray(RNG.standard_normal((2, 6, 6, cin)), jnp.float32)
-  grads, li, updates, new = _one_dense_step(layer, x)
+  if groups > 1:  # init cannot read the groups from the parameters: refused without input_axes, naming the fix
+    with pytest.raises(ValueError, match=r"'kernel' \(3, 3, \d+, \d+\) read as .*groups=\d+.*input_axes_nnx"):
+      _one_dense_step(layer, x)
+  grads, li, updates, new = _one_dense_step(layer, x, sk.input_axes_nnx(layer))
   assert li.input_axes == {"kernel": sk.Layout((0, 1, 2), 0, groups)}
   assert new[0].summary()["kernel"] == f"dense C, full C^(1/2), n={9 * cin // groups}, per group of {groups}"
   g, got = np.asarray(grads["kernel"]), np.asarray(updates["kernel"])

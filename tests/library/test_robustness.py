@@ -155,7 +155,8 @@ def test_orbax_checkpoint_resumes_bit_for_bit(alias, tmp_path):
 def test_every_alias_builds_and_trains_under_flax_sharding_recipe():
   """Flax's SPMD recipe on 8 CPU devices, mesh (data 2, model 4), kernels annotated ``(None, "model")``, the model's
   and optimizer's state constrained by ``nnx.get_partition_spec`` (its own process: the device count is fixed when
-  JAX starts): every alias builds, and 6 sharded steps equal one device's."""
+  JAX starts): every alias builds, and 6 sharded steps equal one device's; so do they on the optax path with the
+  state placed by ``scsgd_jax.state_shardings``, kernels sharded on ``n`` (FSDP) or ``p`` (tensor parallel)."""
   import json
   import os
   import subprocess
@@ -171,6 +172,17 @@ def test_every_alias_builds_and_trains_under_flax_sharding_recipe():
   assert set(r["aliases"]) == {"scsgd", "scsgd_eigen", "scsgd_eigen_muon", "scsgd_two_sided", "conditioning_adamw"}
   for name, got in r["aliases"].items():
     assert got["kernel_spec"] == "P(None, 'model')" and got["difference"] < 1e-5, (name, got)
+  # the state placed by scsgd_jax.state_shardings: equal to one device's, the statistics sharded with their kernel:
+  # l2's streaming sketch (n, l) along n = 32 on 'model' under FSDP; under tensor parallelism (p on 'model') the
+  # input side's sketch has no p and stays whole, the output side's (two-sided: p is its n) shards on 'model'
+  for layout, rows in r["state_shardings"].items():
+    assert set(rows) == set(r["aliases"])
+    for name, got in rows.items():
+      assert got["difference"] < 1e-5, (layout, name, got)
+      output_side = lambda key: "direction[1]" in key
+      sharded = {key for key, spec in got["statistics_specs"].items() if "'model'" in spec}
+      want = {key for key in got["statistics_specs"] if output_side(key) == (layout == "tensor_parallel")}
+      assert sharded == want and (want or layout == "tensor_parallel"), (layout, name, got)
 
 
 def test_the_reported_mlp_trains_with_scsgd_eigen_at_every_adam_rate_to_adamws_best():

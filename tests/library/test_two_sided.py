@@ -98,9 +98,11 @@ def test_one_two_sided_step_equals_dense_oracle(name, make, _, x, axes):
   target = jnp.asarray(RNG.standard_normal(layer(x).shape), jnp.float32)
   li, grads, deltas = _nnx_grads(layer, x, target)
   args = dict(conditioner="full", statistics="dense", ema_rate=1.0, update_every=1, statistics_every=1)
-  tx = optax.chain(sk.scale_by_sketched_conditioning(**grouped(dict(**args))),
-                   sk.contrib.scale_by_output_conditioning(**grouped(dict(**args))), optax.sgd(LR))
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
+  out_axes = tuple(a for a in range(params["kernel"].ndim) if a not in axes)  # plans are fixed at init: told
+  tx = optax.chain(sk.scale_by_sketched_conditioning(input_axes={"kernel": sk.Layout(axes)}, **grouped(dict(**args))),
+                   sk.contrib.scale_by_output_conditioning(output_axes={"kernel": sk.Layout(out_axes)},
+                                                           **grouped(dict(**args))), optax.sgd(LR))
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params, layer_inputs=li, output_grads=deltas)
   rows, delta = np.asarray(li["kernel"], np.float64), np.asarray(deltas["kernel"], np.float64)
   c, d = rows.T @ rows / rows.shape[0], delta.T @ delta / delta.shape[0]
@@ -259,10 +261,11 @@ def test_scsgd_two_sided_refuses_an_argument_one_side_would_take_alone():
   for bad in ({"output_axes": {"kernel": (1,)}}, {"max_rows": 8}, {"budget_share": 0.3}):
     with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(bad))}'"):
       sk.contrib.scsgd_two_sided(LR, **bad)
-  # input_axes (the model's layouts) plans the input side at init
+  # input_axes (the model's layouts) plans both sides at init: the output side along the axes the input side leaves
   tx = sk.contrib.scsgd_two_sided(LR, input_axes={"kernel": sk.Layout((0,), 1)})
   sides = [s for s in jax.tree.leaves(tx.init({"kernel": jnp.ones((3, 4, 5))}), is_leaf=lambda x: hasattr(x, "summary"))
            if hasattr(s, "summary")]
-  assert sides[0].summary()["kernel"].endswith("per layer of a stack (3,)") and "stack" not in sides[1].summary()["kernel"]
+  assert sides[0].summary()["kernel"].endswith("n=4, per layer of a stack (3,)")
+  assert sides[1].summary()["kernel"].endswith("n=5, per layer of a stack (3,)")
   with pytest.raises(ValueError, match="magnitude must be 'rms' or 'sign', got 'adam'"):
     sk.contrib.scsgd_two_sided(LR, magnitude="adam")

@@ -1,0 +1,127 @@
+"""The optimizer state sharded like the parameters, on 8 host CPU devices: per-device state and temporary memory
+against AdamW's and Muon's, and the sharded run against one device's.
+
+  python -m experiments.studies.benchmark_sharding --config configs/benchmark_sharding.py [--results_dir experiments/results]
+
+A residual MLP of ``config.blocks`` blocks (Dense ``(d, hidden)`` then ``(hidden, d)``) and a head, its kernels
+sharded one of two ways: FSDP (every kernel on its input axis ``n`` over all 8 devices, the batch too) or tensor
+parallel (on its output axis ``p`` over ``model`` of a ``(data 2, model 4)`` mesh, the batch over ``data``). Every
+optimizer's state is placed by :func:`scsgd_jax.state_shardings` (the parameters' own rule for a plain optax
+state: a leaf shaped like a parameter sharded as it, the rest replicated) and kept so by the step's output
+shardings. Reported per optimizer and layout: the state's bytes on the fullest device, after ``init`` and after
+``config.steps`` steps (refreshes every ``config.refresh_every``); the compiled step's temporary bytes per device
+(XLA's memory analysis); and the largest parameter difference from the same steps on one device.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import scsgd_jax  # noqa: E402
+from experiments.optim import optimizers  # noqa: E402
+from experiments.run import step as step_lib  # noqa: E402
+from experiments.studies import scaffold  # noqa: E402
+
+BASELINE = "adamw"
+
+
+class ResidualMLP(nnx.Module):
+
+  def __init__(self, d: int, hidden: int, blocks: int, classes: int, rngs: nnx.Rngs):
+    self.ups = nnx.List([nnx.Linear(d, hidden, rngs=rngs) for _ in range(blocks)])
+    self.downs = nnx.List([nnx.Linear(hidden, d, rngs=rngs) for _ in range(blocks)])
+    self.head = nnx.Linear(d, classes, rngs=rngs)
+
+  def __call__(self, x):
+    for up, down in zip(self.ups, self.downs):
+      x = x + down(jax.nn.relu(up(x)))
+    return self.head(x)
+
+
+def _meshes() -> dict[str, tuple[jax.sharding.Mesh, P, P]]:
+  """``{layout: (mesh, a kernel's spec, the batch's spec)}``."""
+  auto = jax.sharding.AxisType.Auto
+  if jax.device_count() < 8:
+    raise RuntimeError(f"benchmark_sharding needs 8 devices, found {jax.device_count()}: run it in a fresh process "
+                       "(it sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts).")
+  fsdp = jax.make_mesh((8,), ("fsdp",), axis_types=(auto,))
+  tp = jax.make_mesh((2, 4), ("data", "model"), axis_types=(auto, auto))
+  return {"fsdp": (fsdp, P("fsdp", None), P("fsdp")), "tensor_parallel": (tp, P(None, "model"), P("data"))}
+
+
+def _param_shardings(params, mesh, kernel_spec):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: NamedSharding(mesh, kernel_spec if leaf.ndim == 2 else P()), params)
+
+
+def _per_device_bytes(tree) -> int:
+  """The bytes of ``tree``'s shards on its fullest device."""
+  per = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+  return max(per.values()) if per else 0
+
+
+def _run(config, name: str, mesh, kernel_spec, batch_spec, data) -> dict:
+  model = ResidualMLP(config.d, config.hidden, config.blocks, config.classes, nnx.Rngs(0))
+  opt = optimizers.create(optimizers.variant(config.run, {"name": name, **config.settings.get(name, {})}),
+                          input_axes=scsgd_jax.input_axes_nnx(model))
+  graphdef, params, rest = step_lib.split(model)
+  ps = _param_shardings(params, mesh, kernel_spec)
+  ss = scsgd_jax.state_shardings(opt.tx, params, ps)
+  params = jax.device_put(params, ps)
+  state = jax.jit(opt.tx.init, out_shardings=ss)(params)
+  init_bytes = _per_device_bytes(state)
+  step = step_lib.make_train_step(graphdef, opt.tx, opt.capture, None, donate=False).__wrapped__
+  replicated = NamedSharding(mesh, P())
+  step = jax.jit(step, out_shardings=(ps, replicated, ss, replicated, replicated))
+  xs, ys = (jax.device_put(a, NamedSharding(mesh, batch_spec)) for a in data)
+  key = jax.random.PRNGKey(0)
+  compiled = step.lower(params, rest, state, xs[0], ys[0], key).compile()
+  memory = compiled.memory_analysis()
+  for i in range(config.steps):
+    params, rest, state, loss, _ = step(params, rest, state, xs[i], ys[i], jax.random.fold_in(key, i))
+  return {"state_bytes_init": init_bytes, "state_bytes": _per_device_bytes(state),
+          "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else None,
+          "loss": float(loss), "params": jax.tree.map(np.asarray, params)}
+
+
+def study(config: ml_collections.ConfigDict, results_dir: str):
+  del results_dir
+  rng = np.random.default_rng(0)
+  teacher = rng.standard_normal((config.d, config.classes))
+  x = rng.standard_normal((config.steps, config.batch, config.d)) * np.logspace(0, -2, config.d)
+  data = (jnp.asarray(x, jnp.float32), jnp.asarray(np.argmax(x @ teacher, -1), jnp.int32))
+  one = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1), ("fsdp",),
+                          axis_types=(jax.sharding.AxisType.Auto,))
+  out = {"devices": jax.device_count(), "layouts": {}}
+  for layout, (mesh, kernel_spec, batch_spec) in _meshes().items():
+    rows = {}
+    for name in config.optimizers:
+      sharded = _run(config, name, mesh, kernel_spec, batch_spec, data)
+      alone = _run(config, name, one, P(None, None), P(), data)
+      diff = max(float(np.max(np.abs(a - b))) for a, b in
+                 zip(jax.tree.leaves(sharded.pop("params")), jax.tree.leaves(alone.pop("params"))))
+      rows[name] = {**sharded, "max_param_difference_vs_one_device": diff,
+                    "state_bytes_one_device": alone["state_bytes"]}
+    base = rows[BASELINE]
+    for row in rows.values():
+      row["state_vs_adamw"] = row["state_bytes"] / base["state_bytes"]
+      if row["temp_bytes"] is not None and rows.get("muon", {}).get("temp_bytes"):
+        row["temp_vs_muon"] = row["temp_bytes"] / rows["muon"]["temp_bytes"]
+    out["layouts"][layout] = rows
+  return out, "benchmark_sharding.json"
+
+
+if __name__ == "__main__":
+  scaffold.run(study)

@@ -1,0 +1,129 @@
+"""The optimizer state's shardings from the parameters': what to give ``jax.jit``'s ``out_shardings`` for ``init``
+(and the step's state), so the statistics shard with their kernels instead of staying whole on every device."""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from scsgd_jax._src import layout as layout_lib
+from scsgd_jax._src.state import PlanSummary
+
+__all__ = ["state_shardings"]
+
+
+def state_shardings(tx, params, param_shardings):
+  """The shardings of ``tx.init(params)``'s leaves, from the parameters' (``param_shardings``: a tree like
+  ``params`` of :class:`~jax.sharding.NamedSharding`, or of :class:`~jax.sharding.PartitionSpec`; the answer is of
+  the same kind).
+
+  - A leaf shaped like a parameter, at that parameter's place in a tree like the parameters (momentum, Adam's
+    moments, any optax state's): the parameter's sharding.
+  - A conditioned kernel's statistics, factor and rotated moments: along the kernel's input (``n``) axes where a
+    dimension has the kernel's ``n``, along its output (``p``) axes where one has its ``p``, along its stack axes
+    where one leads with its slices; each mesh axis used once per leaf, and only where it divides the dimension.
+    The output side's state reads the kernel's output axes as its ``n``.
+  - Everything else (counts, keys, rotations ``k x k``): replicated.
+
+  ``tx`` may be any optax transformation containing this library's (a chain, ``optax.masked``, ...): the
+  conditioning states are found in ``jax.eval_shape(tx.init, params)`` by type. Example::
+
+    shardings = scsgd_jax.state_shardings(tx, params, jax.tree.map(lambda p: p.sharding, params))
+    opt_state = jax.jit(tx.init, out_shardings=shardings)(params)
+  """
+  state = jax.eval_shape(tx.init, params)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  leaves = treedef.flatten_up_to(param_shardings)
+  by_path = {_keys(p): (tuple(leaf.shape), s) for (p, leaf), s in zip(flat, leaves)}
+  kernels = {layout_lib.path_to_str(p): (tuple(leaf.shape), s) for (p, leaf), s in zip(flat, leaves)}
+  kind = next(iter(leaves), None)
+  replicated = (NamedSharding(kind.mesh, PartitionSpec()) if isinstance(kind, NamedSharding) else PartitionSpec())
+  return _walk(state, (), None, kernels, by_path, replicated)
+
+
+def _keys(path) -> tuple:
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _layouts(node) -> Optional[dict]:
+  """The kernels' layouts a state node's own plans read (its ``plan``, or its conditioning's), or ``None``."""
+  plan = getattr(node, "plan", None)
+  if isinstance(plan, PlanSummary):
+    return plan.layouts
+  inner = getattr(node, "conditioning", None)
+  return _layouts(inner) if inner is not None else None
+
+
+def _walk(node, path, layouts, kernels, by_path, replicated):
+  """The shardings of ``node`` (at key path ``path``), ``layouts`` those of the nearest enclosing conditioning."""
+  if node is None:
+    return None
+  if isinstance(node, Mapping) and layouts and node and all(k in layouts for k in node):  # {kernel path: ...}
+    return type(node)({k: jax.tree.map(lambda leaf, k=k: _kernel_sharding(leaf, kernels[k], layouts[k], replicated), v)
+                       for k, v in node.items()})
+  children, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+  if treedef == jax.tree_util.tree_structure(0):  # an array: a parameter's place, with its shape, or replicated
+    for start in range(len(path)):
+      hit = by_path.get(tuple(path[start:]))
+      if hit is not None and hit[0] == tuple(node.shape):
+        return hit[1]
+    return replicated
+  own = _layouts(node)  # a conditioning state: its own plans; else its enclosing one's
+  inner = layouts if own is None else own
+  return treedef.unflatten(
+      _walk(child, path + _keys(key), _side(node, _keys(key), inner), kernels, by_path, replicated)
+      for key, child in children)
+
+
+def _side(node, field: tuple, layouts):
+  """An eigenbasis state's output rotations are read along the output side's layouts."""
+  if field == ("output_rotations",) and getattr(node, "output", None) is not None:
+    return _layouts(node.output)
+  return layouts
+
+
+def _kernel_sharding(leaf, kernel, layout: layout_lib.Layout, replicated):
+  """One leaf of a kernel's statistics, factor or moments, sharded along the kernel's axes of equal size."""
+  if not hasattr(leaf, "shape"):
+    return replicated
+  shape, sharding = kernel
+  spec = _spec_of(sharding, len(shape))
+  stack = layout.stack
+  inner = [a for a in range(len(shape) - stack)]
+  n_axes = _mesh_axes(spec[stack + a] for a in layout.input_axes)
+  p_axes = _mesh_axes(spec[stack + a] for a in inner if a not in layout.input_axes)
+  n = math.prod(shape[stack + a] for a in layout.input_axes)
+  slices = math.prod(shape[:stack]) * layout.groups
+  p = math.prod(shape) // (n * slices)
+  out, used, dims = [None] * len(leaf.shape), set(), list(leaf.shape)
+  wanted = []
+  if (stack or layout.groups > 1) and dims and dims[0] == slices:
+    wanted.append((0, _mesh_axes(spec[:stack]) if layout.groups == 1 else ()))
+  start = len(wanted)
+  for size, axes in ((n, n_axes), (p, p_axes), (n, p_axes)):  # a dense C (n, n): its second n takes p's axes
+    d = next((d for d in range(start, len(dims)) if dims[d] == size and d not in dict(wanted)), None)
+    if d is not None and not (size == n and axes is p_axes and any(a is p_axes for _, a in wanted)):
+      wanted.append((d, axes))
+  mesh = getattr(sharding, "mesh", None)
+  for d, axes in wanted:
+    axes = tuple(a for a in axes if a not in used)
+    if axes and (mesh is None or dims[d] % math.prod(mesh.shape[a] for a in axes) == 0):
+      out[d] = axes[0] if len(axes) == 1 else axes
+      used.update(axes)
+  spec = PartitionSpec(*out)
+  return NamedSharding(sharding.mesh, spec) if isinstance(sharding, NamedSharding) else spec
+
+
+def _spec_of(sharding, ndim: int) -> tuple:
+  spec = tuple(sharding.spec if isinstance(sharding, NamedSharding) else sharding or ())
+  return spec + (None,) * (ndim - len(spec))
+
+
+def _mesh_axes(entries) -> tuple[str, ...]:
+  out = []
+  for e in entries:
+    out.extend(() if e is None else (e,) if isinstance(e, str) else tuple(e))
+  return tuple(out)

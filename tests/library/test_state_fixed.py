@@ -1,0 +1,143 @@
+"""The state is fixed at ``init``: for every layer kind a user writes and every alias, the state after updates has
+``init``'s structure, shapes and dtypes, and restores into a freshly built optimizer; a layout ``init`` cannot read
+from the parameters is refused at the first update, naming the kernel and the fix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax import serialization
+
+import scsgd_jax as sk
+from tests.library import test_layers, test_recipes, test_stacks
+
+# the library's aliases at a rate; two-sided reads the output gradients. The eigenbasis keeps moments beside the
+# statistics, which these small kernels cannot afford under the memory rule: fixed streaming statistics at rank 2
+SMALL = dict(rank=2, statistics=sk.Statistics(kind="streaming"))
+ALIASES = {
+    "scsgd": (lambda axes: sk.scsgd(0.05, input_axes=axes), False),
+    "scsgd_eigen": (lambda axes: sk.scsgd_eigen(1e-3, input_axes=axes, **SMALL), False),
+    "scsgd_eigen_muon": (lambda axes: sk.scsgd_eigen_muon(1e-3, input_axes=axes, **SMALL), False),
+    "scsgd_eigen_both_sides": (lambda axes: sk.scsgd_eigen(1e-3, sides="both", basis="gradients", input_axes=axes,
+                                                           **SMALL), False),
+    "scsgd_two_sided": (lambda axes: sk.contrib.scsgd_two_sided(1e-3, input_axes=axes), True),
+}
+IMAGES = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8, 8, 3)), jnp.float32)
+IDS = test_stacks.IDS
+MEAN_SQUARE = lambda out: jnp.mean(jnp.square(out))
+
+
+class DenseNet(nnx.Module):
+  def __init__(self, rngs):
+    self.l1, self.l2 = nnx.Linear(192, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(jax.nn.relu(self.l1(x.reshape(x.shape[0], -1))))
+
+
+class EveryLayer(nnx.Module):
+  """Every layer kind a user writes, in one model: Dense; Conv, depthwise Conv, ConvTranspose; Einsum,
+  LinearGeneral (DenseGeneral), Embed; an nnx.scan stack; an nnx.vmap ensemble."""
+
+  def __init__(self, rngs):
+    self.dense, self.convs = DenseNet(rngs), test_layers._Mixed(rngs)
+    self.einsums, self.scan = test_recipes.GemmaStyle(rngs), test_stacks.ScannedLM(rngs)
+    self.ensemble = test_stacks.Ensemble(rngs)
+
+  def __call__(self, images, ids):
+    return (MEAN_SQUARE(self.dense(images)) + MEAN_SQUARE(self.convs(images)) + MEAN_SQUARE(self.einsums(ids))
+            + test_stacks._loss(self.scan(ids)) + MEAN_SQUARE(self.ensemble(self.einsums.embed(ids).mean(1))))
+
+
+def _updated(alias, updates=3, told=True):
+  """``(tx, params, f)``: ``f(params)`` is the state after ``updates`` of the README's step (capture, gradients,
+  update, apply) on a fresh :class:`EveryLayer` under ``alias``, traced (``jax.eval_shape`` of it compiles nothing)."""
+  model = EveryLayer(nnx.Rngs(0))
+  make, two_sided = ALIASES[alias]
+  tx = make(sk.input_axes_nnx(model) if told else None)
+  graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  merged = lambda p: nnx.merge(graphdef, nnx.State(p))
+
+  def run(params):
+    state = tx.init(params)
+    for _ in range(updates):
+      loss_fn = lambda p, perturbations: sk.capture_nnx(merged(p), IMAGES, IDS, max_rows=None,
+                                                        output_perturbations=perturbations)
+      perturbations = sk.contrib.output_perturbations_nnx(merged(params), IMAGES, IDS) if two_sided else None
+      (_, inputs), (grads, deltas) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, perturbations)
+      updates_, state = tx.update(grads, state, params, layer_inputs=inputs,
+                                  **({"output_grads": deltas} if two_sided else {}))
+      params = optax.apply_updates(params, updates_)
+    return state
+
+  return tx, params, run
+
+
+def _layout(tree):
+  return [(jax.tree_util.keystr(p), np.shape(v), np.result_type(v)) for p, v in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_state_after_updates_has_inits_layout_and_restores_into_a_fresh_optimizer(alias):
+  """Every layer kind, every alias: the state after 3 updates has ``init``'s structure, shapes and dtypes (so a
+  checkpoint of it restores into the state of a freshly built optimizer), and every kind of kernel is planned."""
+  tx, params, run = _updated(alias)
+  fresh, after = jax.eval_shape(tx.init, params), jax.eval_shape(run, params)
+  assert jax.tree.structure(after) == jax.tree.structure(fresh)
+  assert _layout(after) == _layout(fresh)
+  conditioning = next(s for s in jax.tree.leaves(fresh, is_leaf=lambda x: hasattr(x, "summary")) if hasattr(
+      s, "summary"))
+  summary = getattr(conditioning, "conditioning", conditioning).summary()
+  kernels = ["dense/l1/kernel", "convs/conv/kernel", "convs/dw/kernel", "einsums/q/kernel", "einsums/kv/kernel",
+             "scan/blocks/up/kernel", "ensemble/members/l1/kernel"]
+  if alias == "scsgd_eigen_muon":  # Muon's filter leaves a grouped conv to the AdamW part
+    kernels.remove("convs/dw/kernel")
+    assert summary["convs/dw/kernel"] == "not conditioned: excluded by kernel_filter"
+  for kernel in kernels:
+    assert not summary[kernel].startswith("not conditioned"), (kernel, summary[kernel])
+  assert summary["convs/up/kernel"].startswith("not conditioned")  # the transposed conv: plain, and said
+  # a msgpack checkpoint restores into a freshly built optimizer's state (the template every restore uses)
+  state = tx.init(params)
+  restored = serialization.from_bytes(_updated(alias)[0].init(params), serialization.to_bytes(state))
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
+
+
+def test_a_layout_init_cannot_read_is_refused_naming_each_kernel_and_the_fix():
+  """Without ``input_axes``, ``init`` reads a grouped conv, an Einsum, a stack or an ensemble by the name-based
+  defaults; the first update, whose capture says the layer's layout, refuses them (the state never changes shape)."""
+  tx, params, run = _updated("scsgd", updates=1, told=False)
+  with pytest.raises(ValueError, match=r"fixed at init.*'convs/dw/kernel' .*'einsums/q/kernel' .*'ensemble/members/"
+                     r"l1/kernel' .*'scan/blocks/up/kernel' .*input_axes=scsgd_jax.input_axes_nnx\(model\)"):
+    jax.eval_shape(run, params)
+
+
+def test_state_shardings_follow_each_kernels_axes_and_the_parameters():
+  """``state_shardings`` from PartitionSpecs (no devices needed): a kernel's dense ``C`` (n, n) sharded as the
+  kernel (n's axes, then p's), a streaming sketch (n, l) and factor ``Q`` (n, k) along n, the rotated moments
+  (k, p) along p, a stack's statistics along its stack axis; momentum as its parameter; the rest replicated."""
+  from jax.sharding import PartitionSpec as P
+  params = {"a": {"kernel": jnp.ones((16, 64)), "bias": jnp.ones(64)}, "b": {"kernel": jnp.ones((1024, 64))},
+            "s": {"kernel": jnp.ones((3, 16, 8))}}
+  specs = {"a": {"kernel": P("fsdp", "tp"), "bias": P("tp")}, "b": {"kernel": P("fsdp", None)},
+           "s": {"kernel": P("stage", None, "tp")}}
+  axes = {"s/kernel": sk.Layout((0,), 1)}
+  got = sk.state_shardings(sk.scsgd(0.1, input_axes=axes), params, specs)
+  inner, momentum = got[0], got[1][0].trace
+  state = sk.scsgd(0.1, input_axes=axes).init(params)[0]
+  assert state.summary()["a/kernel"].startswith("dense C") and state.summary()["b/kernel"].startswith("streaming")
+  assert inner.statistics["a/kernel"].moments == P("fsdp", "tp")
+  assert inner.factors["a/kernel"].b_inv == P("fsdp", "tp")
+  assert inner.statistics["b/kernel"].omega == P("fsdp", None)
+  assert inner.factors["b/kernel"].q == P("fsdp", None) and inner.factors["b/kernel"].b_inv == P(None, None)
+  assert inner.statistics["s/kernel"].moments == P("stage", None, "tp")  # (3, 16, 16): stack, n, and n taking p's
+  assert inner.count == P() and inner.key == P() and inner.clipped_rows["a/kernel"] == P()
+  assert momentum == specs
+  eigen = sk.state_shardings(sk.scsgd_eigen(1e-3, input_axes=axes), params, specs)[0]
+  # Adam's moment of U^T G: (n, p) at full rank, (k, p) sketched (b's p is not sharded), a stack's per slice
+  assert eigen.moments["a/kernel"].lead == P("fsdp", "tp")
+  assert eigen.moments["b/kernel"] == type(eigen.moments["b/kernel"])(P(None, None), P("fsdp"), P(None))
+  assert eigen.moments["s/kernel"] == type(eigen.moments["s/kernel"])(P("stage", None, "tp"), P("stage", None),
+                                                                      P("stage", "tp"))
+  assert eigen.mu == specs
