@@ -11,6 +11,9 @@ def get_config():
   config.d, config.hidden, config.blocks, config.classes = 256, 1024, 4, 16  # a 4-block MLP, n = 256 and 1024
   config.batch = 64
   config.steps = 20
+  # each optimizer at its registry rate (its authors') times this, constant: small enough that no run diverges,
+  # so the sharded run's difference from one device's is rounding, not chaos
+  config.rate_scale = 0.1
   config.optimizers = ("sgd", "adamw", "muon", "scsgd", "scsgd_adamw", "scsgd_eigen", "scsgd_eigen_muon",
                        "scsgd_two_sided")
   # refreshes every 5 steps (the warm start's at 1, 2, 4 besides), so 20 steps refresh several times

@@ -9,7 +9,8 @@ parallel (on its output axis ``p`` over ``model`` of a ``(data 2, model 4)`` mes
 optimizer's state is placed by :func:`scsgd_jax.state_shardings` (the parameters' own rule for a plain optax
 state: a leaf shaped like a parameter sharded as it, the rest replicated) and kept so by the step's output
 shardings. Reported per optimizer and layout: the state's bytes on the fullest device, after ``init`` and after
-``config.steps`` steps (refreshes every ``config.refresh_every``); the compiled step's temporary bytes per device
+``config.steps`` steps at each optimizer's registry rate (its authors', times ``config.rate_scale``; refreshes
+every ``config.settings``' period); the compiled step's temporary bytes per device
 (XLA's memory analysis); and the largest parameter difference from the same steps on one device.
 """
 
@@ -28,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import scsgd_jax  # noqa: E402
 from experiments.optim import optimizers  # noqa: E402
+from experiments.optim import registry  # noqa: E402
 from experiments.run import step as step_lib  # noqa: E402
 from experiments.studies import scaffold  # noqa: E402
 
@@ -74,8 +76,10 @@ def _per_device_bytes(tree) -> int:
 
 def _run(config, name: str, mesh, kernel_spec, batch_spec, data) -> dict:
   model = ResidualMLP(config.d, config.hidden, config.blocks, config.classes, nnx.Rngs(0))
-  opt = optimizers.create(optimizers.variant(config.run, {"name": name, **config.settings.get(name, {})}),
-                          input_axes=scsgd_jax.input_axes_nnx(model))
+  recipe = registry.recipe(name, "transformer")  # as its authors run it (its head named "head"), at their rate
+  run = optimizers.variant(config.run, {"name": name, **recipe.settings, **config.settings.get(name, {})})
+  run.schedule = ml_collections.ConfigDict({"name": "constant", "base": recipe.learning_rate * config.rate_scale})
+  opt = optimizers.create(run, input_axes=scsgd_jax.input_axes_nnx(model))
   graphdef, params, rest = step_lib.split(model)
   ps = _param_shardings(params, mesh, kernel_spec)
   ss = scsgd_jax.state_shardings(opt.tx, params, ps)
@@ -85,7 +89,7 @@ def _run(config, name: str, mesh, kernel_spec, batch_spec, data) -> dict:
   step = step_lib.make_train_step(graphdef, opt.tx, opt.capture, None, donate=False).__wrapped__
   replicated = NamedSharding(mesh, P())
   step = jax.jit(step, out_shardings=(ps, replicated, ss, replicated, replicated))
-  xs, ys = (jax.device_put(a, NamedSharding(mesh, batch_spec)) for a in data)
+  xs, ys = (jax.device_put(a, NamedSharding(mesh, P(None, *batch_spec))) for a in data)  # (steps, batch, ...)
   key = jax.random.PRNGKey(0)
   compiled = step.lower(params, rest, state, xs[0], ys[0], key).compile()
   memory = compiled.memory_analysis()
