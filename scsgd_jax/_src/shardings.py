@@ -92,23 +92,25 @@ def _kernel_sharding(leaf, kernel, layout: layout_lib.Layout, replicated):
   shape, sharding = kernel
   spec = _spec_of(sharding, len(shape))
   stack = layout.stack
-  inner = [a for a in range(len(shape) - stack)]
   n_axes = _mesh_axes(spec[stack + a] for a in layout.input_axes)
-  p_axes = _mesh_axes(spec[stack + a] for a in inner if a not in layout.input_axes)
+  p_axes = _mesh_axes(spec[stack + a] for a in range(len(shape) - stack) if a not in layout.input_axes)
   n = math.prod(shape[stack + a] for a in layout.input_axes)
   slices = math.prod(shape[:stack]) * layout.groups
   p = math.prod(shape) // (n * slices)
   out, used, dims = [None] * len(leaf.shape), set(), list(leaf.shape)
-  wanted = []
+  wanted = {}  # {leaf dimension: the kernel's mesh axes it takes}, in the order they are given
   if (stack or layout.groups > 1) and dims and dims[0] == slices:
-    wanted.append((0, _mesh_axes(spec[:stack]) if layout.groups == 1 else ()))
-  start = len(wanted)
-  for size, axes in ((n, n_axes), (p, p_axes), (n, p_axes)):  # a dense C (n, n): its second n takes p's axes
-    d = next((d for d in range(start, len(dims)) if dims[d] == size and d not in dict(wanted)), None)
-    if d is not None and not (size == n and axes is p_axes and any(a is p_axes for _, a in wanted)):
-      wanted.append((d, axes))
+    wanted[0] = _mesh_axes(spec[:stack]) if layout.groups == 1 else ()
+  free = lambda size: next((d for d in range(len(dims)) if dims[d] == size and d not in wanted), None)
+  d = free(n)
+  if d is not None:
+    wanted[d] = n_axes
+  d = free(p)
+  d = free(n) if d is None else d  # no p: a dense C (n, n) gives its second n the output axes
+  if d is not None:
+    wanted[d] = p_axes
   mesh = getattr(sharding, "mesh", None)
-  for d, axes in wanted:
+  for d, axes in wanted.items():
     axes = tuple(a for a in axes if a not in used)
     if axes and (mesh is None or dims[d] % math.prod(mesh.shape[a] for a in axes) == 0):
       out[d] = axes[0] if len(axes) == 1 else axes
