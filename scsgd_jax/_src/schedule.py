@@ -3,13 +3,13 @@ computation (a bank), whichever of them is due."""
 
 from __future__ import annotations
 
-import collections
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scsgd_jax._src import banks as banks_lib
 from scsgd_jax._src import defaults
 from scsgd_jax._src import fold as fold_lib
 from scsgd_jax._src import plan as plan_lib
@@ -39,23 +39,6 @@ def refresh_due(count, phase: int, update_every: int, warm_start: bool, statisti
   return due
 
 
-def _stacked(trees, lone):
-  """``trees`` (one per kernel) as one tree of stacked slices: ``lone[i]`` marks a kernel of one slice kept without
-  a leading axis (it gets one); the others already lead with their slices."""
-  return jax.tree.map(lambda *xs: jnp.concatenate(xs), *[jax.tree.map(lambda a: a[None], t) if l else t
-                                                         for t, l in zip(trees, lone)])
-
-
-def _unstacked(tree, sizes, lone):
-  """The inverse of :func:`_stacked`: one tree per kernel of ``sizes`` slices."""
-  out, start = [], 0
-  for size, l in zip(sizes, lone):
-    part = jax.tree.map(lambda a, start=start, size=size: a[start:start + size], tree)
-    out.append(jax.tree.map(lambda a: a[0], part) if l else part)
-    start += size
-  return out
-
-
 def normalizes(normalize: str, plan: plan_lib.KernelPlan) -> bool:
   """Whether ``normalize`` (``'none'``, ``'embeddings'`` or ``'all'``) conditions ``plan``'s kernel by ``C / (tr C / n)``."""
   return normalize == "all" or (normalize == "embeddings" and plan.statistics.takes_ids)
@@ -74,11 +57,8 @@ def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: C
     return dict(old_factors), key
   keys = jax.random.split(key, len(kernel_plans) + 1)
   key_of = dict(zip(kernel_plans, keys[1:]))
-  banks = collections.defaultdict(list)
-  for path, plan in kernel_plans.items():
-    banks[(plan.kind, plan.n, plan.rank, id(plan.statistics))].append(path)
   factors = dict(old_factors)
-  for paths in banks.values():
+  for paths in banks_lib.grouped(kernel_plans):
     plan = kernel_plans[paths[0]]
 
     def make(s, kk, plan=plan):
@@ -86,8 +66,7 @@ def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: C
       return kept_factor(plan, normalized(factor, plan.statistics.trace(s), plan.n) if normalizes(normalize, plan)
                          else factor)
 
-    lone = [kernel_plans[p].slices is None for p in paths]
-    sizes = [kernel_plans[p].slices or 1 for p in paths]
+    lone, sizes = banks_lib.layout(kernel_plans, paths)
     member_phases = np.concatenate([phases[p] for p in paths])
     members = len(member_phases)
     member_keys = jnp.concatenate([jax.random.split(key_of[p], kernel_plans[p].slices) if kernel_plans[p].slices
@@ -96,7 +75,7 @@ def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: C
 
     def refresh_due_members(operand):
       # one compiled refresh for the whole bank: a loop over its members, each refreshed in place if due
-      s, f = (_stacked(t, lone) for t in operand)
+      s, f = (banks_lib.stacked(t, lone) for t in operand)
 
       def body(j, f):
         pick = lambda tree: jax.tree.map(lambda a: a[j], tree)
@@ -107,7 +86,7 @@ def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: C
 
         return jax.lax.cond(due[j], renew, lambda f: f, f)
 
-      return _unstacked(jax.lax.fori_loop(0, members, body, f), sizes, lone)
+      return banks_lib.unstacked(jax.lax.fori_loop(0, members, body, f), sizes, lone)
 
     operand = ([stats[p] for p in paths], [old_factors[p] for p in paths])
     factors.update(zip(paths, jax.lax.cond(jnp.any(due), refresh_due_members, lambda o: list(o[1]), operand)))

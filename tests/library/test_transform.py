@@ -594,3 +594,38 @@ def test_a_rank_at_least_n_is_refused_with_advice_that_leads_somewhere(kwargs, a
   with pytest.raises(ValueError, match=re.escape(f"rank=8 must be < n=8, the input dimension of kernel 'd/kernel': "
                                                  f"lower rank below n, {advice}")):
     sk.scale_by_sketched_conditioning(**grouped(dict(**kwargs))).init({"d": {"kernel": jnp.zeros((8, 3))}})
+
+
+def test_kernels_alike_fold_as_one_bank_each_member_exactly_as_alone():
+  """Kernels of one plan whose rows have one shape fold as one bank (one computation over their stacked rows):
+  each member's statistics are its own hand-computed EMA, (1 - nu) I + nu X^T X / m, a stacked kernel's slices
+  each their own; an outlier is clipped in its own member only (and counted there); a member whose rows are not
+  finite keeps its statistics while the others fold; a kernel of the same n with another number of rows folds
+  apart, as exactly."""
+  rng = np.random.default_rng(5)
+  n, p, m = 6, 3, 8
+  params = {k: {"kernel": jnp.asarray(rng.standard_normal((n, p)), jnp.float32)} for k in ("a", "b", "c", "d")}
+  params["s"] = {"kernel": jnp.asarray(rng.standard_normal((2, n, p)), jnp.float32)}  # a stack of two layers
+  tx = sk.scale_by_sketched_conditioning(
+      3, statistics=sk.Statistics(kind="dense", ema_rate=NU, every=1), refresh=sk.Refresh(warm_start=False),
+      input_axes={"s/kernel": sk.Layout((0,), stack=1)})
+  state = tx.init(params)
+  rows = {k: rng.standard_normal((m, n)).astype(np.float32) for k in ("a", "b", "c")}
+  rows["b"][0] *= 1e3  # an outlier: clipped in b alone
+  rows["c"][1, 2] = np.nan  # c keeps its statistics
+  rows["d"] = rng.standard_normal((m + 3, n)).astype(np.float32)  # same plan, other rows: its own bank
+  rows["s"] = rng.standard_normal((2, m, n)).astype(np.float32)
+  grads = jax.tree.map(jnp.ones_like, params)
+  _, new = jax.jit(tx.update)(grads, state, params,
+                              layer_inputs={k: {"kernel": jnp.asarray(x)} for k, x in rows.items()})
+  ema = lambda x: (1 - NU) * np.eye(n) + NU * x.T.astype(np.float64) @ x / x.shape[0]
+  bound = np.sqrt(100.0 * n)  # the guard's bound: 100 x the running tr C = n (the identity prior)
+  clipped_b = rows["b"].copy()
+  clipped_b[0] *= bound / np.linalg.norm(clipped_b[0])
+  expected = {"a": ema(rows["a"]), "b": ema(clipped_b), "c": np.eye(n), "d": ema(rows["d"])}
+  for k, c in expected.items():
+    np.testing.assert_allclose(new.statistics[f"{k}/kernel"].moments, c, rtol=1e-5, atol=1e-6, err_msg=k)
+  for i in range(2):
+    np.testing.assert_allclose(new.statistics["s/kernel"].moments[i], ema(rows["s"][i]), rtol=1e-5, atol=1e-6)
+  assert {k: int(v) for k, v in new.clipped_rows.items()} == {"a/kernel": 0, "b/kernel": 1, "c/kernel": 0,
+                                                               "d/kernel": 0, "s/kernel": 0}
