@@ -19,4 +19,9 @@ def get_config():
   # refreshes every 5 steps (the warm start's at 1, 2, 4 besides), so 20 steps refresh several times
   config.settings = ml_collections.ConfigDict({name: {"update_every": 5} for name in config.optimizers
                                                if name.startswith("scsgd")})
+  # 2: the same on 2 processes x 4 host devices (into benchmark_sharding_2x4.json); process_id and port are the
+  # study's own, set for the processes it starts
+  config.processes = 1
+  config.process_id = -1
+  config.port = 0
   return config

@@ -27,7 +27,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any
 
 import jax
@@ -72,12 +71,6 @@ def _spied(tx: optax.GradientTransformation, seen: dict):
   return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
-def _seconds(fn, *args, **kwargs) -> tuple[float, Any]:
-  start = time.perf_counter()
-  compiled = fn.lower(*args, **kwargs).compile()
-  return time.perf_counter() - start, compiled
-
-
 def measure(config: ml_collections.ConfigDict, model_name: str, name: str) -> dict[str, float]:
   """One process's figures for ``name`` on ``model_name`` (see the module docstring)."""
   spec = config.model.to_dict()
@@ -90,9 +83,11 @@ def measure(config: ml_collections.ConfigDict, model_name: str, name: str) -> di
   step = step_lib.make_train_step(graphdef, _spied(opt.tx, seen), opt.capture, config.run.max_rows or None,
                                   donate=False)
   xs, ys = benchmark_step._data(model_name, shape, classes, spec["batch"], 1)
-  step_s, _ = _seconds(step, params, rest, opt.tx.init(params), xs[0], ys[0], jax.random.PRNGKey(0))
+  step_s = benchmark_step.first_step_seconds(step, (params, rest, opt.tx.init(params), xs[0], ys[0],
+                                                    jax.random.PRNGKey(0)))[0]["total_s"]
   update = jax.jit(lambda args, extra: opt.tx.update(*args, **extra))
-  update_s, compiled = _seconds(update, seen["args"], seen["extra"])
+  update_s, compiled = benchmark_step.first_step_seconds(update, (seen["args"], seen["extra"]))
+  update_s = update_s["total_s"]
   return {"step_s": step_s, "update_s": update_s, "update_kernels": kernels(compiled.as_text())}
 
 

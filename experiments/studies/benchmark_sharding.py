@@ -12,11 +12,19 @@ shardings. Reported per optimizer and layout: the state's bytes on the fullest d
 ``config.steps`` steps at each optimizer's registry rate (its authors', times ``config.rate_scale``; refreshes
 every ``config.settings``' period); the compiled step's temporary bytes per device
 (XLA's memory analysis); and the largest parameter difference from the same steps on one device.
+
+``--config.processes=2`` runs the same on 2 processes x 4 host devices (``jax.distributed`` on localhost, gloo):
+the meshes span both processes, each feeds its part of every batch, and each compares with its own one-device run;
+process 0's figures go to ``benchmark_sharding_2x4.json``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -30,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import scsgd_jax  # noqa: E402
 from experiments.optim import optimizers  # noqa: E402
 from experiments.optim import registry  # noqa: E402
+from experiments.run import devices  # noqa: E402
 from experiments.run import step as step_lib  # noqa: E402
 from experiments.studies import scaffold  # noqa: E402
 
@@ -83,7 +92,7 @@ def _run(config, name: str, mesh, kernel_spec, batch_spec, data) -> dict:
   graphdef, params, rest = step_lib.split(model)
   ps = _param_shardings(params, mesh, kernel_spec)
   ss = scsgd_jax.state_shardings(opt.tx, params, ps)
-  params = jax.device_put(params, ps)
+  params = jax.device_put(params, ps)  # the same values in every process: each places its own shards
   state = jax.jit(opt.tx.init, out_shardings=ss)(params)
   init_bytes = _per_device_bytes(state)
   step = step_lib.make_train_step(graphdef, opt.tx, opt.capture, None, donate=False).__wrapped__
@@ -97,18 +106,56 @@ def _run(config, name: str, mesh, kernel_spec, batch_spec, data) -> dict:
     params, rest, state, loss, _ = step(params, rest, state, xs[i], ys[i], jax.random.fold_in(key, i))
   return {"state_bytes_init": init_bytes, "state_bytes": _per_device_bytes(state),
           "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else None,
-          "loss": float(loss), "params": jax.tree.map(np.asarray, params)}
+          "loss": float(loss), "params": _gathered(params, mesh)}
+
+
+def _gathered(tree, mesh):
+  """``tree``'s values on the host (each process gathers every shard, from every process)."""
+  whole = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(tree)
+  return jax.tree.map(lambda leaf: np.asarray(leaf.addressable_data(0)), whole)
+
+
+def _port() -> int:
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def _processes(config) -> dict:
+  """The study as ``config.processes`` processes of ``8 / processes`` host devices each (this command with
+  ``--config.process_id``): process 0's results."""
+  port, n = _port(), config.processes
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // n}"}
+  children = [subprocess.Popen([sys.executable, "-m", "experiments.studies.benchmark_sharding", *sys.argv[1:],
+                                f"--config.process_id={i}", f"--config.port={port}"], env=env, text=True,
+                               stdout=subprocess.PIPE) for i in range(n)]
+  outs = [child.communicate()[0] for child in children]
+  if any(child.returncode for child in children):
+    raise RuntimeError(f"a process of the {n}-process run failed (exit statuses {[c.returncode for c in children]})")
+  return json.loads(outs[0].strip().splitlines()[-1])
 
 
 def study(config: ml_collections.ConfigDict, results_dir: str):
   del results_dir
+  if config.processes > 1 and config.process_id < 0:
+    return _processes(config), f"benchmark_sharding_{config.processes}x{8 // config.processes}.json"
+  if config.process_id >= 0:
+    devices.initialize(f"127.0.0.1:{config.port}", config.processes, config.process_id)
+  out = _study(config)
+  if config.process_id >= 0:
+    print(json.dumps(out), flush=True)
+    return None
+  return out, "benchmark_sharding.json"
+
+
+def _study(config: ml_collections.ConfigDict) -> dict:
   rng = np.random.default_rng(0)
   teacher = rng.standard_normal((config.d, config.classes))
   x = rng.standard_normal((config.steps, config.batch, config.d)) * np.logspace(0, -2, config.d)
   data = (jnp.asarray(x, jnp.float32), jnp.asarray(np.argmax(x @ teacher, -1), jnp.int32))
-  one = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1), ("fsdp",),
+  one = jax.sharding.Mesh(np.asarray(jax.local_devices()[:1]).reshape(1), ("fsdp",),
                           axis_types=(jax.sharding.AxisType.Auto,))
-  out = {"devices": jax.device_count(), "layouts": {}}
+  out = {"devices": jax.device_count(), "processes": jax.process_count(), "layouts": {}}
   for layout, (mesh, kernel_spec, batch_spec) in _meshes().items():
     rows = {}
     for name in config.optimizers:
@@ -124,7 +171,7 @@ def study(config: ml_collections.ConfigDict, results_dir: str):
       if row["temp_bytes"] is not None and rows.get("muon", {}).get("temp_bytes"):
         row["temp_vs_muon"] = row["temp_bytes"] / rows["muon"]["temp_bytes"]
     out["layouts"][layout] = rows
-  return out, "benchmark_sharding.json"
+  return out
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ def state_shardings(tx, params, param_shardings):
   - A conditioned kernel's statistics, factor and rotated moments: along the kernel's input (``n``) axes where a
     dimension has the kernel's ``n``, along its output (``p``) axes where one has its ``p``, along its stack axes
     where one leads with its slices; each mesh axis used once per leaf, and only where it divides the dimension.
+    An ``n`` the kernel does not shard (its input side under tensor parallelism) takes the kernel's axes no other
+    dimension of the leaf took, so the state shards as far as its kernel does.
     The output side's state reads the kernel's output axes as its ``n``.
   - Everything else (counts, keys, rotations ``k x k``): replicated.
 
@@ -110,11 +112,18 @@ def _kernel_sharding(leaf, kernel, layout: layout_lib.Layout, replicated):
   if d is not None:
     wanted[d] = p_axes
   mesh = getattr(sharding, "mesh", None)
+  fits = lambda d, axes: axes and (mesh is None or dims[d] % math.prod(mesh.shape[a] for a in axes) == 0)
   for d, axes in wanted.items():
     axes = tuple(a for a in axes if a not in used)
-    if axes and (mesh is None or dims[d] % math.prod(mesh.shape[a] for a in axes) == 0):
+    if fits(d, axes):
       out[d] = axes[0] if len(axes) == 1 else axes
       used.update(axes)
+  # an n the kernel does not shard (tensor parallel's input side, FSDP's output side): along the kernel's axes
+  # no other dimension took, so no statistic or factor stays whole on every device while its kernel is split
+  spare = tuple(a for a in _mesh_axes(spec) if a not in used)
+  d = next((d for d in range(len(dims)) if dims[d] == n and out[d] is None and d in wanted), None)
+  if d is not None and fits(d, spare):
+    out[d] = spare[0] if len(spare) == 1 else spare
   spec = PartitionSpec(*out)
   return NamedSharding(sharding.mesh, spec) if isinstance(sharding, NamedSharding) else spec
 

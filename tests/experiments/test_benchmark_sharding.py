@@ -16,17 +16,20 @@ pytestmark = pytest.mark.studies
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_smoke_config_runs_and_the_sharded_runs_equal_one_device(tmp_path):
+@pytest.mark.parametrize("processes, filename", [(1, "benchmark_sharding.json"), (2, "benchmark_sharding_2x4.json")])
+def test_smoke_config_runs_and_the_sharded_runs_equal_one_device(tmp_path, processes, filename):
+  """On one process of 8 devices, and on 2 processes of 4 (the meshes spanning both)."""
   args = ["--config", "configs/benchmark_sharding.py", "--config.d=16", "--config.hidden=32", "--config.blocks=1",
-          "--config.classes=4", "--config.batch=16", "--config.steps=3",
+          "--config.classes=4", "--config.batch=16", "--config.steps=3", f"--config.processes={processes}",
           "--config.optimizers=('adamw', 'muon', 'scsgd', 'scsgd_eigen_muon')", f"--results_dir={tmp_path}"]
   out = subprocess.run([sys.executable, "-m", "experiments.studies.benchmark_sharding", *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=900, env={**os.environ, "XLA_FLAGS": helpers.xla_flags(8)})
   assert out.returncode == 0, out.stderr[-3000:]
-  with open(tmp_path / "benchmark_sharding.json") as f:
+  with open(tmp_path / filename) as f:
     record = json.load(f)
   results = record.get("results", record)
-  assert results["devices"] == 8 and set(results["layouts"]) == {"fsdp", "tensor_parallel"}
+  assert results["devices"] == 8 and results["processes"] == processes
+  assert set(results["layouts"]) == {"fsdp", "tensor_parallel"}
   for layout, rows in results["layouts"].items():
     assert set(rows) == {"adamw", "muon", "scsgd", "scsgd_eigen_muon"}
     assert rows["adamw"]["state_vs_adamw"] == 1.0

@@ -116,7 +116,8 @@ def test_a_layout_init_cannot_read_is_refused_naming_each_kernel_and_the_fix():
 def test_state_shardings_follow_each_kernels_axes_and_the_parameters():
   """``state_shardings`` from PartitionSpecs (no devices needed): a kernel's dense ``C`` (n, n) sharded as the
   kernel (n's axes, then p's), a streaming sketch (n, l) and factor ``Q`` (n, k) along n, the rotated moments
-  (k, p) along p, a stack's statistics along its stack axis; momentum as its parameter; the rest replicated."""
+  (k, p) along p, a stack's statistics along its stack axis; an ``n`` its kernel does not shard along the kernel's
+  other axes (tensor parallel); momentum as its parameter; the rest replicated."""
   from jax.sharding import PartitionSpec as P
   params = {"a": {"kernel": jnp.ones((16, 64)), "bias": jnp.ones(64)}, "b": {"kernel": jnp.ones((1024, 64))},
             "s": {"kernel": jnp.ones((3, 16, 8))}}
@@ -132,12 +133,15 @@ def test_state_shardings_follow_each_kernels_axes_and_the_parameters():
   assert inner.statistics["b/kernel"].omega == P("fsdp", None)
   assert inner.factors["b/kernel"].q == P("fsdp", None) and inner.factors["b/kernel"].b_inv == P(None, None)
   assert inner.statistics["s/kernel"].moments == P("stage", None, "tp")  # (3, 16, 16): stack, n, and n taking p's
+  # tensor parallel (a kernel split on p only): the sketch and Q split along n over p's axes, never whole
+  tp = sk.state_shardings(sk.scsgd(0.1), {"t": {"kernel": params["b"]["kernel"]}}, {"t": {"kernel": P(None, "tp")}})
+  assert tp[0].statistics["t/kernel"].omega == P("tp", None) and tp[0].factors["t/kernel"].q == P("tp", None)
   assert inner.count == P() and inner.key == P() and inner.clipped_rows["a/kernel"] == P()
   assert momentum == specs
   eigen = sk.state_shardings(sk.scsgd_eigen(1e-3, input_axes=axes), params, specs)[0]
   # Adam's moment of U^T G: (n, p) at full rank, (k, p) sketched (b's p is not sharded), a stack's per slice
   assert eigen.moments["a/kernel"].lead == P("fsdp", "tp")
   assert eigen.moments["b/kernel"] == type(eigen.moments["b/kernel"])(P(None, None), P("fsdp"), P(None))
-  assert eigen.moments["s/kernel"] == type(eigen.moments["s/kernel"])(P("stage", None, "tp"), P("stage", None),
+  assert eigen.moments["s/kernel"] == type(eigen.moments["s/kernel"])(P("stage", None, "tp"), P("stage", "tp"),
                                                                       P("stage", "tp"))
   assert eigen.mu == specs

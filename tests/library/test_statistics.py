@@ -8,7 +8,6 @@ import pytest
 
 import scsgd_jax as sk
 from scsgd_jax._src import defaults
-from scsgd_jax._src import statistics as stats_lib
 from scsgd_jax._src import budget
 from scsgd_jax._src import fold
 

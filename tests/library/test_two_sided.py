@@ -9,12 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import linen as nn
 from flax import nnx
 
 import scsgd_jax as sk
 from scsgd_jax._src import defaults
-from tests import helpers
 from tests.library.test_layers import CASES, X3, _kernel_matrix
 from experiments.optim.options import grouped
 

@@ -134,7 +134,20 @@ def fit(kind, model, optimizer, rate, steps, *, start=0, capture=True, two_sided
 
 def train(kind: str, make_tx, rate: float, steps: int, **kwargs):
   """Losses of ``steps`` steps of a fresh model of ``kind`` under ``make_tx`` (:func:`build`, :func:`fit`)."""
-  return fit(kind, *build(kind, make_tx), rate, steps, **kwargs)
+  return train_rates(kind, make_tx, (rate,), steps, **kwargs)[rate]
+
+
+def train_rates(kind: str, make_tx, rates, steps: int, **kwargs) -> dict[float, list]:
+  """:func:`train` at each of ``rates``, every run from the same fresh model and optimizer state, on one compiled
+  step (a fresh optimizer is a new static argument of the jitted step: it would compile again)."""
+  model, optimizer = build(kind, make_tx)
+  start = jax.tree.map(jnp.copy, (nnx.state(model), nnx.state(optimizer)))
+  out = {}
+  for rate in rates:
+    nnx.update(model, jax.tree.map(jnp.copy, start[0]))
+    nnx.update(optimizer, jax.tree.map(jnp.copy, start[1]))
+    out[rate] = fit(kind, model, optimizer, rate, steps, **kwargs)
+  return out
 
 
 @nnx.jit(static_argnums=(6, 7))
