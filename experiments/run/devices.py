@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import sys
 import threading
 import time
@@ -26,6 +27,13 @@ from jax.sharding import PartitionSpec as P
 RUNTIME_HEARTBEAT_TIMEOUT_S = 30  # JAX's runtime aborts every process (a fatal log) once a peer is this silent
 PEER_SILENT_S = 10  # ... so a peer silent this long ends this process first, with one line
 BEAT_S = 1.0
+
+
+def free_port() -> int:
+  """A free TCP port on localhost, for a coordinator on this machine."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:

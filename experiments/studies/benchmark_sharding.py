@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -115,16 +114,10 @@ def _gathered(tree, mesh):
   return jax.tree.map(lambda leaf: np.asarray(leaf.addressable_data(0)), whole)
 
 
-def _port() -> int:
-  with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    return sock.getsockname()[1]
-
-
 def _processes(config) -> dict:
   """The study as ``config.processes`` processes of ``8 / processes`` host devices each (this command with
   ``--config.process_id``): process 0's results."""
-  port, n = _port(), config.processes
+  port, n = devices.free_port(), config.processes
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // n}"}
   children = [subprocess.Popen([sys.executable, "-m", "experiments.studies.benchmark_sharding", *sys.argv[1:],
                                 f"--config.process_id={i}", f"--config.port={port}"], env=env, text=True,

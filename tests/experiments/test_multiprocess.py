@@ -6,24 +6,18 @@ process that dies takes the run down in bounded time. Real MNIST from ../shared/
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from experiments.run import devices
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED_TFDS = os.path.join(ROOT, "..", "shared", "tfds")
 pytestmark = pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_TFDS, "mnist")), reason="needs ../shared/tfds")
-
-
-def _port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _args(workdir, *extra):
@@ -42,7 +36,7 @@ def _one_process(workdir, *extra):
 
 
 def _start_two(workdir, *extra):
-  port = _port()
+  port = devices.free_port()
   return [subprocess.Popen(_args(workdir, "--num_processes", "2", "--process_id", str(i), "--coordinator_address",
                                  f"127.0.0.1:{port}", *extra), cwd=ROOT, env=_env(2), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True) for i in range(2)]
