@@ -8,15 +8,20 @@ from tests import helpers
 
 os.environ.setdefault("XLA_FLAGS", helpers.xla_flags(1))
 
+# Many tests build the same programs anew (a new optimizer, a new train step), here and in the processes tests
+# start (a CLI run, a multi-process run): a compilation cache private to this test process, which the processes it
+# starts inherit through the environment, compiles each once. Removed when this process ends; never shared between
+# runs or between xdist's workers. (Of a multi-process run, JAX writes entries from process 0 alone.)
+_CACHE = {"jax_compilation_cache_dir": tempfile.mkdtemp(prefix="scsgd-jax-tests-"),
+          "jax_persistent_cache_min_compile_time_secs": 0}
+atexit.register(shutil.rmtree, _CACHE["jax_compilation_cache_dir"], ignore_errors=True)
+os.environ.update({name.upper(): str(value) for name, value in _CACHE.items()})
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# Many tests build the same programs anew (a new optimizer, a new train step): a compilation cache private to
-# this test process compiles each once. Removed when the process ends; never shared between runs.
-_CACHE = tempfile.mkdtemp(prefix="scsgd-jax-tests-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+for _name, _value in _CACHE.items():  # in case JAX started before this file (a doctest collected first)
+  jax.config.update(_name, _value)
 
 # Exact-oracle comparisons are made in float64 numpy; the library itself runs in float32.
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -25,8 +25,9 @@ def state_shardings(tx, params, param_shardings):
   - A conditioned kernel's statistics, factor and rotated moments: along the kernel's input (``n``) axes where a
     dimension has the kernel's ``n``, along its output (``p``) axes where one has its ``p``, along its stack axes
     where one leads with its slices; each mesh axis used once per leaf, and only where it divides the dimension.
-    An ``n`` the kernel does not shard (its input side under tensor parallelism) takes the kernel's axes no other
-    dimension of the leaf took, so the state shards as far as its kernel does.
+    An ``n`` or ``p`` the kernel does not shard (its input side under tensor parallelism, its output side under
+    FSDP) takes the kernel's axes no other dimension of the leaf took, so the state shards as far as its kernel
+    does.
     The output side's state reads the kernel's output axes as its ``n``.
   - Everything else (counts, keys, rotations ``k x k``): replicated.
 
@@ -101,7 +102,8 @@ def _kernel_sharding(leaf, kernel, layout: layout_lib.Layout, replicated):
   p = math.prod(shape) // (n * slices)
   out, used, dims = [None] * len(leaf.shape), set(), list(leaf.shape)
   wanted = {}  # {leaf dimension: the kernel's mesh axes it takes}, in the order they are given
-  if (stack or layout.groups > 1) and dims and dims[0] == slices:
+  stacked = bool((stack or layout.groups > 1) and dims and dims[0] == slices)
+  if stacked:
     wanted[0] = _mesh_axes(spec[:stack]) if layout.groups == 1 else ()
   free = lambda size: next((d for d in range(len(dims)) if dims[d] == size and d not in wanted), None)
   d = free(n)
@@ -118,12 +120,14 @@ def _kernel_sharding(leaf, kernel, layout: layout_lib.Layout, replicated):
     if fits(d, axes):
       out[d] = axes[0] if len(axes) == 1 else axes
       used.update(axes)
-  # an n the kernel does not shard (tensor parallel's input side, FSDP's output side): along the kernel's axes
-  # no other dimension took, so no statistic or factor stays whole on every device while its kernel is split
-  spare = tuple(a for a in _mesh_axes(spec) if a not in used)
-  d = next((d for d in range(len(dims)) if dims[d] == n and out[d] is None and d in wanted), None)
-  if d is not None and fits(d, spare):
-    out[d] = spare[0] if len(spare) == 1 else spare
+  # an n or p the kernel does not shard (under tensor parallelism the input side, under FSDP the output side and
+  # the rotated moments' p): along the kernel's axes no other dimension took (n first), so no statistic, factor or
+  # moment stays whole on every device while its kernel is split
+  for d in [d for d in wanted if not (stacked and d == 0)]:
+    spare = tuple(a for a in _mesh_axes(spec) if a not in used)
+    if out[d] is None and fits(d, spare):
+      out[d] = spare[0] if len(spare) == 1 else spare
+      used.update(spare)
   spec = PartitionSpec(*out)
   return NamedSharding(sharding.mesh, spec) if isinstance(sharding, NamedSharding) else spec
 

@@ -116,8 +116,8 @@ def test_a_layout_init_cannot_read_is_refused_naming_each_kernel_and_the_fix():
 def test_state_shardings_follow_each_kernels_axes_and_the_parameters():
   """``state_shardings`` from PartitionSpecs (no devices needed): a kernel's dense ``C`` (n, n) sharded as the
   kernel (n's axes, then p's), a streaming sketch (n, l) and factor ``Q`` (n, k) along n, the rotated moments
-  (k, p) along p, a stack's statistics along its stack axis; an ``n`` its kernel does not shard along the kernel's
-  other axes (tensor parallel); momentum as its parameter; the rest replicated."""
+  (k, p) along p, a stack's statistics along its stack axis; an ``n`` or ``p`` its kernel does not shard along the
+  kernel's other axes (tensor parallel, FSDP); momentum as its parameter; the rest replicated."""
   from jax.sharding import PartitionSpec as P
   params = {"a": {"kernel": jnp.ones((16, 64)), "bias": jnp.ones(64)}, "b": {"kernel": jnp.ones((1024, 64))},
             "s": {"kernel": jnp.ones((3, 16, 8))}}
@@ -139,9 +139,10 @@ def test_state_shardings_follow_each_kernels_axes_and_the_parameters():
   assert inner.count == P() and inner.key == P() and inner.clipped_rows["a/kernel"] == P()
   assert momentum == specs
   eigen = sk.state_shardings(sk.scsgd_eigen(1e-3, input_axes=axes), params, specs)[0]
-  # Adam's moment of U^T G: (n, p) at full rank, (k, p) sketched (b's p is not sharded), a stack's per slice
+  # Adam's moment of U^T G: (n, p) at full rank, (k, p) sketched, a stack's per slice; b's p, which its kernel does
+  # not shard (FSDP), along the kernel's axis that no other dimension took
   assert eigen.moments["a/kernel"].lead == P("fsdp", "tp")
-  assert eigen.moments["b/kernel"] == type(eigen.moments["b/kernel"])(P(None, None), P("fsdp"), P(None))
+  assert eigen.moments["b/kernel"] == type(eigen.moments["b/kernel"])(P(None, "fsdp"), P("fsdp"), P("fsdp"))
   assert eigen.moments["s/kernel"] == type(eigen.moments["s/kernel"])(P("stage", None, "tp"), P("stage", "tp"),
                                                                       P("stage", "tp"))
   assert eigen.mu == specs
