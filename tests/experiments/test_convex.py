@@ -30,7 +30,7 @@ def _problem(seed=0, n=30, m=3000, p=3):
 def test_every_conditioner_beats_sgd_on_fast_spectral_decay():
   x, y = _problem()
   c = x.T @ x / x.shape[0]
-  _, l_star, grad_norm = convex.solve_optimum(x, y, 3, 300)
+  _, l_star, grad_norm = convex.solve_optimum(x, y, 3, 1000)  # 300 steps stop at 4e-4 .. 1.2e-3 by compile flags
   assert grad_norm < 1e-3
   factors = convex.make_conditioners(c, x, [4], jax.random.PRNGKey(0), oversample=6)
   grid = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
