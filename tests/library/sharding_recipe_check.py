@@ -2,9 +2,10 @@
 
 Kernels annotated ``nnx.with_partitioning(init, (None, "model"))`` on a (data 2, model 4) mesh; the model's and the
 ``nnx.Optimizer``'s state constrained by ``nnx.get_partition_spec`` inside ``nnx.jit`` (Flax's guide); 6 sharded
-steps, against the same steps on one device (taken on the optax path, which ``nnx.Optimizer`` steps as). Then the optax path with the state placed by
-``scsgd_jax.state_shardings``, kernels sharded on their input axis (FSDP) or output axis (tensor parallel). Prints one
-JSON line: per alias, the largest parameter difference (and the placed statistics' specs).
+steps, against the same steps on one device (taken on the optax path, which ``nnx.Optimizer`` steps as). Then the
+optax path with the state placed by ``scsgd_jax.state_shardings``, kernels sharded on their input axis (FSDP) or
+output axis (tensor parallel). Prints one JSON line: per alias, the largest parameter difference (and the placed
+statistics' specs).
 """
 
 import json
