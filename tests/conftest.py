@@ -8,13 +8,17 @@ from tests import helpers
 
 os.environ.setdefault("XLA_FLAGS", helpers.xla_flags(1))
 
-# Many tests build the same programs anew (a new optimizer, a new train step), here and in the processes tests
-# start (a CLI run, a multi-process run): a compilation cache private to this test process, which the processes it
-# starts inherit through the environment, compiles each once. Removed when this process ends; never shared between
-# runs or between xdist's workers. (Of a multi-process run, JAX writes entries from process 0 alone.)
-_CACHE = {"jax_compilation_cache_dir": tempfile.mkdtemp(prefix="scsgd-jax-tests-"),
-          "jax_persistent_cache_min_compile_time_secs": 0}
-atexit.register(shutil.rmtree, _CACHE["jax_compilation_cache_dir"], ignore_errors=True)
+# Many tests build the same programs anew (a new optimizer, a new train step), here, in the other xdist worker and in
+# the processes tests start (a CLI run, a multi-process run): one compilation cache for the test run, made by the
+# process pytest was started as (xdist's workers and the processes tests start inherit it through the environment),
+# compiles each once. Removed when that process ends; never shared between runs. Without a size limit JAX's cache
+# takes no lock (an entry read while another process writes it is a miss: JAX compiles it again).
+# (The same folder holds the reference runs tests share across workers: helpers.shared_run.)
+if helpers.RUN_DIR not in os.environ:
+  os.environ[helpers.RUN_DIR] = tempfile.mkdtemp(prefix="scsgd-jax-tests-")
+  atexit.register(shutil.rmtree, os.environ[helpers.RUN_DIR], ignore_errors=True)
+_CACHE = {"jax_compilation_cache_dir": os.path.join(os.environ[helpers.RUN_DIR], "compilation_cache"),
+          "jax_persistent_cache_min_compile_time_secs": 0, "jax_compilation_cache_max_size": -1}
 os.environ.update({name.upper(): str(value) for name, value in _CACHE.items()})
 
 import jax  # noqa: E402

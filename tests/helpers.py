@@ -10,6 +10,31 @@ FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_exp
                       "--xla_cpu_use_fusion_emitters=false")
 
 
+# the environment variable naming the test run's folder (made by tests/conftest.py in the process pytest was started
+# as; xdist's workers and the processes tests start inherit it): the compilation cache and the shared reference runs
+RUN_DIR = "SCSGD_JAX_TESTS_RUN_DIR"
+
+
+def shared_run(name, make):
+  """The folder ``make(folder)`` filled once per test run, by whichever xdist worker asks first (the other waits on
+  a file lock): a reference run several tests compare with, made once however the tests are spread."""
+  import fcntl
+  import os
+  import shutil
+
+  root = os.path.join(os.environ[RUN_DIR], "shared")
+  os.makedirs(root, exist_ok=True)
+  folder = os.path.join(root, name)
+  with open(folder + ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not os.path.exists(folder + ".done"):
+      shutil.rmtree(folder, ignore_errors=True)
+      os.makedirs(folder)
+      make(folder)
+      open(folder + ".done", "w").close()
+  return folder
+
+
 def xla_flags(devices: int = 1) -> str:
   """``XLA_FLAGS`` of a test process: ``devices`` host CPU devices, compiled for speed of compiling."""
   return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAGS}"

@@ -147,7 +147,11 @@ def summary_of(kernel_plans, notes=(), asked_rank: Optional[int] = None) -> Plan
 
 def fresh_kernel_states(kernel_plans, seed: int):
   """The state key (``None`` without kernels) and each kernel's ``(statistics, factor, clipped rows)`` before any
-  data."""
+  data, built by one compiled program (called eagerly, one small program per kernel's shapes would compile)."""
+  return jax.jit(lambda: _fresh_kernel_states(kernel_plans, seed))()
+
+
+def _fresh_kernel_states(kernel_plans, seed: int):
   keys = jax.random.split(jax.random.PRNGKey(seed), len(kernel_plans) + 1)
 
   def statistics(plan, key):
@@ -170,7 +174,7 @@ def noted(state: ScaleBySketchedConditioningState, kernel_plans, skipped=(), ask
   this update. A state whose statistics or factors do not have the plans' shapes (a checkpoint of another plan or
   of an earlier version of the state) is refused, naming the kernel."""
   notes = {**{p: why for p, why in state.plan.items if p not in kernel_plans}, **dict(skipped)}
-  _, shapes = jax.eval_shape(lambda: fresh_kernel_states(kernel_plans, 0))
+  _, shapes = jax.eval_shape(lambda: _fresh_kernel_states(kernel_plans, 0))
   for p in kernel_plans:
     if not same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2]):
       raise ValueError(

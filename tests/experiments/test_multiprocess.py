@@ -5,6 +5,8 @@ process that dies takes the run down in bounded time. Real MNIST from ../shared/
 
 import json
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,31 +57,50 @@ def _rows(workdir):
     return [json.loads(line) for line in f]
 
 
+def _shared(name, run):
+  """A 40-step run made once per test run (:func:`helpers.shared_run`): its workdir, and each process's first line."""
+  def make(workdir):
+    with open(os.path.join(workdir, "first_lines.json"), "w") as f:
+      json.dump([o.splitlines()[0] for o in run(workdir)], f)
+
+  workdir = pathlib.Path(helpers.shared_run(name, make))
+  with open(workdir / "first_lines.json") as f:
+    return workdir, json.load(f)
+
+
 @pytest.fixture(scope="module")
-def one(tmp_path_factory):
+def one():
   """1 process on 4 devices: the reference."""
-  workdir = tmp_path_factory.mktemp("one")
-  assert _one_process(workdir).splitlines()[0] == "devices: 4 device(s) (cpu, cpu), data parallel"
+  workdir, lines = _shared("multiprocess_one", lambda workdir: [_one_process(workdir)])
+  assert lines == ["devices: 4 device(s) (cpu, cpu), data parallel"]
   return workdir
 
 
-def test_two_processes_train_as_one_process_on_four_devices(one, tmp_path):
-  outs = _two_processes(tmp_path)
-  assert [o.splitlines()[0] for o in outs] == ["devices: 4 device(s) (cpu, cpu) in 2 processes, data parallel"] * 2
-  helpers.assert_same_training(one, tmp_path)
-  rows = _rows(tmp_path)  # written by process 0 alone: each row once
+@pytest.fixture(scope="module")
+def two():
+  """2 processes x 2 devices: the workdir, and each process's first line."""
+  return _shared("multiprocess_two", _two_processes)
+
+
+def test_two_processes_train_as_one_process_on_four_devices(one, two):
+  workdir, lines = two
+  assert lines == ["devices: 4 device(s) (cpu, cpu) in 2 processes, data parallel"] * 2
+  helpers.assert_same_training(one, workdir)
+  rows = _rows(workdir)  # written by process 0 alone: each row once
   assert [r["step"] for r in rows] == [r["step"] for r in _rows(one)] == [10, 20, 30, 40]
   for a, b in zip(rows, _rows(one)):
     assert a.keys() == b.keys()
-  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["20", "40"]  # each step's checkpoint once
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["20", "40"]  # each step's checkpoint once
 
 
 @pytest.mark.parametrize("first,then", [("two", "one"), ("one", "two")])
-def test_a_checkpoint_restores_on_another_process_count(one, tmp_path, first, then):
-  run = {"one": _one_process, "two": _two_processes}
-  run[first](tmp_path, "--config.stop_after_steps=20")
+def test_a_checkpoint_restores_on_another_process_count(one, two, tmp_path, first, then):
+  """The ``first`` run's workdir with its checkpoint of step 40 removed (as a run stopped after step 20 leaves it),
+  resumed on ``then``'s process count: the uninterrupted run."""
+  shutil.copytree(one if first == "one" else two[0], tmp_path, dirs_exist_ok=True)
+  shutil.rmtree(tmp_path / "checkpoints" / "40")
   assert helpers.final_state(str(tmp_path))[1] == 20
-  run[then](tmp_path)
+  {"one": _one_process, "two": _two_processes}[then](tmp_path)
   helpers.assert_same_training(one, tmp_path)
   assert [r["step"] for r in _rows(tmp_path)] == [10, 20, 30, 40]
 

@@ -29,12 +29,9 @@ SHARED_TFDS = os.path.join(ROOT, "..", "shared", "tfds")
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def straight(straight_dir):
   """An uninterrupted 40-step run on mock data: its final parameters and optimizer state, and its metric rows."""
-  workdir = str(tmp_path_factory.mktemp("straight"))
-  with tfds.testing.mock_data(num_examples=600):
-    train.train_and_evaluate(helpers.smoke_config(), workdir)
-  return helpers.final_state(workdir), _rows(workdir)
+  return helpers.final_state(straight_dir), _rows(straight_dir)
 
 
 def _rows(workdir):

@@ -8,6 +8,7 @@ checks the one-line error, that nothing saved was lost, and that the same call t
 import errno
 import json
 import os
+import shutil
 import signal
 
 import jax
@@ -30,12 +31,14 @@ def mock_data():
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-  """An uninterrupted 40-step run, the reference every resumed run must equal."""
-  workdir = str(tmp_path_factory.mktemp("straight"))
-  with tfds.testing.mock_data(num_examples=600):
-    train.train_and_evaluate(helpers.smoke_config(), workdir)
-  return helpers.final_params(workdir)
+def straight(straight_dir):
+  """The uninterrupted run's final parameters and step, the reference every resumed run must equal."""
+  return helpers.final_params(straight_dir)
+
+
+def _finished_run(straight_dir, workdir):
+  """``workdir`` holding the finished 40-step run (a copy of the uninterrupted one)."""
+  shutil.copytree(straight_dir, workdir, dirs_exist_ok=True)
 
 
 def _steps(workdir):
@@ -107,9 +110,9 @@ def _files(path):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete", "bit_rot", "checksum"])
-def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, straight, capfd, damage):
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, straight_dir, straight, capfd, damage):
   workdir = str(tmp_path)
-  train.train_and_evaluate(helpers.smoke_config(), workdir)
+  _finished_run(straight_dir, workdir)
   step, path = _newest_checkpoint(workdir)
   assert step == 40
   size, biggest = _files(path)[-1]
@@ -137,9 +140,9 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, straight
   _assert_equal_to(straight, workdir)
 
 
-def test_every_checkpoint_damaged_is_one_error(tmp_path):
+def test_every_checkpoint_damaged_is_one_error(tmp_path, straight_dir):
   workdir = str(tmp_path)
-  train.train_and_evaluate(helpers.smoke_config(), workdir)
+  _finished_run(straight_dir, workdir)
   for step in (20, 40):
     for size, f in _files(os.path.join(workdir, "checkpoints", str(step))):
       os.truncate(f, size // 3)

@@ -175,7 +175,8 @@ def _train_nnx(tx, capture, data):
     opt.update(model, g, **({"layer_inputs": li} if capture else {}))
     return loss
 
-  losses = [float(step(model, opt, x, y, jax.random.PRNGKey(i))) for i, (x, y) in enumerate(data)]
+  step = nnx.cached_partial(step, model, opt)  # Flax's recipe for a loop of steps: the graph traversed once
+  losses = [float(step(x, y, jax.random.PRNGKey(i))) for i, (x, y) in enumerate(data)]
   return np.array(losses), opt
 
 

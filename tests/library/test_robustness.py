@@ -3,6 +3,8 @@ steps stay within Adam's own bound at every step, refreshes included, and no ali
 base optimizer trains stably on the same model and batches."""
 
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -97,8 +99,16 @@ def _stable_rates(kind, base):
 
 @functools.lru_cache(maxsize=None)
 def _base_runs(kind, base):
+  """The base's losses at each of its rates and twice them on ``kind``, trained once per test run."""
   rates = sorted({r * m for r in BASES[base][1] for m in (1, 2)})
-  return {r: tuple(losses) for r, losses in zoo.train_rates(kind, BASES[base][0], rates, STEPS, capture=False).items()}
+
+  def make(folder):
+    runs = zoo.train_rates(kind, BASES[base][0], rates, STEPS, capture=False)
+    with open(os.path.join(folder, "losses.json"), "w") as f:
+      json.dump([[r, list(map(float, runs[r]))] for r in rates], f)
+
+  with open(os.path.join(helpers.shared_run(f"base_{kind}_{base}", make), "losses.json")) as f:
+    return {r: tuple(losses) for r, losses in json.load(f)}
 
 
 def _base_losses(kind, base, rate):
@@ -161,8 +171,6 @@ def test_every_alias_builds_and_trains_under_flax_sharding_recipe():
   and optimizer's state constrained by ``nnx.get_partition_spec`` (its own process: the device count is fixed when
   JAX starts): every alias builds, and 6 sharded steps equal one device's; so do they on the optax path with the
   state placed by ``scsgd_jax.state_shardings``, kernels sharded on ``n`` (FSDP) or ``p`` (tensor parallel)."""
-  import json
-  import os
   import subprocess
   import sys
 
@@ -208,9 +216,8 @@ def test_the_reported_mlp_trains_with_scsgd_eigen_at_every_adam_rate_to_adamws_b
   def losses(make, capture, rate):
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.chain(make(model), zoo.scaled_by_rate()), wrt=nnx.Param)
-    key = jax.random.PRNGKey(0)
-    return np.asarray([float(zoo.step(model, optimizer, x, y, jnp.float32(rate), key, capture, False)[0])
-                       for x, y in data])
+    key, stepped = jax.random.PRNGKey(0), nnx.cached_partial(zoo.step, model, optimizer)
+    return np.asarray([float(stepped(x, y, jnp.float32(rate), key, capture, False)[0]) for x, y in data])
 
   rates = (1e-4, 3e-4, 1e-3, 3e-3)
   eigen = {r: losses(lambda m: sk.scsgd_eigen(1.0, input_axes=axes(m)), True, r) for r in rates}

@@ -215,7 +215,9 @@ def test_nnx_vmap_ensemble_each_member_updated_as_if_trained_alone():
 
   def train(model, sum_members):
     opt = nnx.Optimizer(model, _tx(sk.input_axes_nnx(model)), wrt=nnx.Param)
-    for _ in range(STEPS):
+
+    @nnx.jit
+    def step(model, opt):
       def loss_fn(m):
         logits, li = sk.capture_nnx(m, x, max_rows=None)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.broadcast_to(y, logits.shape[:-1])).mean(-1)
@@ -223,6 +225,9 @@ def test_nnx_vmap_ensemble_each_member_updated_as_if_trained_alone():
 
       (_, li), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
       opt.update(model, grads, layer_inputs=li)
+
+    for _ in range(STEPS):
+      step(model, opt)
     return opt
 
   opt = train(ens, True)

@@ -2,6 +2,8 @@
 ``init``'s structure, shapes and dtypes, and restores into a freshly built optimizer; a layout ``init`` cannot read
 from the parameters is refused at the first update, naming the kernel and the fix."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,10 +53,15 @@ class EveryLayer(nnx.Module):
             + test_stacks._loss(self.scan(ids)) + MEAN_SQUARE(self.ensemble(self.einsums.embed(ids).mean(1))))
 
 
+@functools.lru_cache(maxsize=None)
+def _model():  # only read: each step merges the parameters into a model of its own
+  return EveryLayer(nnx.Rngs(0))
+
+
 def _updated(alias, updates=3, told=True):
   """``(tx, params, f)``: ``f(params)`` is the state after ``updates`` of the README's step (capture, gradients,
   update, apply) on a fresh :class:`EveryLayer` under ``alias``, traced (``jax.eval_shape`` of it compiles nothing)."""
-  model = EveryLayer(nnx.Rngs(0))
+  model = _model()
   make, two_sided = ALIASES[alias]
   tx = make(sk.input_axes_nnx(model) if told else None)
   graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model, nnx.Param))
