@@ -4,6 +4,7 @@ and which option each kernel takes within its own floats or the model's (:func:`
 from __future__ import annotations
 
 import math
+import re
 from typing import NamedTuple, Optional
 
 __all__ = ["Option", "allot", "options", "state_floats"]
@@ -38,7 +39,9 @@ def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], flo
   Every kernel takes its best option that fits in its own ``n * p`` floats (``share * n * p`` when two
   transformations split the budget); with ``budget='model'`` the ``floats`` the model has left over then
   go to the kernels of smallest ``n`` first (cheapest to upgrade), each taking its best option that the
-  leftover pays for. ``unplanned_keeps``: a kernel that gets no option still keeps its own ``share * n * p``
+  leftover pays for. The same layer of each block (one shape, one path but for the blocks' indices) is
+  upgraded in every block or in none, so identical blocks are planned alike and their kernels form one bank
+  (one program whatever the depth). ``unplanned_keeps``: a kernel that gets no option still keeps its own ``share * n * p``
   floats (a transformation that gives it Adam's second moment instead), so they pay for no other kernel.
   """
   own = {path: math.floor(share * n * p) for path, (n, p) in shapes.items()}
@@ -56,10 +59,15 @@ def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], flo
     return own[path] if unplanned_keeps else 0
 
   left = floats - sum(cost(path) for path in opts)
-  for path in sorted(opts, key=lambda q: shapes[q][0]):
-    mine = cost(path)
-    best = next((i for i, o in enumerate(opts[path]) if o.floats <= mine + left), chosen[path])
-    if best < chosen[path]:
-      chosen[path] = best
-      left -= cost(path) - mine
+  alike: dict[tuple, list[str]] = {}
+  for path in sorted(opts, key=lambda q: shapes[q][0]):  # smallest n first; equal n in the given order
+    layer = re.sub(r"\d+", "#", path)  # the same layer of each block: its path but for the block's index
+    alike.setdefault((shapes[path], tuple(opts[path]), layer), []).append(path)
+  for paths in alike.values():
+    first, members = paths[0], len(paths)
+    mine = cost(first)
+    best = next((i for i, o in enumerate(opts[first]) if members * (o.floats - mine) <= left), chosen[first])
+    if best < chosen[first]:
+      chosen.update(dict.fromkeys(paths, best))
+      left -= members * (cost(first) - mine)
   return chosen

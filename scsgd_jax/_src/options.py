@@ -60,7 +60,8 @@ class Statistics:
   :math:`C \Omega` at the rank, at each smaller rank, or the diagonal, whichever fits the memory rule: the
   kernel's statistics, factor and what the optimizer keeps beside them within Adam's second moment of the
   kernel (``budget='kernel'``), or within the model's (``budget='model'``, default: the leftover of small
-  kernels goes to the kernels of smallest ``n``). Embeddings keep the exact diagonal of their token counts.
+  kernels goes to the kernels of smallest ``n``, the same layer of each block alike). Embeddings keep the exact diagonal
+  of their token counts.
   ``'dense'``, ``'streaming'`` and ``'diagonal'`` give every kernel that kind; a
   :class:`~scsgd_jax.sketch.CorrelationStatistics` of your own gives every kernel that (it carries its own rate,
   sketch, prior and floor, so those settings are refused beside it; the fold period and the outlier guard act).

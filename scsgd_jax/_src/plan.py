@@ -6,7 +6,7 @@ statistics kept for it and the conditioner's rank (:class:`KernelPlan`). Under `
 rule: each kernel's options, best first (dense ``C``, streaming at ``rank``, at each smaller rank,
 diagonal), each costing :func:`state_floats`; a kernel takes the best that fits in its own ``n * p``
 floats (Adam's second moment), and with ``budget='model'`` the model's leftover floats then go to the
-kernels of smallest ``n`` first (:func:`allot`).
+kernels of smallest ``n`` first, the same layer of each block alike (:func:`allot`).
 """
 
 from __future__ import annotations

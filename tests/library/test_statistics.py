@@ -199,6 +199,29 @@ def test_model_budget_spends_the_leftover_floats_on_the_smallest_n_first():
   assert kinds["conv2/kernel"] == kinds["dense2/kernel"] == "streaming C Omega, rank 32, n=500"
 
 
+def test_model_budget_plans_the_same_layer_of_each_block_alike():
+  """Two blocks' identical kernels (64 x 64) beside a wide one (256 x 136) whose leftover pays for one block's
+  dense C and full C^{1/2} but not for both: both blocks take the best option the leftover pays for twice (so they
+  form one bank, one program), where a kernel-by-kernel rule gave block 0 the dense C and block 1 rank 13. Another
+  layer of the same shape is not bound to them: alone it takes the dense C the leftover pays for."""
+  params = {"wide": {"kernel": jnp.zeros((256, 136))},
+            **{f"block{i}": {"q": {"kernel": jnp.zeros((64, 64))}} for i in range(2)}}
+  state = jax.eval_shape(sk.scale_by_sketched_conditioning().init, params)
+  kinds = state.summary()
+  assert kinds["block0/q/kernel"] == kinds["block1/q/kernel"] == (
+      "streaming C Omega, rank 22, n=64, rank 32 asked: cut by the memory rule")
+  assert _floats((state.statistics, state.factors)) <= _floats(params)
+  # rank 23 for both would not fit beside the wide kernel's plan and the counters (count, key, one per kernel)
+  more = jax.eval_shape(sk.scale_by_sketched_conditioning(rank=23, statistics=sk.Statistics(kind="streaming")).init,
+                        params)
+  assert _floats((more.statistics["block0/q/kernel"], more.factors["block0/q/kernel"])) * 2 + _floats(
+      (state.statistics["wide/kernel"], state.factors["wide/kernel"])) + 2 + 3 > _floats(params)
+  other = dict(params, block1={"k": params["block1"]["q"]})
+  kinds = jax.eval_shape(sk.scale_by_sketched_conditioning().init, other).summary()
+  assert kinds["block0/q/kernel"] == "dense C, full C^(1/2), n=64", kinds
+  assert kinds["block1/k/kernel"] == "streaming C Omega, rank 13, n=64, rank 32 asked: cut by the memory rule", kinds
+
+
 def test_summary_names_embeddings_custom_statistics_and_the_forced_kinds():
   params = {"embed": {"embedding": jnp.zeros((100, 16))}, "head": {"kernel": jnp.zeros((16, 100))}}
   assert jax.eval_shape(sk.scale_by_sketched_conditioning().init, params).summary() == {
