@@ -39,10 +39,11 @@ def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], flo
   Every kernel takes its best option that fits in its own ``n * p`` floats (``share * n * p`` when two
   transformations split the budget); with ``budget='model'`` the ``floats`` the model has left over then
   go to the kernels of smallest ``n`` first (cheapest to upgrade), each taking its best option that the
-  leftover pays for. The same layer of each block (one shape, one path but for the blocks' indices) is
-  upgraded in every block or in none, so identical blocks are planned alike and their kernels form one bank
-  (one program whatever the depth). ``unplanned_keeps``: a kernel that gets no option still keeps its own ``share * n * p``
-  floats (a transformation that gives it Adam's second moment instead), so they pay for no other kernel.
+  leftover pays for. The same layer of each block (one shape, one path but for its numbers: the blocks'
+  indices) is upgraded in every block or in none, so identical blocks are planned alike and their kernels
+  form one bank (one program whatever the depth). ``unplanned_keeps``: a kernel that gets no option still
+  keeps its own ``share * n * p`` floats (a transformation that gives it Adam's second moment instead), so
+  they pay for no other kernel.
   """
   own = {path: math.floor(share * n * p) for path, (n, p) in shapes.items()}
   chosen = {}
@@ -61,7 +62,7 @@ def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], flo
   left = floats - sum(cost(path) for path in opts)
   alike: dict[tuple, list[str]] = {}
   for path in sorted(opts, key=lambda q: shapes[q][0]):  # smallest n first; equal n in the given order
-    layer = re.sub(r"\d+", "#", path)  # the same layer of each block: its path but for the block's index
+    layer = re.sub(r"\d+", "#", path)  # the same layer of each block: its path but for its numbers
     alike.setdefault((shapes[path], tuple(opts[path]), layer), []).append(path)
   for paths in alike.values():
     first, members = paths[0], len(paths)
