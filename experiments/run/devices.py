@@ -23,6 +23,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from experiments.run import supervise
+
 
 RUNTIME_HEARTBEAT_TIMEOUT_S = 30  # JAX's runtime aborts every process (a fatal log) once a peer is this silent
 PEER_SILENT_S = 10  # ... so a peer silent this long ends this process first, with one line
@@ -41,9 +43,9 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int) ->
   coordinator at ``coordinator_address``, e.g. ``127.0.0.1:12355``). Call before any other JAX work.
 
   A process that dies (``kill -9``, a crash, a lost host) takes the others down in one line each (exit
-  status 1), never a hang: a process other than 0 within :data:`PEER_SILENT_S` seconds (:class:`PeerWatch`);
-  process 0, which serves the coordinator, at once, through the runtime's own abort, which
-  ``experiments.run.main`` turns into one line (``supervise.py``)."""
+  status 1), never a hang: a peer within :data:`PEER_SILENT_S` seconds (:class:`PeerWatch`), process 0, which
+  serves the coordinator, at once, through the runtime's own abort; ``experiments.run.main`` turns such an
+  abort (and gloo's, for a peer that died mid-transfer) into one line (``supervise.py``)."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU backend's; others have their own
   jax.distributed.initialize(coordinator_address, num_processes, process_id, initialization_timeout=120,
                              heartbeat_timeout_seconds=RUNTIME_HEARTBEAT_TIMEOUT_S)
@@ -61,8 +63,7 @@ def collective_failed(e: BaseException) -> None:
 
 
 def _stop(why: str) -> None:
-  print(f"error: {why}; process {jax.process_index()} stops too. The run's workdir keeps its last checkpoint: "
-        "rerun the same commands to resume", file=sys.stderr, flush=True)
+  print(supervise.stop_line(why, jax.process_index()), file=sys.stderr, flush=True)
   os._exit(1)  # the main thread may be blocked in a collective with the dead process
 
 

@@ -22,8 +22,8 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  if FLAGS.num_processes > 1 and FLAGS.process_id != 0 and not supervise.supervised():
-    sys.exit(supervise.run_child(FLAGS.process_id))  # a lost coordinator: one line, not the runtime's abort
+  if FLAGS.num_processes > 1 and not supervise.supervised():
+    sys.exit(supervise.run_child(FLAGS.process_id))  # a lost peer: one line, not the runtime's abort
   if FLAGS.num_processes > 1:
     devices.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   print(f"devices: {devices.DataParallel().describe()}", flush=True)
