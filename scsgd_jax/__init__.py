@@ -9,6 +9,7 @@ helpers (and :mod:`scsgd_jax.contrib`'s output capture) load Flax when first use
 import importlib
 
 from scsgd_jax._src.alias import scsgd as scsgd
+from scsgd_jax._src.apart import refresh_conditioners as refresh_conditioners
 from scsgd_jax._src.alias import scsgd_eigen as scsgd_eigen
 from scsgd_jax._src.alias import scsgd_eigen_muon as scsgd_eigen_muon
 from scsgd_jax._src.diagnostics import kernel_diagnostics as kernel_diagnostics
@@ -54,6 +55,7 @@ __all__ = sorted([
     "default_kernel_filter",
     "kernel_diagnostics",
     "muon_kernel_filter",
+    "refresh_conditioners",
     "scale_by_eigenbasis_adam",
     "scale_by_sketched_conditioning",
     "scsgd",

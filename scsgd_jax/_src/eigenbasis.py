@@ -170,6 +170,8 @@ def scale_by_eigenbasis_adam(
   """
   _check_arguments(b1, b2, eps, nesterov, tail, basis, sides, others)
   s = transform.settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed)
+  s.refresh.refuse_apart("the eigenbasis (scale_by_eigenbasis_adam, scsgd_eigen, scsgd_eigen_muon)",
+                         "rotates its moments into each rebuilt basis inside its update")
   _check_eigenvectors_only(s.conditioner)
   checks.check_float("memory_share", memory_share, low=0.0, high=1.0, low_open=True)
   k = ek.Kernels(s, tail, sides, others, memory_share / 2 if sides == "both" else memory_share)

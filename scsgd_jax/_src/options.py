@@ -138,16 +138,30 @@ class Refresh:
     stagger: spread the kernels' refreshes over the period (so that a step refreshes few of them).
     warm_start: bias-corrected statistics and refreshes after 1, 2, 4, ... folds before the period takes over;
       ``False``: the paper's ``C_0 = I`` and refreshes every ``every`` steps from step 0.
+    apart: the refreshes leave the training step for a program of their own,
+      :func:`scsgd_jax.refresh_conditioners`, which the training loop calls after every update: it rebuilds the
+      factors due then (on the schedule above), so the step only folds and conditions and compiles without the
+      factorizations. A factor rebuilt after update ``t`` conditions from update ``t + 1`` on (in the step, from
+      update ``t``). The input side's conditioning only (:func:`scsgd_jax.scsgd`,
+      :func:`scsgd_jax.scale_by_sketched_conditioning`); the eigenbasis and the output side refuse it.
   """
 
   every: int = defaults.UPDATE_EVERY
   stagger: bool = True
   warm_start: bool = True
+  apart: bool = False
 
   def __post_init__(self):
     static_int("Refresh.every", self.every, 1)
     _flag("Refresh.stagger", self.stagger)
     _flag("Refresh.warm_start", self.warm_start)
+    _flag("Refresh.apart", self.apart)
+
+  def refuse_apart(self, who: str, why: str) -> None:
+    """Refuses ``apart`` for ``who``, a transformation whose refresh cannot leave its update (``why``)."""
+    if self.apart:
+      raise ValueError(f"Refresh(apart=True) is for the input side's conditioning only (scsgd, "
+                       f"scale_by_sketched_conditioning); {who} {why}. Use Refresh(apart=False).")
 
   def resolved(self) -> dict:
     """Every setting as it runs."""

@@ -126,6 +126,8 @@ def output_conditioning(s: transform.Settings,
   (:func:`transform.conditioning`)."""
   if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
     raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}.")
+  s.refresh.refuse_apart("the output side (scale_by_output_conditioning, scsgd_two_sided)",
+                         "rebuilds its factors inside its update")
   s = s._replace(kernel_filter=s.kernel_filter or output_kernel_filter, input_axes=output_axes)
   inner = transform.conditioning(s, default_axes=default_output_axes, budget_share=budget_share)
   row_seed = s.seed + 1  # the key is made in the update: a key made here would leak from a jit building tx

@@ -25,17 +25,20 @@ class PlanSummary:
   It describes the plan, which the shapes and the captured layouts decide, and is no part of the state's
   structure: any two summaries compare equal, so the state keeps its tree structure when an update adds a
   note (a layer the capture cannot condition), as ``lax.scan`` carries, ``nnx.Optimizer`` and checkpoint
-  templates need. Compare ``items`` to compare the descriptions."""
+  templates need. Compare ``items`` to compare the descriptions. A state whose refreshes run apart carries what
+  runs them, ``refresher`` (``None``: the update refreshes), which two summaries must share to be equal (so a
+  jitted function of the state compiles again for another conditioning)."""
 
-  def __init__(self, items, layouts=()):
+  def __init__(self, items, layouts=(), refresher=None):
     self.items = tuple(items)
     self.layouts = dict(layouts)  # {kernel path: Layout} of the conditioned kernels (what state_shardings reads)
+    self.refresher = refresher
 
   def __eq__(self, other):
-    return isinstance(other, PlanSummary)
+    return isinstance(other, PlanSummary) and self.refresher == other.refresher
 
   def __hash__(self):
-    return hash(PlanSummary)
+    return hash((PlanSummary, self.refresher))
 
   def __repr__(self):
     return f"PlanSummary({dict(self.items)})"
@@ -137,12 +140,12 @@ def log_unconditioned(notes: dict[str, str]) -> None:
                                       "; ".join(f"{p} ({why})" for p, why in notes.items()))
 
 
-def summary_of(kernel_plans, notes=(), asked_rank: Optional[int] = None) -> PlanSummary:
+def summary_of(kernel_plans, notes=(), asked_rank: Optional[int] = None, refresher=None) -> PlanSummary:
   """Each conditioned kernel's plan (a rank below ``asked_rank`` says why), then each kernel left unconditioned
-  and why (``notes``, which win over a plan of the same kernel)."""
+  and why (``notes``, which win over a plan of the same kernel); ``refresher``: :class:`PlanSummary`'s."""
   notes = dict(notes)
   return PlanSummary([*((p, plan.describe(asked_rank)) for p, plan in kernel_plans.items() if p not in notes),
-                      *notes.items()], {p: plan.layout() for p, plan in kernel_plans.items()})
+                      *notes.items()], {p: plan.layout() for p, plan in kernel_plans.items()}, refresher)
 
 
 def fresh_kernel_states(kernel_plans, seed: int):
@@ -181,4 +184,4 @@ def noted(state: ScaleBySketchedConditioningState, kernel_plans, skipped=(), ask
           f"the state of kernel '{p}' does not have the shapes its plan keeps ({kernel_plans[p].describe()}): it "
           "comes from another plan or an earlier version of the state. Restore checkpoints into the state of "
           "tx.init(params) of the same optimizer and scsgd_jax version (see the changelog for format changes).")
-  return state._replace(plan=summary_of(kernel_plans, notes, asked_rank))
+  return state._replace(plan=summary_of(kernel_plans, notes, asked_rank, state.plan.refresher))

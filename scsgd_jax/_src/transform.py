@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from scsgd_jax._src import apart
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
 from scsgd_jax._src import fold as fold_lib
@@ -181,6 +182,8 @@ def conditioning_and_plans(s: Settings,
     if not kernel_plans and default_axes is layout_lib.default_input_axes:  # the input side: say it, once a model
       warn_nothing_conditioned(params, plans.notes)
     key, fresh = state_lib.fresh_kernel_states(kernel_plans, s.seed)
+    refresher = (apart.refresher(kernel_plans, s.refresh, fold_every, s.conditioner.normalize)
+                 if s.refresh.apart else None)
     return ScaleBySketchedConditioningState(
         count=jnp.zeros([], jnp.int32),
         key=key,
@@ -193,7 +196,7 @@ def conditioning_and_plans(s: Settings,
         clipped_rows={
             p: f[2] for p, f in fresh.items()
         },
-        plan=state_lib.summary_of(kernel_plans, plans.notes, s.rank),
+        plan=state_lib.summary_of(kernel_plans, plans.notes, s.rank, refresher),
     )
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
@@ -218,9 +221,11 @@ def conditioning_and_plans(s: Settings,
       new_stats, clipped = fold(operand)
     else:
       new_stats, clipped = jax.lax.cond(state.count % fold_every == 0, fold, lambda o: o, operand)
-    due = lambda count, phase: schedule.refresh_due(count, phase, every, warm, fold_every)
-    factors, key = schedule.refresh(kernel_plans, phases, new_stats, state.factors, state.key, state.count, due,
-                                    s.conditioner.normalize)
+    factors, key = state.factors, state.key
+    if not s.refresh.apart:  # else refresh_conditioners rebuilds them, apart from this step
+      due = lambda count, phase: schedule.refresh_due(count, phase, every, warm, fold_every)
+      factors, key = schedule.refresh(kernel_plans, phases, new_stats, factors, key, state.count, due,
+                                      s.conditioner.normalize)
     return _condition(updates, kernel_plans, factors), state._replace(
         count=optax.safe_increment(state.count), key=key, statistics=new_stats, factors=factors,
         clipped_rows=clipped)
