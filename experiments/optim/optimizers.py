@@ -120,17 +120,22 @@ def versions(name: str) -> dict[str, str]:
   return machine.package_versions(["scsgd-jax", "jax", "jaxlib", "optax", "flax", *registry.entry(name).packages])
 
 
-def create(config: ml_collections.ConfigDict, forward: Forward | None = None, input_axes=None) -> Optimizer:
+def create(config: ml_collections.ConfigDict, forward: Forward | None = None, input_axes=None,
+           refresh_apart: bool = False) -> Optimizer:
   """The optimizer ``config.optimizer.name`` with its sub-config; with ``weight_decay > 0``, ``wd * w``
   is added to every gradient first, as Caffe's solver does (so SCSGD conditions the decayed gradient).
   ``forward``: the model, for an optimizer that runs it (``train.forward(config)``). ``input_axes``: the
   model's layouts (``scsgd_jax.input_axes_nnx``), given to an optimizer that conditions on the captured
-  inputs, as the README's recipe does, so that it plans every kernel at ``init``."""
+  inputs, as the README's recipe does, so that it plans every kernel at ``init``. ``refresh_apart``: its
+  refreshes run apart from the step (``scsgd_jax.Refresh(apart=True)``; the caller runs
+  ``scsgd_jax.refresh_conditioners``), for the studies that time the two programs."""
   o = config.optimizer
   kwargs = {k: v for k, v in (o[o.name].to_dict() if o.name in o else {}).items() if v is not None}
   e = registry.entry(o.name)
   if input_axes is not None and e.capture in ("inputs", "two_sided"):
     kwargs["input_axes"] = input_axes
+  if refresh_apart:
+    kwargs = options.with_refresh_apart(kwargs)
   tx = e.build(learning_rate(config), kwargs, config, forward)
   if o.weight_decay:
     tx = optax.chain(optax.add_decayed_weights(o.weight_decay), tx)

@@ -86,3 +86,13 @@ def resolved(flat: dict[str, Any]) -> dict[str, Any]:
     obj = given.get(option) or OPTIONS[option]()
     out[name] = (obj.resolved(rank) if option == "conditioner" else obj.resolved())[field]
   return out
+
+
+def with_refresh_apart(kwargs: dict[str, Any]) -> dict[str, Any]:
+  """``kwargs`` (flat names) with the refresh as the option object ``Refresh(apart=True)`` on the schedule its flat
+  names say (``scsgd_jax.refresh_conditioners`` then rebuilds the factors, apart from the step)."""
+  r = resolved(kwargs)
+  out = {k: v for k, v in kwargs.items() if FLAT.get(k, ("",))[0] != "refresh"}
+  out["refresh"] = scsgd_jax.Refresh(every=r["update_every"], stagger=r["stagger"], warm_start=r["warm_start"],
+                                     apart=True)
+  return out

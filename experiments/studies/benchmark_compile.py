@@ -13,6 +13,10 @@ and the optimizer and measure:
   free ones (parameters, constants, tuples, bitcasts): a stand-in for the kernels a GPU launches per step
   (deterministic, so one process's count is every process's).
 
+An optimizer named ``<name>+apart`` is ``<name>``'s recipe with its refreshes apart from the step
+(``scsgd_jax.Refresh(apart=True)``); its rows also give ``refresh_s`` and ``refresh_kernels``, the same of the
+refresh's own program, ``jax.jit(scsgd_jax.refresh_conditioners)`` on the optimizer's state.
+
 Reported: medians over the processes, each optimizer's step over SGD's (and the Muon rows' over Muon's), and per
 optimizer its 6-block figures over its 2-block ones (``depth_ratio``), for the update's seconds and kernels, and
 for the kernels the optimizer adds to its base optimizer's update (``added_kernels``: SCSGD's over Nesterov SGD's,
@@ -42,6 +46,7 @@ from experiments.studies import scaffold
 
 FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"})
 INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?[\w.\-]+ = .*?\s([\w\-]+)\(")
+APART = "+apart"  # an optimizer's recipe with its refreshes apart from the step
 COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 
 
@@ -76,8 +81,10 @@ def measure(config: ml_collections.ConfigDict, model_name: str, name: str) -> di
   spec = config.model.to_dict()
   shape, classes = tuple(spec["shape"]), spec["classes"]
   model = benchmark_step._model(model_name, shape, classes)
-  settings = {"name": name, **registry.recipe(name, spec["kind"]).settings}
-  opt = optimizers.create(optimizers.variant(config.run, settings), input_axes=scsgd_jax.input_axes_nnx(model))
+  base = name.removesuffix(APART)
+  settings = {"name": base, **registry.recipe(base, spec["kind"]).settings}
+  opt = optimizers.create(optimizers.variant(config.run, settings), input_axes=scsgd_jax.input_axes_nnx(model),
+                          refresh_apart=name.endswith(APART))
   seen: dict = {}
   graphdef, params, rest = step_lib.split(model)
   step = step_lib.make_train_step(graphdef, _spied(opt.tx, seen), opt.capture, config.run.max_rows or None,
@@ -87,7 +94,12 @@ def measure(config: ml_collections.ConfigDict, model_name: str, name: str) -> di
                                                     jax.random.PRNGKey(0)))[0]["total_s"]
   update = jax.jit(lambda args, extra: opt.tx.update(*args, **extra))
   timing, compiled = benchmark_step.first_step_seconds(update, (seen["args"], seen["extra"]))
-  return {"step_s": step_s, "update_s": timing["total_s"], "update_kernels": kernels(compiled.as_text())}
+  out = {"step_s": step_s, "update_s": timing["total_s"], "update_kernels": kernels(compiled.as_text())}
+  if name.endswith(APART):
+    timing, compiled = benchmark_step.first_step_seconds(jax.jit(scsgd_jax.refresh_conditioners),
+                                                         (seen["args"][1],))
+    out.update(refresh_s=timing["total_s"], refresh_kernels=kernels(compiled.as_text()))
+  return out
 
 
 def _fresh(model_name: str, name: str) -> dict[str, float]:
@@ -99,16 +111,20 @@ def _fresh(model_name: str, name: str) -> dict[str, float]:
 
 
 def _ratios(rows: dict[str, dict[str, dict]], config) -> dict[str, Any]:
-  """Each optimizer's step over SGD's (and over Muon's), and its 6-block figures over its 2-block ones."""
+  """Each optimizer's step over SGD's (and over Muon's; a refresh apart: with its program's, over SGD's step), and
+  its 6-block figures over its 2-block ones."""
   small, deep = config.models
   out: dict[str, Any] = {"step_vs_sgd": {}, "step_vs_muon": {}, "depth_ratio": {}}
   for model in config.models:
     out["step_vs_sgd"][model] = {n: r["step_s"] / rows[model]["sgd"]["step_s"] for n, r in rows[model].items()}
+    out.setdefault("step_and_refresh_vs_sgd", {})[model] = {
+        n: (r["step_s"] + r["refresh_s"]) / rows[model]["sgd"]["step_s"] for n, r in rows[model].items()
+        if "refresh_s" in r}
     if "muon" in rows[model]:
       out["step_vs_muon"][model] = {n: r["step_s"] / rows[model]["muon"]["step_s"] for n, r in rows[model].items()
                                     if "muon" in n}
   for n in rows[small]:
-    base = config.bases.get(n)
+    base = config.bases.get(n.removesuffix(APART))
     added = lambda m: rows[m][n]["update_kernels"] - (rows[m][base]["update_kernels"] if base else 0)
     out["depth_ratio"][n] = {
         "update_s": rows[deep][n]["update_s"] / rows[small][n]["update_s"],

@@ -48,7 +48,7 @@ def test_kernels_counts_what_runs_outside_fusion_bodies():
 
 def test_smoke_config_writes_medians_and_ratios(tmp_path):
   args = ["--config", "configs/benchmark_compile.py", "--config.models=('transformer_lm_1', 'transformer_lm_2')",
-          "--config.optimizers=('sgd', 'scsgd')", "--config.repeats=1", f"--results_dir={tmp_path}"]
+          "--config.optimizers=('sgd', 'scsgd', 'scsgd+apart')", "--config.repeats=1", f"--results_dir={tmp_path}"]
   out = subprocess.run([sys.executable, "-m", "experiments.studies.benchmark_compile", *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -58,11 +58,15 @@ def test_smoke_config_writes_medians_and_ratios(tmp_path):
   rows = results["medians"]
   assert set(rows) == {"transformer_lm_1", "transformer_lm_2"}
   for by in rows.values():
-    assert set(by) == {"sgd", "scsgd"} and all(r["step_s"] > 0 and r["update_kernels"] > 0 for r in by.values())
-    # SCSGD's update holds SGD's and its conditioning's: more kernels
-    assert by["scsgd"]["update_kernels"] > by["sgd"]["update_kernels"]
+    assert set(by) == {"sgd", "scsgd", "scsgd+apart"}
+    assert all(r["step_s"] > 0 and r["update_kernels"] > 0 for r in by.values())
+    # SCSGD's update holds SGD's and its conditioning's: more kernels; with the refresh apart, fewer, and the
+    # refresh's own program the rest
+    assert by["scsgd"]["update_kernels"] > by["scsgd+apart"]["update_kernels"] > by["sgd"]["update_kernels"]
+    assert by["scsgd+apart"]["refresh_s"] > 0 and by["scsgd+apart"]["refresh_kernels"] > 0
   ratios = results["ratios"]
   assert ratios["step_vs_sgd"]["transformer_lm_1"]["sgd"] == 1.0
+  assert set(ratios["step_and_refresh_vs_sgd"]["transformer_lm_1"]) == {"scsgd+apart"}
   deep, small = (rows[m]["scsgd"]["update_kernels"] - rows[m]["sgd"]["update_kernels"]
                  for m in ("transformer_lm_2", "transformer_lm_1"))
   assert ratios["depth_ratio"]["scsgd"]["added"] == [small, deep]
