@@ -156,7 +156,7 @@ def test_options_that_cannot_run_together_are_refused_and_defaults_resolve_in_on
                                             oversample=10,
                                             power_iterations=1,
                                             budget="model")
-  assert sk.Refresh().resolved() == dict(every=50, stagger=True, warm_start=True)
+  assert sk.Refresh().resolved() == dict(every=50, stagger=True, warm_start=True, apart=False)
   assert sk.Conditioner().resolved(8) == dict(kind="auto",
                                               full_max_dim=32,
                                               eigenvalue_floor=0.01,
