@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 from typing import Any, NamedTuple, Optional
 
@@ -92,6 +93,18 @@ def layout_differences(stored: dict[str, tuple], expected: dict[str, tuple]) -> 
   return out
 
 
+_BANKED = re.compile(r"(^|/)(statistics|factors)/bank\d+(/|$)")
+_STORED = re.compile(r"(^|/)(statistics|factors)/")
+
+
+def per_kernel_format(stored: dict[str, tuple], expected: dict[str, tuple]) -> bool:
+  """Whether a stored state's layout keeps the conditioning's statistics and factors per kernel (the format before
+  banks) where the state built now keeps them in banks."""
+  banked = lambda layout: [bool(_BANKED.search(p)) for p in layout if _STORED.search(p)]
+  old, new = banked(stored), banked(expected)
+  return bool(old) and not any(old) and bool(new) and all(new)
+
+
 class Checkpoints:
   """Saves and restores ``(step, state, train_time)`` in ``directory``."""
 
@@ -153,7 +166,13 @@ class Checkpoints:
       stored = _layout(self._manager.item_metadata(step)["state"].tree)
     except Exception:
       return
-    diff = layout_differences(stored, _layout(_storable(abstract_state)))
+    expected = _layout(_storable(abstract_state))
+    if per_kernel_format(stored, expected):
+      raise errors.LayoutError(
+          f"checkpoint {os.path.join(self.directory, str(step))} keeps the conditioning's statistics and factors "
+          "per kernel, the format of scsgd_jax before banks; this version keeps them in banks and cannot continue "
+          "it. Continue it with the version that wrote it, or use a new --workdir to start over")
+    diff = layout_differences(stored, expected)
     if diff:
       said = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
       raise errors.LayoutError(

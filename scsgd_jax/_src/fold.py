@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from scsgd_jax._src import banks as banks_lib
 
@@ -63,33 +64,41 @@ def fold_bank(plan, stats, rows, outlier_threshold):
   return jax.vmap(plan.statistics.update)(stats, rows), n_clipped
 
 
-def fold(kernel_plans, rows, stats, clipped, outlier_threshold, axis_name=None):
+def fold(kernel_plans, rows, stats: banks_lib.Banked, clipped, outlier_threshold, axis_name=None):
   """Each kernel's rows folded into its statistics (guarded; a non-finite result keeps the old ones), a bank at a
-  time: the kernels alike (:func:`banks.grouped`) whose rows have one shape per slice fold as one computation over
-  their slices stacked (a stacked or grouped kernel's slices each fold their own rows).
+  time: the members of a bank (:mod:`banks`) whose rows have one shape per slice fold as one computation over
+  their slices stacked (a stacked or grouped kernel's slices each fold their own rows). Kernels without a plan
+  here (left unconditioned in this update) or without rows keep their statistics.
 
   With ``axis_name`` (``pmap``/``shard_map``) the folded statistics are averaged over that axis: the
   statistics are an EMA, affine in the batch's moments, so the mean of the replicas' folds is the fold of
   the mean moments, i.e. of the gathered rows (equal shards); every replica then holds the same state.
   """
-  new_stats, new_clipped = dict(stats), dict(clipped)  # kernels without a plan here keep theirs
-  # no rows this step (an empty micro-batch, a fully masked layer): nothing to fold
-  planned = {path: plan for path, plan in kernel_plans.items() if rows[path].size}
+  new_banks, new_clipped = list(stats.banks), dict(clipped)
+  for i, bank in enumerate(stats.index.banks):
+    groups: dict[tuple, list[int]] = {}  # members with rows, by the shape of one slice's rows
+    for j, path in enumerate(bank.paths):
+      x = rows.get(path)
+      if path in kernel_plans and x is not None and x.size:
+        groups.setdefault(((x.shape if bank.lone[j] else x.shape[1:]), x.dtype), []).append(j)
+    for members in groups.values():
+      new_banks[i], counts = _fold_members(kernel_plans[bank.paths[members[0]]], bank, members, new_banks[i], rows,
+                                           outlier_threshold, axis_name)
+      for j, c in zip(members, counts):
+        new_clipped[bank.paths[j]] = clipped[bank.paths[j]] + jnp.sum(c)
+  return banks_lib.Banked(stats.index, new_banks), new_clipped
 
-  def per_slice(path):
-    x = rows[path]
-    return (x.shape if planned[path].slices is None else x.shape[1:]), x.dtype
 
-  for paths in banks_lib.grouped(planned, per_slice):
-    lone, sizes = banks_lib.layout(planned, paths)
-    old = banks_lib.stacked([stats[p] for p in paths], lone)
-    folded, n_clipped = fold_bank(planned[paths[0]], old, banks_lib.stacked([rows[p] for p in paths], lone),
-                                  outlier_threshold)
-    if axis_name is not None:
-      folded, n_clipped = jax.lax.pmean(folded, axis_name), jax.lax.psum(n_clipped, axis_name)
-    kept = banks_lib.unstacked(jax.vmap(keep_if_finite)(folded, old), sizes, lone)
-    counts = banks_lib.unstacked(n_clipped, sizes, [False] * len(paths))
-    for path, new, c in zip(paths, kept, counts):
-      new_stats[path] = new
-      new_clipped[path] = clipped[path] + jnp.sum(c)
-  return new_stats, new_clipped
+def _fold_members(plan, bank: banks_lib.Bank, members: list[int], stats, rows, outlier_threshold, axis_name):
+  """The bank's statistics ``stats`` with ``members`` (indices into the bank) folded; and each one's clip counts."""
+  every = len(members) == len(bank.paths)
+  starts = bank.starts()
+  places = np.concatenate([np.arange(starts[j], starts[j] + bank.sizes[j]) for j in members]) if not every else None
+  old = stats if every else jax.tree.map(lambda a: a[places], stats)
+  folded, n_clipped = fold_bank(plan, old, banks_lib.stacked([rows[bank.paths[j]] for j in members],
+                                                             [bank.lone[j] for j in members]), outlier_threshold)
+  if axis_name is not None:
+    folded, n_clipped = jax.lax.pmean(folded, axis_name), jax.lax.psum(n_clipped, axis_name)
+  kept = jax.vmap(keep_if_finite)(folded, old)
+  new = kept if every else jax.tree.map(lambda a, u: a.at[places].set(u), stats, kept)
+  return new, banks_lib.unstacked(n_clipped, [bank.sizes[j] for j in members], [False] * len(members))

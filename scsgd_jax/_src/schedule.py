@@ -44,50 +44,58 @@ def normalizes(normalize: str, plan: plan_lib.KernelPlan) -> bool:
   return normalize == "all" or (normalize == "embeddings" and plan.statistics.takes_ids)
 
 
-def refresh(kernel_plans, phases, stats, old_factors, key, count, refresh_due: Callable,
-            normalize: str = defaults.NORMALIZE):
+def refresh(kernel_plans, phases, stats: banks_lib.Banked, old_factors: banks_lib.Banked, key, count,
+            refresh_due: Callable, normalize: str = defaults.NORMALIZE):
   """New factors of the kernels whose refresh is due (``phases``: :func:`plan.slice_phases`), of ``C / (tr C / n)``
-  for the kernels ``normalize`` names (:func:`normalizes`, :func:`normalized`).
+  for the kernels ``normalize`` names (:func:`normalizes`, :func:`normalized`). Kernels without a plan here (left
+  unconditioned in this update) keep theirs.
 
-  The kernels (and stacked slices) of one kind of statistics, ``n`` and rank form a bank, refreshed by one
-  compiled computation however many layers it holds: a loop over the members due at this step (one or a
-  few with ``stagger``; all of them at the warm start's early refreshes or with ``stagger=False``).
+  A bank (:mod:`banks`: the kernels and stacked slices of one kind of statistics, ``n`` and rank) is refreshed by
+  one compiled computation however many layers it holds: a loop over the members due at this step (one or a few
+  with ``stagger``; all of them at the warm start's early refreshes or with ``stagger=False``), each rebuilt in
+  place in the stored bank.
   """
   if key is None:  # the state keeps no key only when init conditioned no kernel: nothing to refresh
-    return dict(old_factors), key
+    return old_factors, key
   keys = jax.random.split(key, len(kernel_plans) + 1)
   key_of = dict(zip(kernel_plans, keys[1:]))
-  factors = dict(old_factors)
-  for paths in banks_lib.grouped(kernel_plans):
-    plan = kernel_plans[paths[0]]
+  factors = list(old_factors.banks)
+  for i, bank in enumerate(stats.index.banks):
+    planned = [p for p in bank.paths if p in kernel_plans]
+    if not planned:
+      continue
+    plan = kernel_plans[planned[0]]
 
     def make(s, kk, plan=plan):
       factor = plan.statistics.factor(s, kk, plan.rank)
       return kept_factor(plan, normalized(factor, plan.statistics.trace(s), plan.n) if normalizes(normalize, plan)
                          else factor)
 
-    lone, sizes = banks_lib.layout(kernel_plans, paths)
-    member_phases = np.concatenate([phases[p] for p in paths])
-    members = len(member_phases)
-    member_keys = jnp.concatenate([jax.random.split(key_of[p], kernel_plans[p].slices) if kernel_plans[p].slices
-                                   else key_of[p][None] for p in paths])
-    due = refresh_due(count, jnp.asarray(member_phases))
+    # each slice's phase, key and whether it may refresh here (a member without a plan here never does)
+    planned_slices = np.concatenate([np.full(size, p in kernel_plans) for p, size in zip(bank.paths, bank.sizes)])
+    member_phases = np.concatenate([phases[p] if p in kernel_plans else np.zeros(size, np.int64)
+                                    for p, size in zip(bank.paths, bank.sizes)])
+    member_keys = jnp.concatenate([
+        (key_of[p][None] if lone else jax.random.split(key_of[p], size)) if p in kernel_plans
+        else jnp.zeros((size,) + keys.shape[1:], keys.dtype) for p, size, lone in zip(bank.paths, bank.sizes, bank.lone)])
+    due = refresh_due(count, jnp.asarray(member_phases)) & jnp.asarray(planned_slices)
+    renew = lambda f, s=stats.banks[i], due=due, member_keys=member_keys, make=make: _refresh_due_members(
+        s, f, due, member_keys, make)
+    factors[i] = jax.lax.cond(jnp.any(due), renew, lambda f: f, factors[i])
+  return banks_lib.Banked(old_factors.index, factors), keys[0]
 
-    def refresh_due_members(operand):
-      # one compiled refresh for the whole bank: a loop over its members, each refreshed in place if due
-      s, f = (banks_lib.stacked(t, lone) for t in operand)
 
-      def body(j, f):
-        pick = lambda tree: jax.tree.map(lambda a: a[j], tree)
+def _refresh_due_members(s, f, due, member_keys, make):
+  """A bank's factors ``f`` with each member due rebuilt from its statistics in ``s``: one compiled loop over the
+  members."""
 
-        def renew(f):
-          new = fold_lib.keep_if_finite(make(pick(s), member_keys[j]), pick(f))  # never a non-finite factor
-          return jax.tree.map(lambda a, b: a.at[j].set(b), f, new)
+  def body(j, f):
+    pick = lambda tree: jax.tree.map(lambda a: a[j], tree)
 
-        return jax.lax.cond(due[j], renew, lambda f: f, f)
+    def renew(f):
+      new = fold_lib.keep_if_finite(make(pick(s), member_keys[j]), pick(f))  # never a non-finite factor
+      return jax.tree.map(lambda a, b: a.at[j].set(b), f, new)
 
-      return banks_lib.unstacked(jax.lax.fori_loop(0, members, body, f), sizes, lone)
+    return jax.lax.cond(due[j], renew, lambda f: f, f)
 
-    operand = ([stats[p] for p in paths], [old_factors[p] for p in paths])
-    factors.update(zip(paths, jax.lax.cond(jnp.any(due), refresh_due_members, lambda o: list(o[1]), operand)))
-  return factors, keys[0]
+  return jax.lax.fori_loop(0, len(due), body, f)

@@ -9,6 +9,7 @@ from typing import Mapping, Optional
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from scsgd_jax._src import banks as banks_lib
 from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src.state import PlanSummary
 
@@ -64,6 +65,9 @@ def _walk(node, path, layouts, kernels, by_path, replicated):
   """The shardings of ``node`` (at key path ``path``), ``layouts`` those of the nearest enclosing conditioning."""
   if node is None:
     return None
+  if isinstance(node, banks_lib.Banked) and layouts:  # {kernel path: ...} in banks
+    return banks_lib.Banked(node.index, [_bank_sharding(bank, tree, kernels, layouts, replicated)
+                                         for bank, tree in zip(node.index.banks, node.banks)])
   if isinstance(node, Mapping) and layouts and node and all(k in layouts for k in node):  # {kernel path: ...}
     return type(node)({k: jax.tree.map(lambda leaf, k=k: _kernel_sharding(leaf, kernels[k], layouts[k], replicated), v)
                        for k, v in node.items()})
@@ -79,6 +83,30 @@ def _walk(node, path, layouts, kernels, by_path, replicated):
   return treedef.unflatten(
       _walk(child, path + _keys(key), _side(node, _keys(key), inner), kernels, by_path, replicated)
       for key, child in children)
+
+
+def _bank_sharding(bank, tree, kernels, layouts, replicated):
+  """A bank's stacked leaves sharded as its members are (:func:`_kernel_sharding`): each dimension along the mesh
+  axes the first member that shards it gives it (each axis once per leaf); a bank of lone kernels keeps its
+  stacking axis whole."""
+  def one(leaf):
+    if not hasattr(leaf, "shape"):
+      return replicated
+    specs = []
+    for path, size, lone in zip(bank.paths, bank.sizes, bank.lone):
+      shape = leaf.shape[1:] if lone else (size,) + tuple(leaf.shape[1:])
+      got = _kernel_sharding(jax.ShapeDtypeStruct(shape, leaf.dtype), kernels[path], layouts[path], replicated)
+      spec = _spec_of(got, len(shape))
+      specs.append((None,) + spec if lone else spec)
+    out, used = [], set()
+    for candidates in zip(*specs):
+      pick = next((c for c in candidates if c is not None and not set(_mesh_axes([c])) & used), None)
+      used.update(_mesh_axes([pick]))
+      out.append(pick)
+    spec = PartitionSpec(*out)
+    return NamedSharding(replicated.mesh, spec) if isinstance(replicated, NamedSharding) else spec
+
+  return jax.tree.map(one, tree)
 
 
 def _side(node, field: tuple, layouts):

@@ -5,12 +5,13 @@ them)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scsgd_jax._src import banks as banks_lib
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
 
@@ -63,16 +64,17 @@ class ScaleBySketchedConditioningState(NamedTuple):
     key: PRNG key, split at every refresh for the sketches' Gaussian matrices; ``None`` when no kernel is
       conditioned (nothing to sketch: the state then holds no more than the count).
     statistics: ``{kernel path: statistics}`` (e.g. an :class:`~scsgd_jax.sketch.EmaState` of the
-      dense ``C``, or the streaming sketch), one per conditioned kernel.
-    factors: ``{kernel path: Factor}``, the conditioner currently applied.
+      dense ``C``, or the streaming sketch), one per conditioned kernel, stored in banks: the kernels of one kind
+      of statistics, ``n`` and rank stacked (a mapping read per kernel; its leaves are the banks').
+    factors: ``{kernel path: Factor}``, the conditioner currently applied, stored in the same banks.
     clipped_rows: ``{kernel path: int32}``, input rows clipped by the outlier guard so far.
     plan: how each kernel is conditioned (static; see :meth:`summary`).
   """
 
   count: jax.Array
   key: Optional[jax.Array]
-  statistics: dict[str, Any]
-  factors: dict[str, sketch.Factor]
+  statistics: Mapping[str, Any]
+  factors: Mapping[str, sketch.Factor]
   clipped_rows: dict[str, jax.Array]
   plan: PlanSummary = PlanSummary(())
 
@@ -149,9 +151,17 @@ def summary_of(kernel_plans, notes=(), asked_rank: Optional[int] = None, refresh
 
 
 def fresh_kernel_states(kernel_plans, seed: int):
-  """The state key (``None`` without kernels) and each kernel's ``(statistics, factor, clipped rows)`` before any
-  data, built by one compiled program (called eagerly, one small program per kernel's shapes would compile)."""
-  return jax.jit(lambda: _fresh_kernel_states(kernel_plans, seed))()
+  """The state key (``None`` without kernels) and the kernels' ``(statistics, factors, clipped rows)`` before any
+  data: statistics and factors in their banks (:class:`~scsgd_jax._src.banks.Banked`), built by one compiled
+  program (called eagerly, one small program per kernel's shapes would compile)."""
+  index = banks_lib.BankIndex.of(kernel_plans)
+
+  def fresh():
+    key, per_kernel = _fresh_kernel_states(kernel_plans, seed)
+    part = lambda i: {p: f[i] for p, f in per_kernel.items()}
+    return key, (banks_lib.Banked.of(index, part(0)), banks_lib.Banked.of(index, part(1)), part(2))
+
+  return jax.jit(fresh)()
 
 
 def _fresh_kernel_states(kernel_plans, seed: int):
@@ -177,8 +187,18 @@ def noted(state: ScaleBySketchedConditioningState, kernel_plans, skipped=(), ask
   this update. A state whose statistics or factors do not have the plans' shapes (a checkpoint of another plan or
   of an earlier version of the state) is refused, naming the kernel."""
   notes = {**{p: why for p, why in state.plan.items if p not in kernel_plans}, **dict(skipped)}
+  if not (isinstance(state.statistics, banks_lib.Banked) and isinstance(state.factors, banks_lib.Banked)):
+    raise ValueError(
+        "the state keeps its statistics and factors per kernel, the format of scsgd_jax before banks: it cannot run "
+        "here. Restore checkpoints into the state of tx.init(params) of this version (a checkpoint written before "
+        "banks does not restore; see the changelog).")
   _, shapes = jax.eval_shape(lambda: _fresh_kernel_states(kernel_plans, 0))
+  stored = set(state.statistics.index.paths)
   for p in kernel_plans:
+    if p not in stored:
+      raise ValueError(f"the state keeps no statistics for kernel '{p}' ({kernel_plans[p].describe()}): it comes "
+                       "from another plan. Restore checkpoints into the state of tx.init(params) of the same "
+                       "optimizer and scsgd_jax version.")
     if not same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2]):
       raise ValueError(
           f"the state of kernel '{p}' does not have the shapes its plan keeps ({kernel_plans[p].describe()}): it "

@@ -181,21 +181,15 @@ def conditioning_and_plans(s: Settings,
     kernel_plans = plans(params)
     if not kernel_plans and default_axes is layout_lib.default_input_axes:  # the input side: say it, once a model
       warn_nothing_conditioned(params, plans.notes)
-    key, fresh = state_lib.fresh_kernel_states(kernel_plans, s.seed)
+    key, (statistics, factors, clipped) = state_lib.fresh_kernel_states(kernel_plans, s.seed)
     refresher = (apart.refresher(kernel_plans, s.refresh, fold_every, s.conditioner.normalize)
                  if s.refresh.apart else None)
     return ScaleBySketchedConditioningState(
         count=jnp.zeros([], jnp.int32),
         key=key,
-        statistics={
-            p: f[0] for p, f in fresh.items()
-        },
-        factors={
-            p: f[1] for p, f in fresh.items()
-        },
-        clipped_rows={
-            p: f[2] for p, f in fresh.items()
-        },
+        statistics=statistics,
+        factors=factors,
+        clipped_rows=clipped,
         plan=state_lib.summary_of(kernel_plans, plans.notes, s.rank, refresher),
     )
 

@@ -109,8 +109,8 @@ def test_a_changed_library_default_is_named_and_a_changed_layout_is_not_called_d
                                                   r"default\) \(10 -> 6\)"):
       train.train_and_evaluate(helpers.smoke_config(), workdir)
     with pytest.raises(errors.LayoutError, match=r"checkpoints/20 is sound but holds another state layout than this "
-                                                 r"config builds \(opt_state/0/statistics/dense1/kernel/ema/moments/0 "
-                                                 r"\(800, 18\) in the checkpoint, \(800, 14\) now") as info:
+                                                 r"config builds \(opt_state/0/statistics/bank2/ema/moments/0 "
+                                                 r"\(1, 800, 18\) in the checkpoint, \(1, 800, 14\) now") as info:
       train.train_and_evaluate(helpers.smoke_config(), workdir, allow_config_change=True)
     assert "damaged" not in str(info.value)
     assert os.listdir(os.path.join(workdir, "checkpoints")).count("20") == 1  # nothing moved aside

@@ -124,9 +124,20 @@ def run_placed(name, mesh, kernel_spec):
   for _ in range(6):
     x, y = jnp.asarray(rng.standard_normal((16, 16)), jnp.float32), jnp.asarray(rng.integers(0, 8, 16))
     params, state = step(params, state, x, y)
-  specs = {jax.tree_util.keystr(p): str(leaf.sharding.spec) for p, leaf in jax.tree_util.tree_leaves_with_path(state)
-           if "statistics['l2/kernel']" in jax.tree_util.keystr(p) and leaf.ndim == 2}
-  return params, specs
+  return params, _l2_statistics_specs(state)
+
+
+def _l2_statistics_specs(state) -> dict[str, str]:
+  """The shardings of l2's matrices of statistics in every conditioning state (each side's): its bank's leaves."""
+  found = lambda x: isinstance(x, sk.ScaleBySketchedConditioningState)
+  specs = {}
+  for where, node in jax.tree_util.tree_leaves_with_path(state, is_leaf=found):
+    if found(node) and "l2/kernel" in node.statistics:
+      bank = node.statistics.banks[node.statistics.index.place("l2/kernel")[0]]
+      for p, leaf in jax.tree_util.tree_leaves_with_path(bank):
+        if leaf.ndim == 3:  # a bank of (n, l) sketches or (n, n) matrices
+          specs[jax.tree_util.keystr(where) + jax.tree_util.keystr(p)] = str(leaf.sharding.spec)
+  return specs
 
 
 def main():

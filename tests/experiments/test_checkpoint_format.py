@@ -1,0 +1,55 @@
+"""A checkpoint of the conditioning state per kernel (the format before banks) is refused in one line that says so,
+never called damaged nor listed array by array; a checkpoint of the banked state restores."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import scsgd_jax as sk
+from experiments.run import checkpoints as ckpt
+from experiments.run import errors
+
+PARAMS = {"a": {"kernel": jnp.ones((6, 5))}, "b": {"kernel": jnp.ones((6, 3))}}
+
+
+def _state():
+  return {"params": PARAMS, "opt_state": sk.scsgd(0.1).init(PARAMS)}
+
+
+def _per_kernel(state):
+  """``state`` as the format before banks kept it: the statistics and factors a dict by kernel path."""
+  inner = state["opt_state"][0]
+  old = inner._replace(statistics={p: inner.statistics[p] for p in inner.statistics},
+                       factors={p: inner.factors[p] for p in inner.factors})
+  return {**state, "opt_state": (old,) + tuple(state["opt_state"][1:])}
+
+
+def test_a_per_kernel_checkpoint_is_refused_as_the_format_before_banks(tmp_path):
+  store = ckpt.Checkpoints(str(tmp_path / "checkpoints"), str(tmp_path / "damaged"))
+  store.save(20, _per_kernel(_state()), ckpt.Progress(1.0))
+  with pytest.raises(errors.LayoutError, match=r"checkpoints/20 keeps the conditioning's statistics and factors per "
+                                               r"kernel, the format of scsgd_jax before banks; this version keeps "
+                                               r"them in banks and cannot continue it") as info:
+    store.restore(jax.eval_shape(_state))
+  assert "damaged" not in str(info.value) and "\n" not in str(info.value)
+  store.close()
+
+
+def test_a_banked_checkpoint_restores(tmp_path):
+  store = ckpt.Checkpoints(str(tmp_path / "checkpoints"), str(tmp_path / "damaged"))
+  state = _state()
+  store.save(20, state, ckpt.Progress(1.0))
+  step, restored, _ = store.restore(jax.eval_shape(_state))
+  assert step == 20
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    assert jnp.array_equal(a, b)
+  store.close()
+
+
+def test_the_format_check_reads_array_names():
+  banked = {"opt_state/0/statistics/bank0/moments": (2, 6, 6), "opt_state/0/factors/bank0/b_inv": (2, 6, 6)}
+  per_kernel = {"opt_state/0/statistics/a/kernel/moments": (6, 6), "opt_state/0/factors/a/kernel/b_inv": (6, 6)}
+  assert ckpt.per_kernel_format(per_kernel, banked)
+  assert not ckpt.per_kernel_format(banked, banked) and not ckpt.per_kernel_format(per_kernel, per_kernel)
+  assert not ckpt.per_kernel_format({"params/a/kernel": (6, 5)}, banked)  # no conditioning stored: another matter
