@@ -77,7 +77,8 @@ def refresh(kernel_plans, phases, stats: banks_lib.Banked, old_factors: banks_li
                                     for p, size in zip(bank.paths, bank.sizes)])
     member_keys = jnp.concatenate([
         (key_of[p][None] if lone else jax.random.split(key_of[p], size)) if p in kernel_plans
-        else jnp.zeros((size,) + keys.shape[1:], keys.dtype) for p, size, lone in zip(bank.paths, bank.sizes, bank.lone)])
+        else jnp.zeros((size,) + keys.shape[1:], keys.dtype)
+        for p, size, lone in zip(bank.paths, bank.sizes, bank.lone)])
     due = refresh_due(count, jnp.asarray(member_phases)) & jnp.asarray(planned_slices)
     renew = lambda f, s=stats.banks[i], due=due, member_keys=member_keys, make=make: _refresh_due_members(
         s, f, due, member_keys, make)

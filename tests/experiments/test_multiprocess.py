@@ -6,6 +6,7 @@ process that dies takes the run down in bounded time. Real MNIST from ../shared/
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -105,19 +106,18 @@ def test_a_checkpoint_restores_on_another_process_count(one, two, tmp_path, firs
   assert [r["step"] for r in _rows(tmp_path)] == [10, 20, 30, 40]
 
 
-CUT = ("error: a peer stopped in the middle of a step across processes (gloo: the data it sent was cut short); "
-       "process {} stops too. The run's workdir keeps its last checkpoint: rerun the same commands to resume")
+CUT = r"a peer stopped in the middle of a step across processes \(gloo: the data it sent was cut short\)"
 
 
-@pytest.mark.parametrize("dies,said", [
-    (1, "error: process 1 of 2 stopped (no heartbeat for 10 s); process 0 stops too. The run's workdir keeps its "
-        "last checkpoint: rerun the same commands to resume"),
-    (0, "error: the coordinator (process 0) stopped; process 1 stops too. The run's workdir keeps its last "
-        "checkpoint: rerun the same commands to resume"),
+@pytest.mark.parametrize("dies,whys", [
+    (1, [r"process 1 of 2 stopped \(no heartbeat for 10 s\)", CUT]),
+    # the runtime's abort (the supervisor's line), or the peer watch finding the coordinator gone first
+    (0, [r"the coordinator \(process 0\) stopped", r"the coordinator \(process 0\) stopped answering \(\w+\)", CUT]),
 ])
-def test_a_process_that_dies_takes_the_run_down_in_one_line(tmp_path, dies, said):
+def test_a_process_that_dies_takes_the_run_down_in_one_line(tmp_path, dies, whys):
   """The survivor's last line names the dead peer, or (when the peer died in the middle of a transfer, so that
-  gloo aborted the survivor at once) says a transfer was cut short."""
+  gloo aborted the survivor at once) says a transfer was cut short: whichever of the runtime, gloo and the peer
+  watch sees it first."""
   procs = _start_two(tmp_path, "--config.num_steps=1000000", "--config.checkpoint_every=100000",
                      "--config.eval_every=100000", "--config.train_log_every=10")
   deadline = time.time() + 300
@@ -131,5 +131,7 @@ def test_a_process_that_dies_takes_the_run_down_in_one_line(tmp_path, dies, said
   assert time.time() - t0 < 60 and survivor.returncode == 1, err[-3000:]
   victim.communicate()
   lines = [l for l in err.splitlines() if l.strip() and not l.startswith(("W1", "I1", "WARNING", "[Gloo]"))]
-  assert lines[-1] in (said, CUT.format(1 - dies)) and sum(l.startswith("error:") for l in lines) == 1, err[-3000:]
+  line = (rf"error: ({'|'.join(whys)}); process {1 - dies} stops too\. The run's workdir keeps its last checkpoint: "
+          "rerun the same commands to resume")
+  assert re.fullmatch(line, lines[-1]) and sum(l.startswith("error:") for l in lines) == 1, err[-3000:]
   assert "Traceback" not in err and "Fatal Python error" not in err and "Check failure" not in err

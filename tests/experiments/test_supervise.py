@@ -9,7 +9,8 @@ import pytest
 from experiments.run import supervise
 
 GLOO = ("terminate called after throwing an instance of 'std::runtime_error'\n"
-        "  what():  [enforce fail at pair.cc:1] Received data size doesn't match expected size. Is there a distributed collective mismatch?\n")
+        "  what():  [enforce fail at pair.cc:1] Received data size doesn't match expected size. Is there a "
+        "distributed collective mismatch?\n")
 RUNTIME = ("E1128 coordination_service_agent.cc:1] Polled an error from coordination service\n"
            "F1128 client.h:77] JAX distributed service detected fatal errors. Terminating process.\n")
 

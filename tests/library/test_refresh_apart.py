@@ -17,7 +17,8 @@ STEPS = 7
 
 
 def _params():
-  """Kernels of three plans: dense C with the full C^(1/2) (n=6), streaming rank 2 (n=400), a stack of 3 (n=5) with dense C."""
+  """Kernels of three plans: dense C with the full C^(1/2) (n=6), streaming rank 2 (n=400), a stack of 3 (n=5)
+  with dense C."""
   return {"small": {"kernel": jnp.ones((6, 5)), "bias": jnp.zeros(5)},
           "wide": {"kernel": jnp.ones((400, 64))},
           "stack": {"kernel": jnp.ones((3, 5, 16))}}
