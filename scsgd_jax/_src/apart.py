@@ -17,8 +17,8 @@ __all__ = ["refresh_conditioners"]
 
 
 class Refresher(NamedTuple):
-  """What rebuilds one conditioning's factors apart from its update: its plans, each kernel's slices' phases and
-  the schedule (hashable and compared by value, so it can sit in the state's static summary)."""
+  """What rebuilds one conditioning's factors, in its update or apart from it: its plans, each kernel's slices'
+  phases and the schedule (hashable and compared by value, so it can sit in the state's static summary)."""
 
   kernel_plans: tuple  # ((path, KernelPlan), ...)
   phases: tuple  # ((path, (phase of each slice, ...)), ...)
@@ -27,17 +27,21 @@ class Refresher(NamedTuple):
   fold_every: int
   normalize: str
 
+  def rebuild(self, statistics, factors, key, count, planned=None):
+    """``(factors, key)`` with the factors due at update ``count`` rebuilt (:func:`schedule.refresh`); ``planned``:
+    the kernels conditioned in that update (default: all), the others keep theirs."""
+    kernel_plans = {p: plan for p, plan in self.kernel_plans if planned is None or p in planned}
+    phases = {p: list(ph) for p, ph in self.phases}
+    due = lambda count, phase: schedule.refresh_due(count, phase, self.every, self.warm_start, self.fold_every)
+    return schedule.refresh(kernel_plans, phases, statistics, factors, key, count, due, self.normalize)
+
   def refreshed(self, state: ScaleBySketchedConditioningState) -> ScaleBySketchedConditioningState:
     """``state`` after its last update (number ``state.count - 1``) with the factors due then rebuilt, as the
     update would have rebuilt them in the step."""
     return _compiled(self)(state)
 
   def _refresh(self, state):
-    kernel_plans = dict(self.kernel_plans)
-    phases = {p: list(ph) for p, ph in self.phases}
-    due = lambda count, phase: schedule.refresh_due(count, phase, self.every, self.warm_start, self.fold_every)
-    factors, key = schedule.refresh(kernel_plans, phases, state.statistics, state.factors, state.key,
-                                    state.count - 1, due, self.normalize)
+    factors, key = self.rebuild(state.statistics, state.factors, state.key, state.count - 1)
     return state._replace(factors=factors, key=key)
 
 

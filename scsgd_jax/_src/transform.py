@@ -22,7 +22,6 @@ from scsgd_jax._src import fold as fold_lib
 from scsgd_jax._src import options
 from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import plan as plan_lib
-from scsgd_jax._src import schedule
 from scsgd_jax._src import sketch
 from scsgd_jax._src import state as state_lib
 from scsgd_jax._src.state import ScaleBySketchedConditioningState
@@ -175,7 +174,6 @@ def conditioning_and_plans(s: Settings,
   spec, fold_every = _spec(s, default_axes, budget_share, extra)
   threshold = s.statistics.outlier_threshold
   plans = state_lib.PlanCache(spec)
-  every, warm = s.refresh.every, s.refresh.warm_start
 
   def init_fn(params):
     kernel_plans = plans(params)
@@ -204,7 +202,7 @@ def conditioning_and_plans(s: Settings,
     skipped = {p: f"not conditioned: {why}" for p, why in getattr(layer_inputs, "unconditioned", {}).items()
                if p in kernel_plans}
     state = state_lib.noted(state, kernel_plans, skipped, s.rank)
-    phases = plan_lib.slice_phases(kernel_plans, every, s.refresh.stagger)  # fixed by the plans
+    refresher = apart.refresher(kernel_plans, s.refresh, fold_every, s.conditioner.normalize)  # fixed by the plans
     if skipped:
       state_lib.log_unconditioned(skipped)  # once per trace
       kernel_plans = {p: plan for p, plan in kernel_plans.items() if p not in skipped}
@@ -217,9 +215,7 @@ def conditioning_and_plans(s: Settings,
       new_stats, clipped = jax.lax.cond(state.count % fold_every == 0, fold, lambda o: o, operand)
     factors, key = state.factors, state.key
     if not s.refresh.apart:  # else refresh_conditioners rebuilds them, apart from this step
-      due = lambda count, phase: schedule.refresh_due(count, phase, every, warm, fold_every)
-      factors, key = schedule.refresh(kernel_plans, phases, new_stats, factors, key, state.count, due,
-                                      s.conditioner.normalize)
+      factors, key = refresher.rebuild(new_stats, factors, key, state.count, planned=kernel_plans)
     return _condition(updates, kernel_plans, factors), state._replace(
         count=optax.safe_increment(state.count), key=key, statistics=new_stats, factors=factors,
         clipped_rows=clipped)
