@@ -53,10 +53,11 @@ class BankIndex(NamedTuple):
   banks: tuple[Bank, ...]
 
   @classmethod
-  def of(cls, kernel_plans) -> "BankIndex":
-    """The banks of ``kernel_plans`` (:func:`grouped`), in the plans' order."""
+  def of(cls, kernel_plans, extra: Callable[[str], Hashable] = lambda path: ()) -> "BankIndex":
+    """The banks of ``kernel_plans`` (:func:`grouped`, ``extra`` as its), in the plans' order."""
     return cls(tuple(Bank(tuple(paths), tuple(kernel_plans[p].slices or 1 for p in paths),
-                          tuple(kernel_plans[p].slices is None for p in paths)) for paths in grouped(kernel_plans)))
+                          tuple(kernel_plans[p].slices is None for p in paths))
+                     for paths in grouped(kernel_plans, extra)))
 
   @property
   def paths(self) -> tuple[str, ...]:

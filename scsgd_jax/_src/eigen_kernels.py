@@ -1,6 +1,7 @@
 r"""The eigenbasis' per-kernel pieces: what a kernel keeps (its zero moments, its share of the memory rule), the
-gradient's rows for SOAP's basis, and one kernel's bounded Adam step in its basis, the moments carried into a new
-basis when a refresh moved it (:mod:`eigen_math` holds the arithmetic; :mod:`eigenbasis` the state and schedule).
+gradient's rows for SOAP's basis, and the step of a kernel rotated on both sides, the moments carried into new
+bases when a refresh moved them (:mod:`eigen_banks` takes the one-sided step a bank at a time, :mod:`eigen_math`
+holds the arithmetic, :mod:`eigenbasis` the state and schedule).
 """
 
 from __future__ import annotations
@@ -116,45 +117,6 @@ def _when(changed: jax.Array, f):
   return lambda operand: jax.lax.cond(changed, f, lambda o: o, operand)
 
 
-def one_side(plan: plan_lib.KernelPlan, g, m_hat, v: EigenMoments, r, old, new, c: Step):
-  """One kernel's step in its input-side basis ``U = Q V`` (``r``: ``V``, ``None`` for a diagonal kind: the
-  coordinate basis), each slice of a stack in its own: ``(direction, moments, rotation)``. ``old``, ``new``: the
-  factor before and after this update's refresh (``old=None``: the kernel's moments start afresh); where they
-  differ, the basis moves to ``new``'s and the moments are carried into it (:func:`~eigen_math.carried`)."""
-  q, rebase = (new.q if r is not None else None), None
-  if r is not None and old is not None:
-
-    def rebase_one(operand):
-      def one_slice(r, v, old, new):
-        fresh = em.rotation(new)
-        return fresh, em.carried(v, em.basis(new.q, fresh), em.basis(old.q, r))
-
-      return (one_slice if plan.slices is None else jax.vmap(one_slice))(*operand, old, new)
-
-    rebase = _when(_differs(old, new), rebase_one)
-    if c.late:
-      q = old.q
-    else:
-      r, v = rebase((r, v))
-
-  def one(q, r, m_slice, g_slice, moments):
-    mm, restore = sketch.kernel_matrix(m_slice, plan.input_axes)
-    gm, _ = sketch.kernel_matrix(g_slice, plan.input_axes)
-    direction, moments = em.direction(q, r, mm, gm, moments, c.b2, c.correction, c.eps, c.bound, c.tail)
-    return restore(direction), moments
-
-  if plan.slices is None:
-    direction, v = one(q, r, m_hat, g, v)
-  else:
-    axis = lambda x: None if x is None else 0
-    direction, v = jax.vmap(one, in_axes=(axis(q), axis(r), 0, 0, 0))(q, r, plan.to_slices(m_hat),
-                                                                      plan.to_slices(g), v)
-    direction = plan.from_slices(direction, g.shape)
-  if c.late and rebase is not None:
-    r, v = rebase((r, v))
-  return direction, v, r
-
-
 def both_sides(plan: plan_lib.KernelPlan, g, m_hat, v: EigenMoments, r, r_out, old, new, old_out, new_out,
                c: Step):
   """One kernel's step rotated on both sides, ``U^T M U_out`` (one layer): ``(direction, moments, rotation,
@@ -180,25 +142,6 @@ def both_sides(plan: plan_lib.KernelPlan, g, m_hat, v: EigenMoments, r, r_out, o
   if c.late and rebase is not None:
     r, r_out, v = rebase((r, r_out, v))
   return restore(direction), v, r, r_out
-
-
-def checked_moments(moments) -> dict[str, EigenMoments]:
-  """The state's ``moments``, each an :class:`EigenMoments` (a checkpoint restored without its target's types
-  would hold dicts: refused, naming the kernel)."""
-  for path, m in moments.items():
-    if not isinstance(m, EigenMoments):
-      raise TypeError(f"scale_by_eigenbasis_adam's state.moments[{path!r}] is a {type(m).__name__}, not an "
-                      "EigenMoments: restore a checkpoint into the state of tx.init(params) (its target), which "
-                      "keeps the state's types.")
-  return dict(moments)
-
-
-class Kept(NamedTuple):
-  """What an update starts from, per kernel: its moments and rotations."""
-
-  moments: dict[str, EigenMoments]
-  rotations: dict[str, jax.Array]
-  out_rotations: dict[str, jax.Array]
 
 
 class Kernels:
@@ -263,14 +206,6 @@ class Kernels:
     return {p for p in map(layout_lib.path_to_str, (q for q, _ in jax.tree_util.tree_flatten_with_path(tree)[0]))
             if p not in kernel_plans and (self.others == "adam" or p in chosen)}
 
-  def kernel_moments(self, params, kernel_plans, two=None) -> dict[str, EigenMoments]:
-    """Each conditioned kernel's zero moments in its rotated coordinates (:func:`~eigen_kernels.fresh_moments`)."""
-    two = two or {}
-    leaves = {layout_lib.path_to_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-    return {path: fresh_moments(plan, leaves[path].size // (plan.n * (plan.slices or 1)), self.tail, two.get(path))
-            for path, plan in kernel_plans.items()}
-
-
 def zeros_at(params, paths: set[str]):
   """A moment shaped like ``params``: zeros at the leaves in ``paths``, ``optax.MaskedNode`` elsewhere."""
   return jax.tree_util.tree_map_with_path(
@@ -298,17 +233,3 @@ def output_update(k: Kernels, basis: str, updates, state, params, output_grads):
     rows = output_lib.sample_rows(output_grads, key, defaults.MAX_ROWS)
   _, output_state = out_inner.update(updates, state.output, params, layer_inputs=rows)
   return k.output_summary(updates, output_state)
-
-
-def kept(k: Kernels, state, updates, kernel_plans, two) -> Kept:
-  """The moments and rotations this update starts from, checked against the plans (fixed at ``init``): moments of
-  other shapes (a checkpoint of another plan) are refused, naming the kernel."""
-  moments = checked_moments(state.moments)
-  shapes = jax.eval_shape(lambda: k.kernel_moments(updates, kernel_plans, two))
-  for p, f in shapes.items():
-    if p not in moments or not state_lib.same_shapes(f, moments[p]):
-      raise ValueError(
-          f"scale_by_eigenbasis_adam's moments of kernel '{p}' do not have the shapes its plan keeps: the state "
-          "comes from another plan or an earlier version of the state. Restore checkpoints into the state of "
-          "tx.init(params) of the same optimizer and scsgd_jax version.")
-  return Kept(moments, dict(state.rotations), {p: r for p, r in (state.output_rotations or {}).items() if p in two})

@@ -19,6 +19,10 @@ _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _NS_STEPS = 5
 # an orthogonalized (n, p) tail is scaled by this times sqrt(max(n, p)): AdamW's typical update RMS (Liu et al. 2025)
 _ORTHOGONAL_RMS = 0.2
+# a row of the factored tail inside the basis' span (structurally 0: the coordinate basis of init's identity factor)
+# holds float32 round-off alone; its moment is read at least this share of the mean row moment, so round-off over
+# eps never makes a step
+_ROW_FLOOR = 1e-6
 
 
 class EigenMoments(NamedTuple):
@@ -57,10 +61,12 @@ def basis(q: Optional[jax.Array], v: jax.Array) -> jax.Array:
 
 
 def tail_moment(moments: EigenMoments) -> jax.Array:
-  """The tail's second moment per coordinate ``(n, p)`` (Adafactor's ``r c^T / mean(r)``), or a scalar."""
+  """The tail's second moment per coordinate ``(n, p)`` (Adafactor's ``r c^T / mean(r)``, each row's at least
+  ``1e-6`` of the mean), or a scalar."""
   if moments.row is None:
     return moments.col
-  return moments.row[:, None] * moments.col[None, :] / jnp.maximum(jnp.mean(moments.row), _TINY)
+  mean = jnp.maximum(jnp.mean(moments.row), _TINY)
+  return jnp.maximum(moments.row, _ROW_FLOOR * mean)[:, None] * moments.col[None, :] / mean
 
 
 def carried(moments: EigenMoments, new: jax.Array, old: jax.Array) -> EigenMoments:

@@ -15,14 +15,16 @@ stays within Adam's.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Literal, NamedTuple, Optional
+from typing import Any, Callable, Hashable, Literal, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from scsgd_jax._src import banks as banks_lib
 from scsgd_jax._src import checks
 from scsgd_jax._src import options
+from scsgd_jax._src import eigen_banks as eb
 from scsgd_jax._src import eigen_kernels as ek
 from scsgd_jax._src import eigen_math as em
 from scsgd_jax._src import layout as layout_lib
@@ -49,12 +51,14 @@ class ScaleByEigenbasisAdamState(NamedTuple):
     nu: Adam's second moment of the leaves that get Adam itself (a tree like the parameters, each leaf shaped
       like its parameter; ``optax.MaskedNode`` at the conditioned kernels and the leaves passed through).
     moments: ``{kernel path: EigenMoments}``, each conditioned kernel's second moment in its rotated
-      coordinates. Kept apart from ``nu`` so that every leaf of a parameter-shaped tree has its parameter's
-      shape: Flax's ``nnx.Optimizer`` wraps such a leaf in its parameter's variable (its sharding annotation
-      included) and would turn a tuple there into a dict.
-    rotations: ``{kernel path: V}``, the eigenbasis in use as a rotation of the conditioning's factor: ``U = Q V``
-      (``V`` is ``k x k``; for a dense factor ``U = V``, ``n x n``), a leading axis per slice of a stack; none for a
-      diagonal kind (the coordinate basis). Kept instead of ``U`` so the state does not hold ``Q`` twice.
+      coordinates, stored in banks (:class:`~scsgd_jax._src.banks.Banked`: the kernels of one conditioning bank,
+      shape and layout stacked; read per kernel as a mapping). Kept apart from ``nu`` so that every leaf of a
+      parameter-shaped tree has its parameter's shape: Flax's ``nnx.Optimizer`` wraps such a leaf in its
+      parameter's variable (its sharding annotation included) and would turn a tuple there into a dict.
+    rotations: ``{kernel path: V}`` in the same banks, the eigenbasis in use as a rotation of the conditioning's
+      factor: ``U = Q V`` (``V`` is ``k x k``; for a dense factor ``U = V``, ``n x n``), a leading axis per slice of
+      a stack; none for a diagonal kind (the coordinate basis). Kept instead of ``U`` so the state does not hold
+      ``Q`` twice.
     output: with ``sides='both'``, the output side's conditioning state (the statistics of the captured output
       gradients or of the gradient's columns, read along each kernel's output axes); else ``None``.
     output_rotations: with ``sides='both'``, ``{kernel path: V_out}`` of the kernels rotated on both sides
@@ -64,8 +68,8 @@ class ScaleByEigenbasisAdamState(NamedTuple):
   conditioning: ScaleBySketchedConditioningState
   mu: optax.Updates
   nu: optax.Updates
-  moments: dict[str, EigenMoments]
-  rotations: dict[str, jax.Array]
+  moments: Mapping[str, EigenMoments]
+  rotations: Mapping[str, jax.Array]
   output: Optional[ScaleBySketchedConditioningState] = None
   output_rotations: Optional[dict[str, jax.Array]] = None
 
@@ -187,8 +191,8 @@ def scale_by_eigenbasis_adam(
         conditioning=conditioning_state,
         mu=ek.zeros_at(params, adam | set(kernel_plans)),
         nu=ek.zeros_at(params, adam),
-        moments=k.kernel_moments(params, kernel_plans, two),
-        rotations=ek.rotations_of(conditioning_state.factors, kernel_plans),
+        moments=(moments := eb.fresh(params, kernel_plans, two, tail)),
+        rotations=eb.rotations(conditioning_state.factors, kernel_plans, moments.index),
         output=output_state,
         output_rotations=None if output_state is None else ek.rotations_of(output_state.factors, two))
 
@@ -201,10 +205,10 @@ def scale_by_eigenbasis_adam(
                                            **extra_args)
     two = k.both_sides(updates, kernel_plans)
     output_state = None if sides != "both" else ek.output_update(k, basis, updates, state, params, output_grads)
-    kept = ek.kept(k, state, updates, kernel_plans, two)
+    eb.checked(state, updates, kernel_plans, two, tail)
     count = optax.safe_increment(state.count)  # the conditioning's count before this update
     c = ek.Step(b2, 1.0 - b2**count, eps, em.adam_ratio_bound(b1, b2, count, nesterov), tail, basis == "gradients")
-    out, mu, nu, moments, rotations, out_rotations = _leaf_steps(updates, state, kernel_plans, two, kept,
+    out, mu, nu, moments, rotations, out_rotations = _leaf_steps(updates, state, kernel_plans, two,
                                                                  conditioning_state, output_state, adam, c, count)
     return out, ScaleByEigenbasisAdamState(
         conditioning=conditioning_state, mu=mu, nu=nu, moments=moments, rotations=rotations, output=output_state,
@@ -256,42 +260,68 @@ def _first_moment(m, g32, adam: _Adam, count):
   return optax.tree.bias_correction(m.astype(jnp.float32), adam.b1, count)
 
 
-def _leaf_steps(updates, state, kernel_plans, two, kept: ek.Kept, conditioning_state, output_state, adam: _Adam,
-                c: ek.Step, count):
-  """Every leaf's step: passed through (``others='identity'``), Adam's, or its kernel's in its basis
-  (:func:`~eigen_kernels.one_side`, :func:`~eigen_kernels.both_sides`); with the new moments and rotations."""
+def _leaf_steps(updates, state, kernel_plans, two, conditioning_state, output_state, adam: _Adam, c: ek.Step,
+                count):
+  """Every leaf's step: passed through (``others='identity'``), Adam's, or its kernel's in its basis, a bank at a
+  time (:func:`_bank_steps`); with the new moments and rotations."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
   mus = [m if isinstance(m, optax.MaskedNode) else optax.tree.update_moment(g, m, adam.b1, 1).astype(m.dtype)
          for m, (_, g) in zip(treedef.flatten_up_to(state.mu), flat)]
-  out, nus, moments, rotations, out_rotations = [], [], {}, {}, {}
+  out, nus, conditioned = {}, [], {}
   for (p, g), m, v in zip(flat, mus, treedef.flatten_up_to(state.nu)):
     path = layout_lib.path_to_str(p)
-    plan = kernel_plans.get(path)
+    nus.append(v)
     if isinstance(m, optax.MaskedNode):  # others="identity"
-      out.append(g)
-      nus.append(v)
+      out[path] = g
       continue
     g32 = g.astype(jnp.float32)
     m_hat = _first_moment(m, g32, adam, count)
-    if plan is None:  # Adam
-      v = optax.tree.update_moment_per_elem_norm(g32, v, adam.b2, 2).astype(v.dtype)
-      out.append((m_hat / (jnp.sqrt(optax.tree.bias_correction(v, adam.b2, count)) + adam.eps)).astype(g.dtype))
-      nus.append(v)
+    if path in kernel_plans:  # a conditioned kernel: its moments are in `moments`, its step its bank's
+      conditioned[path] = (g32, m_hat)
       continue
-    nus.append(v)  # a conditioned kernel's moments are in `moments`
-    old = state.conditioning.factors[path]
-    new = conditioning_state.factors[path]
-    if path in two:  # rotated on both sides: U^T M U_out, one layer
-      old_out = state.output.factors[path]
-      direction, moments[path], rotations[path], out_rotations[path] = ek.both_sides(
-          plan, g32, m_hat, kept.moments[path], kept.rotations[path], kept.out_rotations[path], old, new, old_out,
-          output_state.factors[path], c)
+    v = optax.tree.update_moment_per_elem_norm(g32, v, adam.b2, 2).astype(v.dtype)  # Adam
+    out[path] = (m_hat / (jnp.sqrt(optax.tree.bias_correction(v, adam.b2, count)) + adam.eps)).astype(g.dtype)
+    nus[-1] = v
+  directions, moments, rotations, out_rotations = _bank_steps(state, kernel_plans, two, conditioned,
+                                                              conditioning_state, output_state, c)
+  ordered = []
+  for p, g in flat:
+    path = layout_lib.path_to_str(p)
+    ordered.append(directions[path].astype(g.dtype) if path in directions else out[path])
+  return (treedef.unflatten(ordered), treedef.unflatten(mus), treedef.unflatten(nus), moments, rotations,
+          out_rotations)
+
+
+def _bank_steps(state, kernel_plans, two, conditioned, conditioning_state, output_state, c: ek.Step):
+  """The conditioned kernels' steps, a bank of the moments at a time (:func:`eigen_banks.one_side`); a kernel
+  rotated on both sides alone (:func:`~eigen_kernels.both_sides`): ``(directions, moments, rotations, output
+  rotations)``."""
+  moments_index, rotation_index = state.moments.index, state.rotations.index
+  directions, moment_banks, rotation_banks, out_rotations = {}, [], {}, {}
+  for i, bank in enumerate(moments_index.banks):
+    plan = kernel_plans[bank.paths[0]]
+    v = eb.members(state.moments.banks[i], bank)
+    rotated = bank.paths[0] in rotation_index.paths
+    r = eb.members(state.rotations.banks[rotation_index.banks.index(bank)], bank) if rotated else None
+    old = eb.gathered(state.conditioning.factors, bank)
+    new = eb.gathered(conditioning_state.factors, bank)
+    if bank.paths[0] in two:  # rotated on both sides: U^T M U_out, one layer
+      path = bank.paths[0]
+      g, m_hat = conditioned[path]
+      pick = lambda tree: jax.tree.map(lambda a: a[0], tree)
+      direction, v, r, out_rotations[path] = ek.both_sides(
+          plan, g, m_hat, pick(v), pick(r), state.output_rotations[path], pick(old), pick(new),
+          state.output.factors[path], output_state.factors[path], c)
+      directions[path] = direction
+      v, r = jax.tree.map(lambda a: a[None], (v, r))
     else:
-      direction, moments[path], r = ek.one_side(plan, g32, m_hat, kept.moments[path], kept.rotations.get(path), old,
-                                                new, c)
-      if r is not None:
-        rotations[path] = r
-    out.append(direction.astype(g.dtype))
-  return (treedef.unflatten(out), treedef.unflatten(mus), treedef.unflatten(nus), moments, rotations, out_rotations)
-
-
+      g = jnp.stack([conditioned[p][0] for p in bank.paths])
+      m_hat = jnp.stack([conditioned[p][1] for p in bank.paths])
+      direction, v, r = eb.one_side(plan, g, m_hat, v, r, old, new, c)
+      directions.update({p: direction[j] for j, p in enumerate(bank.paths)})
+    moment_banks.append(eb.stored(v, bank))
+    if rotated:
+      rotation_banks[bank] = eb.stored(r, bank)
+  moments = banks_lib.Banked(moments_index, moment_banks)
+  rotations = banks_lib.Banked(rotation_index, [rotation_banks[b] for b in rotation_index.banks])
+  return directions, moments, rotations, out_rotations

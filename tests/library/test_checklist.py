@@ -75,8 +75,9 @@ def test_inject_hyperparams_equals_the_plain_call(name):
   got, state = _fit(injected, _parabola_loss, params, 20, {"dense": {"kernel": X}})
   # Adam in an eigenbasis divides by small rotated second moments: XLA's other fusion of the injected program (the
   # rate an input, not a constant) moves its float32 round-off to ~1e-5 relative over 20 steps (3.5e-5 on two of
-  # scsgd_eigen's 24 entries under the tests' compile flags); a rate not passed through would differ by O(1)
-  rtol = 1e-4 if name in ("scsgd_eigen", "scsgd_eigen_soap") else 1e-5
+  # scsgd_eigen's 24 entries under the tests' compile flags, 1.3e-4 on one of scsgd_eigen_muon's with its step
+  # batched over a bank); a rate not passed through would differ by O(1)
+  rtol = 2e-4 if name in ("scsgd_eigen", "scsgd_eigen_soap", "scsgd_eigen_muon") else 1e-5
   np.testing.assert_allclose(got["dense"]["kernel"], want["dense"]["kernel"], rtol=rtol, atol=1e-6)
   assert float(state.hyperparams["learning_rate"]) == pytest.approx(lr)
 

@@ -390,6 +390,53 @@ def test_stacked_kernel_equals_each_slice_alone(basis):
       np.testing.assert_allclose(out["dense"]["kernel"][i], want["dense"]["kernel"], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("basis", ["inputs", "gradients"])
+def test_a_bank_of_alike_kernels_equals_each_kernel_alone(basis, monkeypatch):
+  """Kernels alike (three layers of one shape, a second stack of two beside a first) keep their moments and
+  rotations in one bank and take their step as one computation over it: with staggered refreshes (each member's
+  basis moving at its own steps), every update, moment and rotation equals the same transformation's with every
+  kernel in a bank of its own."""
+  rng = np.random.default_rng(11)
+  n, p = 6, 3
+  names = ("a", "b", "c", "d")
+  params = {**{k: {"kernel": jnp.zeros((n, p))} for k in names[:3]}, "d": {"kernel": jnp.zeros((n, 2 * p))},
+            "s": {"kernel": jnp.zeros((2, n, p))}, "t": {"kernel": jnp.zeros((2, n, p))}}
+  axes = {"s/kernel": sk.Layout((0,), stack=1), "t/kernel": sk.Layout((0,), stack=1)}
+  # 8 slices over 4 steps: a, b refresh at 0, 4; c, d at 1, 5; s at 2, 6; t at 3, 7
+  settings = grouped(dict(conditioner="sketched", **{**EXACT, "update_every": 4, "stagger": True}))
+  make = lambda: sk.scale_by_eigenbasis_adam(2, b1=B1, b2=B2, eps=EPS, **settings, input_axes=axes, basis=basis)
+  batches = []
+  for _ in range(8):
+    rows = {k: rng.standard_normal((20, n)) * np.linspace(0.5, 3, n) for k in names}
+    rows.update({k: rng.standard_normal((2, 20, n)) * np.linspace(0.5, 3, n) for k in "st"})
+    grads = jax.tree.map(lambda x: rng.standard_normal(x.shape), params)
+    batches.append((jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), grads),
+                    {k: {"kernel": jnp.asarray(x, jnp.float32)} for k, x in rows.items()}))
+
+  def run(tx):
+    state, outs = tx.init(params), []
+    for grads, rows in batches:
+      out, state = jax.jit(tx.update)(grads, state, params, layer_inputs=rows)
+      outs.append(out)
+    return outs, state
+
+  banked, banked_state = run(make())
+  assert [b.paths for b in banked_state.moments.index.banks] == [
+      ("a/kernel", "b/kernel", "c/kernel"), ("d/kernel",), ("s/kernel", "t/kernel")]
+  monkeypatch.setattr(sk._src.eigen_banks, "index",
+                      lambda tree, plans, two: sk._src.banks.BankIndex.of(plans, lambda path: path))
+  alone, alone_state = run(make())
+  assert len(alone_state.moments.index.banks) == 6
+  # atol: a kernel's first steps before its first refresh are in init's coordinate basis, where the factored tail's
+  # rows inside it hold round-off alone (over their floor, 1e-3 of the rows' scale, it steps by about 1e-4)
+  for got, want in zip(banked, alone):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-4), got, want)
+  for path in alone_state.moments:
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 (banked_state.moments[path], banked_state.rotations[path]),
+                 (alone_state.moments[path], alone_state.rotations[path]))
+
+
 def test_state_serializes_and_stays_within_adams_floats():
   """flax.serialization round trip into a fresh init; with the default half budget the state of a wide layer
   holds fewer floats than Adam's two per parameter."""
