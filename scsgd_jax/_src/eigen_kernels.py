@@ -21,7 +21,7 @@ from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
 from scsgd_jax._src import state as state_lib
-from scsgd_jax._src import transform
+from scsgd_jax._src import estimator as estimator_lib
 from scsgd_jax._src.eigen_math import EigenMoments
 from scsgd_jax._src.eigen_math import Tail
 
@@ -148,9 +148,10 @@ class Kernels:
   """Which kernels the eigenbasis rotates and on which sides, and what each keeps, from the conditioning's plans of
   a tree (cached per tree structure, as the plans are)."""
 
-  def __init__(self, s: transform.Settings, tail: Tail, sides: str, others: str, share: float):
+  def __init__(self, s: estimator_lib.Settings, tail: Tail, sides: str, others: str, share: float):
     self.s, self.tail, self.sides, self.others, self.share = s, tail, sides, others, share
-    self.inner, self.plans = transform.conditioning_and_plans(s, budget_share=share, extra=kept_beside(tail))
+    self.estimator = estimator_lib.Estimator(s, budget_share=share, extra=kept_beside(tail))
+    self.plans = self.estimator.plans
     self.keep = layout_lib.kernels_of(s.kernel_filter, s.input_axes)
     self.output_side = functools.lru_cache(maxsize=None)(self._output_side)
 
@@ -158,10 +159,10 @@ class Kernels:
     return self.keep(path, leaf) and output_lib.output_kernel_filter(path, leaf)
 
   def _output_side(self, rotatable: frozenset[str]):
-    """The output side's conditioning and plans (output rows or the gradient's columns, along the output axes) of
-    the kernels in ``rotatable``: no statistics, and no share of the memory, for a kernel it would never rotate."""
+    """The output side's estimator (output rows or the gradient's columns, along the output axes) of the kernels in
+    ``rotatable``: no statistics, and no share of the memory, for a kernel it would never rotate."""
     chosen = lambda path, leaf: path in rotatable and self.on_output_side(path, leaf)
-    return transform.conditioning_and_plans(
+    return estimator_lib.Estimator(
         self.s._replace(seed=self.s.seed + 1, input_axes=output_lib.output_axes_from(self.s.input_axes),
                         kernel_filter=chosen),
         default_axes=output_lib.default_output_axes, budget_share=self.share,
@@ -189,7 +190,7 @@ class Kernels:
       return {}
     leaves = {layout_lib.path_to_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
     out = {}
-    for path, o in self.output_of(tree)[1](tree).items():
+    for path, o in self.output_of(tree).plans(tree).items():
       plan = kernel_plans.get(path)
       if plan is None or rank(plan) is None or rank(o) is None or plan.slices is not None or o.slices is not None:
         continue
@@ -220,16 +221,16 @@ def rotations_of(factors, kernel_plans):
   return out
 
 
-def output_update(k: Kernels, basis: str, updates, state, params, output_grads):
+def output_update(k: Kernels, basis: str, updates, state, output_grads):
   """The output side's conditioning state after this update (its statistics fed with the captured output
   gradients, sampled, or with the gradient's columns)."""
-  out_inner, out_plans = k.output_of(updates)
+  out = k.output_of(updates)
   if basis == "gradients":
-    rows = gradient_rows(updates, out_plans(updates))
+    rows = gradient_rows(updates, out.plans(updates))
   else:
     output_lib.check_output_grads(output_grads, "scale_by_eigenbasis_adam(sides='both', basis='inputs')",
                                   "; or basis='gradients' (no capture)")
     key = jax.random.fold_in(jax.random.PRNGKey(k.s.seed + 2), state.count)  # made here, never at construction
     rows = output_lib.sample_rows(output_grads, key, defaults.MAX_ROWS)
-  _, output_state = out_inner.update(updates, state.output, params, layer_inputs=rows)
+  output_state, _ = out.update(updates, state.output, rows)
   return k.output_summary(updates, output_state)

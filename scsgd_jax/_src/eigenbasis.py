@@ -183,9 +183,9 @@ def scale_by_eigenbasis_adam(
 
   def init_fn(params):
     kernel_plans = k.plans(params)
-    conditioning_state = k.inner.init(params)
+    conditioning_state = k.estimator.init(params)
     two = k.both_sides(params, kernel_plans)
-    output_state = k.output_summary(params, k.output_of(params)[0].init(params)) if sides == "both" else None
+    output_state = k.output_summary(params, k.output_of(params).init(params)) if sides == "both" else None
     adam = k.adam_leaves(params, kernel_plans)  # Adam itself; the conditioned kernels' second moments are rotated
     return ScaleByEigenbasisAdamState(
         conditioning=conditioning_state,
@@ -197,14 +197,13 @@ def scale_by_eigenbasis_adam(
         output_rotations=None if output_state is None else ek.rotations_of(output_state.factors, two))
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, output_grads=None, **extra_args):
+    del params, extra_args  # optax's; the estimator reads the captured rows (layer_inputs) alone
     kernel_plans = k.plans(updates, getattr(layer_inputs, "input_axes", None))
     if basis == "gradients":  # the statistics of the gradient's own rows (SOAP's left factor), no capture read
       layer_inputs = ek.gradient_rows(updates, kernel_plans, getattr(layer_inputs, "input_axes", None))
-    # the conditioned gradients are not used (compiled away under jit): the refreshed factors are
-    _, conditioning_state = k.inner.update(updates, state.conditioning, params, layer_inputs=layer_inputs,
-                                           **extra_args)
+    conditioning_state, _ = k.estimator.update(updates, state.conditioning, layer_inputs)
     two = k.both_sides(updates, kernel_plans)
-    output_state = None if sides != "both" else ek.output_update(k, basis, updates, state, params, output_grads)
+    output_state = None if sides != "both" else ek.output_update(k, basis, updates, state, output_grads)
     eb.checked(state, updates, kernel_plans, two, tail)
     count = optax.safe_increment(state.count)  # the conditioning's count before this update
     c = ek.Step(b2, 1.0 - b2**count, eps, em.adam_ratio_bound(b1, b2, count, nesterov), tail, basis == "gradients")

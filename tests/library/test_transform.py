@@ -48,6 +48,31 @@ def test_dense_step_equals_hand_computed_full_conditioner():
   np.testing.assert_allclose(state[0].statistics["dense/kernel"].moments, c, rtol=1e-5, atol=1e-6)
 
 
+def test_the_estimator_keeps_the_statistics_and_factors_the_conditioning_reads():
+  """The estimator alone (what the eigenbasis and the output side build on): its update folds C = (1 - nu) I +
+  nu X^T X / m and rebuilds the factor C^{-1/2}, the conditioning's state after the same update; the conditioning
+  is A^{-1} G of those factors."""
+  from scsgd_jax._src import estimator as estimator_lib
+  rng = np.random.default_rng(4)
+  params = _params(rng)
+  x, g = rng.standard_normal((16, 6)), rng.standard_normal((6, 3))
+  options = grouped(dict(conditioner="full", ema_rate=NU, update_every=1, **PAPER))
+  est = estimator_lib.Estimator(estimator_lib.settings(None, **options))
+  tx = sk.scale_by_sketched_conditioning(**options)
+  grads = {"dense": {"kernel": jnp.asarray(g, jnp.float32), "bias": jnp.ones(3, jnp.float32)}}
+  rows = {"dense": {"kernel": jnp.asarray(x, jnp.float32)}}
+  state, plans = est.update(grads, est.init(params), rows)
+  assert list(plans) == ["dense/kernel"]
+  c = (1 - NU) * np.eye(6) + NU * x.T @ x / 16
+  np.testing.assert_allclose(state.statistics["dense/kernel"].moments, c, rtol=1e-5, atol=1e-6)
+  a_inv = np.asarray(sk.sketch.precondition_kernel(state.factors["dense/kernel"], jnp.eye(6), (0,)))
+  np.testing.assert_allclose(a_inv, helpers.psd_power(c, -0.5), rtol=1e-4, atol=1e-5)
+  updates, tx_state = jax.jit(tx.update)(grads, tx.init(params), params, layer_inputs=rows)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), (tx_state.statistics, tx_state.factors),
+               (state.statistics, state.factors))
+  np.testing.assert_allclose(updates["dense"]["kernel"], a_inv @ g, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("conditioner,rank", [("full", None), ("sketched", 3)])
 def test_normalized_step_is_the_conditioner_of_c_over_its_mean_eigenvalue(conditioner, rank):
   """normalize='all': -lr (C / (tr C / n))^{-1/2} G, i.e. the plain step times sqrt(tr C / n), for the full and the

@@ -1,0 +1,218 @@
+r"""The estimator: every conditioned kernel's input statistics, their fold, the refresh schedule and the factors, in
+one object (kfac-jax's split of curvature estimation from its use). The input side's conditioning
+(:mod:`transform`), the eigenbasis and the output side build on it and read its factors."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Hashable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from scsgd_jax._src import apart
+from scsgd_jax._src import checks
+from scsgd_jax._src import defaults
+from scsgd_jax._src import fold as fold_lib
+from scsgd_jax._src import options
+from scsgd_jax._src import layout as layout_lib
+from scsgd_jax._src import plan as plan_lib
+from scsgd_jax._src import state as state_lib
+from scsgd_jax._src.state import ScaleBySketchedConditioningState
+
+class Settings(NamedTuple):
+  """The conditioning's settings, checked (:func:`settings`): what :func:`scale_by_sketched_conditioning` takes,
+  and what the output side and the eigenbasis build their conditioning from."""
+
+  rank: int
+  statistics: options.Statistics
+  refresh: options.Refresh
+  conditioner: options.Conditioner
+  kernel_filter: Optional[Callable[[str, Any], bool]]
+  input_axes: layout_lib.InputAxes
+  axis_name: Optional[Hashable]
+  seed: int
+
+
+def settings(rank: Optional[int] = None,
+             statistics: options.StatisticsOption = options.Statistics(),
+             refresh: options.Refresh = options.Refresh(),
+             conditioner: options.Conditioner = options.Conditioner(),
+             kernel_filter=None,
+             input_axes: layout_lib.InputAxes = None,
+             axis_name: Optional[Hashable] = None,
+             seed: int = 0) -> Settings:
+  """:class:`Settings` from :func:`scale_by_sketched_conditioning`'s arguments, each checked (one place)."""
+  rank = defaults.RANK if rank is None else options.static_int("rank", rank, 1)
+  statistics = options.checked_together(statistics, refresh, conditioner)
+  if kernel_filter is not None and not callable(kernel_filter):
+    raise TypeError(f"kernel_filter must be a callable (path, leaf) -> bool, got {kernel_filter!r}.")
+  return Settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed)
+
+
+def _flat_inputs(layer_inputs) -> dict[str, Any]:
+  flat, _ = jax.tree_util.tree_flatten_with_path(layer_inputs)
+  return {layout_lib.path_to_str(p): leaf for p, leaf in flat}
+
+
+def _spec(s: Settings, default_axes, budget_share: float, extra) -> tuple[plan_lib.Spec, int]:
+  """The plans' spec of settings ``s``, and the fold period."""
+  checks.check_float("budget_share", budget_share, low=0.0, high=1.0, low_open=True)
+  st = s.statistics
+  got = (options.Statistics(every=st.every) if st.custom else st).resolved()
+  cond = s.conditioner.resolved(s.rank)
+  # ema_rate is per step: a fold every s steps weighs its batch 1 - (1 - nu)^s, so the EMA spans as many steps
+  fold_rate = 1.0 - (1.0 - got["ema_rate"])**got["every"]
+  choices = plan_lib.StatisticsChoices(fold_rate,
+                                       warm_start=s.refresh.warm_start,
+                                       oversample=got["oversample"],
+                                       power_iterations=got["power_iterations"],
+                                       eigenvalue_floor=cond["eigenvalue_floor"])
+  spec = plan_lib.Spec(s.rank, s.refresh.every, cond["full_max_dim"], got["oversample"], cond["kind"],
+                       st.kind, got["budget"], s.refresh.stagger,
+                       layout_lib.kernels_of(s.kernel_filter,
+                                           s.input_axes), s.input_axes, choices, default_axes, budget_share, extra)
+  return spec, got["every"]
+
+
+class Estimator:
+  """Every conditioned kernel's statistics, fold, refresh schedule and factors under settings ``s``: ``init``
+  plans the kernels (fixed there) and builds their fresh state; ``update`` checks the captured rows against the
+  plans, folds them (:meth:`fold`), rebuilds the factors due (:meth:`refresh`, unless the refreshes run apart)
+  and counts the update; ``state.factors`` are what the conditioning, the eigenbasis and the output side read.
+
+  ``default_axes``: how a kernel is read unless told otherwise (the output side passes the kernel's output axes);
+  ``budget_share``: the share of the memory rule's budget the statistics take; ``extra``: what a transformation
+  built on it keeps per kernel beside them, for the memory rule (:class:`~scsgd_jax._src.plan.Spec`'s).
+  ``plans(tree, captured_axes=None) -> {path: KernelPlan}``: the plans of a tree of that structure (cached).
+  """
+
+  def __init__(self, s: Settings, *, default_axes=layout_lib.default_input_axes, budget_share: float = 1.0,
+               extra=None):
+    self.s, self.default_axes = s, default_axes
+    spec, self.fold_every = _spec(s, default_axes, budget_share, extra)
+    self.plans = state_lib.PlanCache(spec)
+
+  def refresher(self, kernel_plans) -> apart.Refresher:
+    """What rebuilds the factors of ``kernel_plans`` on this estimator's schedule (fixed by the plans)."""
+    return apart.refresher(kernel_plans, self.s.refresh, self.fold_every, self.s.conditioner.normalize)
+
+  def init(self, params) -> ScaleBySketchedConditioningState:
+    """The plans of ``params``' kernels and their fresh statistics and factors."""
+    kernel_plans = self.plans(params)
+    if not kernel_plans and self.default_axes is layout_lib.default_input_axes:  # the input side: say it, once
+      warn_nothing_conditioned(params, self.plans.notes)
+    key, (statistics, factors, clipped) = state_lib.fresh_kernel_states(kernel_plans, self.s.seed)
+    return ScaleBySketchedConditioningState(
+        count=jnp.zeros([], jnp.int32),
+        key=key,
+        statistics=statistics,
+        factors=factors,
+        clipped_rows=clipped,
+        plan=state_lib.summary_of(kernel_plans, self.plans.notes, self.s.rank,
+                                  self.refresher(kernel_plans) if self.s.refresh.apart else None),
+    )
+
+  def fold(self, state: ScaleBySketchedConditioningState, kernel_plans, rows):
+    """``(statistics, clipped rows)`` with ``rows`` (:func:`checked_rows`) folded in, at the steps the fold period
+    says."""
+    fold = lambda operand: fold_lib.fold(kernel_plans, rows, *operand, self.s.statistics.outlier_threshold,
+                                         self.s.axis_name)
+    operand = (state.statistics, state.clipped_rows)
+    if self.fold_every == 1:
+      return fold(operand)
+    return jax.lax.cond(state.count % self.fold_every == 0, fold, lambda o: o, operand)
+
+  def refresh(self, statistics, state: ScaleBySketchedConditioningState, kernel_plans):
+    """``(factors, key)``: the factors of ``kernel_plans`` due at this update rebuilt from ``statistics``."""
+    return self.refresher(kernel_plans).rebuild(statistics, state.factors, state.key, state.count,
+                                                planned=kernel_plans)
+
+  def update(self, updates, state: ScaleBySketchedConditioningState, layer_inputs):
+    """``(state, plans)``: ``state`` after this update's fold and refresh, and the plans of the kernels conditioned
+    in it (``updates``' kernels, less those the capture could not condition in this update)."""
+    kernel_plans = self.plans(updates, getattr(layer_inputs, "input_axes", None))
+    if set(kernel_plans) != set(state.factors):
+      raise ValueError(
+          f"the conditioned kernels of `updates` {sorted(kernel_plans)} do not match those the state "
+          f"was initialised with {sorted(state.factors)}.")
+    # layers the capture cannot condition: plain updates, their state untouched, the summary says so
+    skipped = {p: f"not conditioned: {why}" for p, why in getattr(layer_inputs, "unconditioned", {}).items()
+               if p in kernel_plans}
+    state = state_lib.noted(state, kernel_plans, skipped, self.s.rank)
+    if skipped:
+      state_lib.log_unconditioned(skipped)  # once per trace
+      kernel_plans = {p: plan for p, plan in kernel_plans.items() if p not in skipped}
+    statistics, clipped = self.fold(state, kernel_plans, checked_rows(kernel_plans, layer_inputs))
+    factors, key = state.factors, state.key
+    if not self.s.refresh.apart:  # else refresh_conditioners rebuilds them, apart from this step
+      factors, key = self.refresh(statistics, state, kernel_plans)
+    return state._replace(count=optax.safe_increment(state.count), key=key, statistics=statistics, factors=factors,
+                          clipped_rows=clipped), kernel_plans
+
+
+def warn_nothing_conditioned(params, notes: dict[str, str]) -> None:
+  """A warning (once per model) that no leaf of ``params`` is conditioned: why for each kernel the filter took
+  (``notes``), or, when it took none, the matrices it saw."""
+  if notes:
+    warnings.warn("scsgd_jax: no leaf is conditioned, so every leaf gets plain updates: "
+                  + "; ".join(f"{p} ({why})" for p, why in notes.items()), stacklevel=3)
+    return
+  matrices = [layout_lib.path_to_str(p) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+              if np.ndim(leaf) >= 2]
+  warnings.warn(
+      f"scsgd_jax: no leaf is conditioned, so every leaf gets plain updates: the kernel filter took none of the "
+      f"parameters' matrices {matrices[:8]}{' ...' if len(matrices) > 8 else ''}. Flax names kernels 'kernel' and "
+      "'embedding'; for other names (Equinox's 'weight', a plain dict) say each kernel's input axes, e.g. "
+      "input_axes={'layers/0/weight': scsgd_jax.Layout(input_axes=(1,))} for an (out, in) weight, (0,) for "
+      "(in, out).", stacklevel=3)
+
+
+def checked_rows(kernel_plans: dict[str, plan_lib.KernelPlan], layer_inputs) -> dict[str, jax.Array]:
+  """Each conditioned kernel's rows ``(m, n)`` (or ids), with a clear error naming the kernel on bad input."""
+  if layer_inputs is None:
+    raise ValueError(
+        "scale_by_sketched_conditioning.update needs the keyword argument `layer_inputs`: "
+        "the captured inputs of each conditioned layer (see scsgd_jax.capture_nnx / capture_linen), "
+        "e.g. tx.update(grads, state, params, layer_inputs=layer_inputs).")
+  inputs = _flat_inputs(layer_inputs)
+  rows = {}
+  for path, plan in kernel_plans.items():
+    n = plan.n
+    if path not in inputs:
+      raise ValueError(
+          f"layer_inputs has no entry for the conditioned kernel '{path}' (input dimension n={n}); "
+          f"it has entries for {sorted(inputs)}. Capture the layer's inputs, or exclude the kernel "
+          "with kernel_filter / optax.masked.")
+    x = inputs[path]
+    shape = getattr(x, "shape", None)
+    lead = plan.stack + ((plan.groups,) if plan.groups > 1 else ())  # a stacked kernel's rows: (*lead, ..., n)
+    if lead and (shape is None or tuple(shape[:len(lead)]) != lead):
+      raise ValueError(
+          f"layer_inputs['{path}'] has shape {shape}, expected leading axes {lead} (the kernel's "
+          + (f"stack {plan.stack}" if plan.stack else "") + (" and " if plan.stack and plan.groups > 1 else "")
+          + (f"{plan.groups} feature groups" if plan.groups > 1 else "") + "), one set of rows per slice, "
+          "as scsgd_jax.capture_nnx / capture_linen capture them.")
+    rows_shape = (-1,) if not lead else (math.prod(lead), -1)
+    if plan.statistics.takes_ids:
+      if shape is None or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(
+            f"layer_inputs['{path}'] must hold the integer token ids of embedding '{path}' "
+            f"(vocabulary n={n}), got {type(x).__name__} of dtype {getattr(x, 'dtype', None)}.")
+      rows[path] = jax.lax.stop_gradient(x).reshape(rows_shape)
+      continue
+    if shape is None or len(shape) < 2 + len(lead) or shape[-1] != n:
+      raise ValueError(
+          f"layer_inputs['{path}'] has shape {shape}, expected ({'*' + str(lead) + ', ' if lead else ''}rows, {n}) "
+          f"to match kernel '{path}' read with input axes {plan.input_axes} (n={n}). A conv kernel (kh, kw, cin, "
+          "cout) needs im2col rows of size kh*kw*cin; rows not captured by scsgd_jax.capture_nnx / capture_linen "
+          "(whose output says each kernel's layout) of a DenseGeneral/Einsum kernel whose input axes are not the "
+          "default, or of a stacked (scanned) kernel, need input_axes=scsgd_jax.input_axes_nnx(model) (or "
+          "input_axes_linen).")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"layer_inputs['{path}'] must be floating point, got dtype {x.dtype}.")
+    rows[path] = jax.lax.stop_gradient(x).reshape(rows_shape + (n,)).astype(jnp.float32)
+  return rows
