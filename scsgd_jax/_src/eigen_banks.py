@@ -133,6 +133,8 @@ def _rebased(plan, r, v, old, new, moved):
 
     return jax.lax.cond(moved[j], renew, lambda rv: rv, rv)
 
+  if moved.shape[0] == 1:  # a bank of one: its carry, when it moved (no loop to compile)
+    return body(0, (r, v))
   loop = lambda rv: jax.lax.fori_loop(0, moved.shape[0], body, rv)
   return jax.lax.cond(jnp.any(moved), loop, lambda rv: rv, (r, v))
 

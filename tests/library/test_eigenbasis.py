@@ -453,6 +453,19 @@ def test_state_serializes_and_stays_within_adams_floats():
   assert floats <= 2 * sum(a.size for a in jax.tree.leaves(params)), floats
 
 
+def test_a_state_of_moments_per_kernel_is_refused_naming_the_field():
+  """The state before banks kept ``{kernel path: EigenMoments}`` dicts: refused at the first update, naming
+  ``state.moments`` and how to restore."""
+  params = {"a": {"kernel": jnp.zeros((6, 3))}, "b": {"kernel": jnp.zeros((6, 3))}}
+  tx = sk.scale_by_eigenbasis_adam(2, **grouped(dict(conditioner="sketched", **EXACT)))
+  state = tx.init(params)
+  assert [b.paths for b in state.moments.index.banks] == [("a/kernel", "b/kernel")]
+  old = state._replace(moments=dict(state.moments.items()))
+  rows = {k: {"kernel": jnp.ones((4, 6))} for k in "ab"}
+  with pytest.raises(TypeError, match=r"state\.moments is a dict, not the banks"):
+    tx.update(jax.tree.map(jnp.ones_like, params), old, params, layer_inputs=rows)
+
+
 def test_bad_tail_is_refused():
   with pytest.raises(ValueError, match="tail must be 'factored', 'scalar' or 'orthogonal'"):
     sk.scale_by_eigenbasis_adam(tail="adafactor")
