@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scsgd_jax._src import banks as banks_lib
 from scsgd_jax._src import eigen_kernels as ek
 from scsgd_jax._src import eigen_math as em
 from scsgd_jax._src import layout as layout_lib
@@ -23,13 +22,14 @@ from scsgd_jax._src.eigen_math import EigenMoments
 
 
 def index(tree, kernel_plans, two) -> BankIndex:
-  """The eigenbasis' banks of ``tree``'s conditioned kernels: those of one conditioning bank with one shape, dtype
-  and layout; a kernel rotated on both sides (``two``) alone."""
+  """The eigenbasis' banks of ``tree``'s conditioned kernels: those of one conditioning bank with one shape and
+  layout (their steps run in float32 whatever their dtype, so a bank's are read from the parameters at ``init`` and
+  from the gradients at an update alike); a kernel rotated on both sides (``two``) alone."""
   leaves = {layout_lib.path_to_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
   def alike(path):
-    plan, leaf = kernel_plans[path], leaves[path]
-    return (tuple(np.shape(leaf)), str(leaf.dtype), tuple(plan.input_axes), plan.stack, plan.groups,
+    plan = kernel_plans[path]
+    return (tuple(np.shape(leaves[path])), tuple(plan.input_axes), plan.stack, plan.groups,
             path if path in two else None)
 
   return BankIndex.of(kernel_plans, alike)
