@@ -48,23 +48,29 @@ class Bank(NamedTuple):
 
 
 class BankIndex(NamedTuple):
-  """Where each kernel's slices are stored: the banks in order (static: compared by value)."""
+  """Where each kernel's slices are stored: the banks in order, and the kernels that read another's (``aliases``:
+  ``((kernel, the kernel whose entry it reads), ...)``, stored once, under the kernel read). Static: compared by
+  value."""
 
   banks: tuple[Bank, ...]
+  aliases: tuple[tuple[str, str], ...] = ()
 
   @classmethod
-  def of(cls, kernel_plans, extra: Callable[[str], Hashable] = lambda path: ()) -> "BankIndex":
-    """The banks of ``kernel_plans`` (:func:`grouped`, ``extra`` as its), in the plans' order."""
+  def of(cls, kernel_plans, extra: Callable[[str], Hashable] = lambda path: (), aliases=()) -> "BankIndex":
+    """The banks of ``kernel_plans`` (:func:`grouped`, ``extra`` as its), in the plans' order; ``aliases`` as the
+    field's (their kernels not among ``kernel_plans``)."""
     return cls(tuple(Bank(tuple(paths), tuple(kernel_plans[p].slices or 1 for p in paths),
                           tuple(kernel_plans[p].slices is None for p in paths))
-                     for paths in grouped(kernel_plans, extra)))
+                     for paths in grouped(kernel_plans, extra)), tuple(aliases))
 
   @property
   def paths(self) -> tuple[str, ...]:
-    return tuple(p for bank in self.banks for p in bank.paths)
+    """Every kernel's path: the banks' members, then the aliases."""
+    return tuple(p for bank in self.banks for p in bank.paths) + tuple(p for p, _ in self.aliases)
 
   def place(self, path: str) -> tuple[int, int, int, bool]:
-    """``(bank, first slice, slices, lone)`` of kernel ``path``."""
+    """``(bank, first slice, slices, lone)`` of kernel ``path`` (an alias: of the kernel it reads)."""
+    path = dict(self.aliases).get(path, path)
     for i, bank in enumerate(self.banks):
       if path in bank.paths:
         j = bank.paths.index(path)

@@ -23,7 +23,7 @@ __all__ = ["apply_gradients", "capture_linen", "input_axes_linen", "output_pertu
 LINEN_COLLECTION = "layer_inputs"
 
 
-def _linen_interceptor(max_rows, counter, record, unconditioned, full_ndim, sow=True, outputs=None):
+def _linen_interceptor(max_rows, counter, record, unconditioned, full_ndim, sow=True, outputs=None, reads=None):
   def interceptor(next_fun, a, k, context):
     mod = context.module
     if context.method_name == "__call__" and isinstance(mod, LINEN_LAYERS) and a:
@@ -38,6 +38,8 @@ def _linen_interceptor(max_rows, counter, record, unconditioned, full_ndim, sow=
       param_path = "/".join((*map(str, mod.path), spec.param))
       layout = captured_lib.layout(spec, mod, full_ndim.get(param_path))
       record[param_path] = layout
+      if reads is not None:
+        reads(param_path, spec, a[0])
       if sow and not mod.sow(LINEN_COLLECTION, spec.param, rows):
         raise ValueError(
             f"layer '{name}' runs inside a Linen lifted transform (nn.scan, nn.vmap, ...) that does not pass "
@@ -114,16 +116,18 @@ def output_perturbations_linen(module: nn.Module, variables, *args, **kwargs) ->
 
 def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str, Layout]:
   """``{param path: Layout}`` of every captured layer of a Linen model (see :func:`input_axes_nnx`), traced
-  once (no compute) on ``args``: pass it as ``input_axes=`` to fix every plan at ``init``."""
-  record, plain = {}, {}
+  once (no compute) on ``args``: pass it as ``input_axes=`` to fix every plan at ``init``. The kernels whose
+  layers read the same rows (an attention's query, key and value) are marked as :func:`input_axes_nnx` marks
+  them given inputs."""
+  record, plain, reads = {}, {}, captured_lib.Reads()
 
   def run(variables, *a):
     with nn.intercept_methods(_linen_interceptor(None, captured_lib.Counter(None), record, plain,
-                                                 _param_ndims(variables), sow=False)):
+                                                 _param_ndims(variables), sow=False, reads=reads)):
       return module.apply(variables, *a, mutable=True, **kwargs)  # e.g. BatchNorm in training mode
 
   jax.eval_shape(run, variables, *args)
-  return {**record, **{path: Plain(why) for path, why in plain.items()}}
+  return reads.marked({**record, **{path: Plain(why) for path, why in plain.items()}})
 
 
 def apply_gradients(state, *, grads, layer_inputs, **kwargs):

@@ -37,7 +37,7 @@ def _layer_path(layer, default: str) -> str:
 
 
 @contextlib.contextmanager
-def _patched_nnx(model, max_rows, counter, layouts, unconditioned, outputs=None):
+def _patched_nnx(model, max_rows, counter, layouts, unconditioned, outputs=None, reads=None):
   originals = {cls: cls.__call__ for cls in NNX_LAYERS}
   # a layer inside nnx.scan/nnx.vmap runs as a copy holding one slice of each parameter: it finds its path in
   # an attribute (kept by the transforms' graph copy), and its stack axes from its original's full parameter
@@ -57,6 +57,8 @@ def _patched_nnx(model, max_rows, counter, layouts, unconditioned, outputs=None)
       param_path = captured_lib.param_path(name, spec.param)
       layout = captured_lib.layout(spec, self, getattr(getattr(layers.get(path), spec.param, None), "ndim", None))
       layouts[param_path] = layout
+      if reads is not None:
+        reads(param_path, spec, inputs)
       self.sow(LayerInput, spec.param, rows)
       y = orig(self, inputs, *args, **kwargs)
       return y if outputs is None else outputs(param_path, spec, y, layout)
@@ -155,7 +157,7 @@ def output_perturbations_nnx(model: nnx.Module, *args, **kwargs) -> CapturedInpu
   return outputs.zeros()
 
 
-def input_axes_nnx(model: nnx.Module) -> dict[str, Layout]:
+def input_axes_nnx(model: nnx.Module, *args, **kwargs) -> dict[str, Layout]:
   """``{param path: Layout}`` of every captured layer of an NNX model, read from the layers themselves: the
   kernel's input axes, its stack axes (a layer inside ``nnx.scan``/``nnx.vmap``) and feature groups; a layer
   the conditioning cannot read (a transposed conv, ...) maps to ``Plain(why)``, planned plain at ``init``.
@@ -163,6 +165,11 @@ def input_axes_nnx(model: nnx.Module) -> dict[str, Layout]:
   The captured :class:`CapturedInputs` already carry these layouts (the transformation reads them); pass this
   as ``scsgd(..., input_axes=input_axes_nnx(model))`` to fix every plan at ``init``, so that the state never
   changes shape (see :func:`~scsgd_jax.scale_by_sketched_conditioning`), or for rows captured by other means.
+
+  Given the model's inputs (``*args, **kwargs``, as a call of the model takes them; traced once, no compute), it
+  also finds the kernels whose layers read the same rows (an attention's query, key and value; a gated MLP's
+  gate and up: Linear and LinearGeneral layers called on one array over the same axes) and marks each after the
+  first ``Layout(reads=<the first>)``: one statistic and factor serves them all, folded and refreshed once.
   """
   out = {}
   for path, node in nnx.iter_graph(model):
@@ -179,4 +186,17 @@ def input_axes_nnx(model: nnx.Module) -> dict[str, Layout]:
             f"input axes yourself, e.g. input_axes={{'{name}/kernel': (0,)}}.")
       full = getattr(getattr(node, spec.param), "ndim", None)
       out[captured_lib.param_path(name, spec.param)] = captured_lib.layout(spec, node, full)
-  return out
+  return _marked_reads(model, out, args, kwargs) if args or kwargs else out
+
+
+def _marked_reads(model: nnx.Module, layouts: dict, args, kwargs) -> dict:
+  """``layouts`` with the kernels that read another's rows in a call of ``model`` marked (:class:`Reads`)."""
+  reads, (graphdef, state) = captured_lib.Reads(), nnx.split(model)
+
+  def run(state):
+    copy = nnx.merge(graphdef, state)
+    with _patched_nnx(copy, None, captured_lib.Counter(None), {}, {}, reads=reads):
+      return nnx.capture(lambda m, *a, **k: m(*a, **k), LayerInput)(copy, *args, **kwargs)[0]
+
+  jax.eval_shape(run, state)
+  return reads.marked(layouts)

@@ -53,6 +53,34 @@ def layout(spec: LayerSpec, layer, full_ndim) -> layout_lib.Layout:
   return layout_lib.Layout(spec.input_axes, stack, spec.groups)
 
 
+class Reads:
+  """Which kernels' layers read the same rows in one traced call of a model: per kernel, each call's input array
+  and the axes its rows are made of (:class:`LayerSpec`'s ``contracts``)."""
+
+  def __init__(self):
+    self.calls: dict[str, list] = {}
+
+  def __call__(self, path: str, spec: LayerSpec, x) -> None:
+    contracts = None if spec.contracts is None else tuple(a % x.ndim for a in spec.contracts)
+    self.calls.setdefault(path, []).append((x, contracts))
+
+  def marked(self, layouts: dict) -> dict:
+    """``layouts`` (``{param path: Layout or Plain}``) with each kernel whose layer read, call for call, the rows an
+    earlier kernel's read (the same arrays, the same axes; one layout) marked ``Layout(reads=<that kernel>)``."""
+    out, owners = dict(layouts), []
+    same = lambda a, b: len(a) == len(b) and all(x is y and c == d for (x, c), (y, d) in zip(a, b))
+    for path, calls in self.calls.items():
+      layout = layouts.get(path)
+      if not isinstance(layout, layout_lib.Layout) or any(c is None for _, c in calls):
+        continue
+      owner = next((o for o, o_calls in owners if same(o_calls, calls) and layouts[o] == layout), None)
+      if owner is None:
+        owners.append((path, calls))
+      else:
+        out[path] = layout._replace(reads=owner)
+    return out
+
+
 def param_path(name: str, param: str) -> str:
   """The path of a layer's parameter ``param`` (``'kernel'``, ``'embedding'``), as the transformation names it."""
   return f"{name}/{param}" if name else param

@@ -97,8 +97,10 @@ class Estimator:
     self.plans = state_lib.PlanCache(spec)
 
   def refresher(self, kernel_plans) -> apart.Refresher:
-    """What rebuilds the factors of ``kernel_plans`` on this estimator's schedule (fixed by the plans)."""
-    return apart.refresher(kernel_plans, self.s.refresh, self.fold_every, self.s.conditioner.normalize)
+    """What rebuilds the factors of ``kernel_plans`` on this estimator's schedule (fixed by the plans); a kernel
+    that reads another's statistics has none to rebuild."""
+    return apart.refresher(plan_lib.own_statistics(kernel_plans), self.s.refresh, self.fold_every,
+                           self.s.conditioner.normalize)
 
   def init(self, params) -> ScaleBySketchedConditioningState:
     """The plans of ``params``' kernels and their fresh statistics and factors."""
@@ -146,10 +148,11 @@ class Estimator:
     if skipped:
       state_lib.log_unconditioned(skipped)  # once per trace
       kernel_plans = {p: plan for p, plan in kernel_plans.items() if p not in skipped}
-    statistics, clipped = self.fold(state, kernel_plans, checked_rows(kernel_plans, layer_inputs))
+    own = plan_lib.own_statistics(kernel_plans)  # a kernel reading another's statistics folds no rows of its own
+    statistics, clipped = self.fold(state, own, checked_rows(own, layer_inputs))
     factors, key = state.factors, state.key
     if not self.s.refresh.apart:  # else refresh_conditioners rebuilds them, apart from this step
-      factors, key = self.refresh(statistics, state, kernel_plans)
+      factors, key = self.refresh(statistics, state, own)
     return state._replace(count=optax.safe_increment(state.count), key=key, statistics=statistics, factors=factors,
                           clipped_rows=clipped), kernel_plans
 

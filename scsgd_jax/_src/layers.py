@@ -50,6 +50,9 @@ class LayerSpec(NamedTuple):
   kernel's order (``None``: no output side, e.g. an embedding)."""
   groups: int = 1
   """Feature groups (a grouped convolution): ``rows`` then returns ``(groups, m, n)``, group ``i``'s rows."""
+  contracts: Optional[tuple[int, ...]] = None
+  """The input's axes whose values make one row, in order, where the rows are just those (Dense, DenseGeneral):
+  two such layers called on one array with these axes equal read the same rows (``None``: not compared)."""
 
 
 def _to_tuple(v, d):
@@ -106,7 +109,7 @@ def _general_spec(layer, name, batch) -> LayerSpec:
   axis = _as_tuple(layer.axis)
   features = _as_tuple(layer.out_features if isinstance(layer, nnx.LinearGeneral) else layer.features)
   return LayerSpec("kernel", tuple(range(len(axis))), lambda x, m, k: _contracted_rows(x, axis, m, k),
-                   _last_axes(len(features)))
+                   _last_axes(len(features)), contracts=axis)
 
 
 def _expand_ellipsis(labels: str, ndim: int) -> str:
@@ -187,7 +190,7 @@ def layer_spec(layer: Any, name: str, einsum_str: Optional[str] = None) -> Layer
   if isinstance(layer, (nnx.Conv, nn.Conv)):
     return _conv_spec(layer, name)
   if isinstance(layer, (nnx.Linear, nn.Dense)):
-    return LayerSpec("kernel", (0,), lambda x, m, k: patches.dense_rows(x, m, k), _last_axes(1))
+    return LayerSpec("kernel", (0,), lambda x, m, k: patches.dense_rows(x, m, k), _last_axes(1), contracts=(-1,))
   if isinstance(layer, nnx.LinearGeneral):
     return _general_spec(layer, name, dict(layer.batch_axis))
   if isinstance(layer, nn.DenseGeneral):

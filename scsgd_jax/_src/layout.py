@@ -20,11 +20,19 @@ class Layout(NamedTuple):
       each index is its own layer, conditioned by its own statistics.
     groups: feature groups of a grouped convolution: the last (output) axis is ``groups`` blocks, block
       ``i`` read by input channels block ``i`` only, each its own problem (block-diagonal ``C``).
+    reads: the path of another kernel whose layer reads the same input rows (an attention's query, key and value,
+      a gated MLP's gate and up): this kernel is conditioned by that kernel's statistics and factors and keeps
+      none of its own (:func:`scsgd_jax.input_axes_nnx` of a model and an input finds them).
   """
 
   input_axes: tuple[int, ...]
   stack: int = 0
   groups: int = 1
+  reads: Optional[str] = None
+
+  def __repr__(self) -> str:
+    reads = "" if self.reads is None else f", reads={self.reads!r}"
+    return f"Layout(input_axes={self.input_axes}, stack={self.stack}, groups={self.groups}{reads})"
 
 
 class Plain(NamedTuple):
@@ -133,4 +141,7 @@ def axes_of(path: str, leaf, input_axes: InputAxes, captured: Optional[Mapping[s
         + (f" of each of its {layout.stack}-axis stack's slices {shape[layout.stack:]}." if layout.stack else "."))
   if layout.groups < 1 or shape[-1] % layout.groups or (layout.groups > 1 and ndim - 1 in axes):
     raise ValueError(f"kernel '{path}' {shape}: {layout.groups} feature groups must divide its last (output) axis.")
+  if layout.reads is not None and (not isinstance(layout.reads, str) or layout.reads == path):
+    raise ValueError(f"kernel '{path}': Layout(reads={layout.reads!r}) must name another kernel's path, whose "
+                     "statistics this kernel reads.")
   return layout._replace(input_axes=axes)

@@ -43,7 +43,8 @@ def output_axes_from(input_axes: layout_lib.InputAxes) -> layout_lib.InputAxes:
       return layout_lib.Layout(default_output_axes(path, leaf))
     layout = layout_lib.axes_of(path, leaf, input_axes)
     rest = tuple(a for a in range(leaf.ndim - layout.stack) if a not in layout.input_axes)
-    return layout._replace(input_axes=rest, groups=1)  # the output rows are the whole layer's, as captured
+    # the output rows are the whole layer's, as captured, and each kernel's own (two kernels of one input differ here)
+    return layout._replace(input_axes=rest, groups=1, reads=None)
 
   return axes
 

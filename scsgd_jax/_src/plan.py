@@ -37,6 +37,9 @@ class KernelPlan(NamedTuple):
       other slices follow, :func:`slice_phases`).
     stack: the shape of the kernel's leading stack axes (``()``: one layer; see :class:`Layout`).
     groups: a grouped convolution's feature groups, each its own slice.
+    reads: the kernel whose statistics and factors this one reads (its layer reads the same rows,
+      :class:`~scsgd_jax.Layout`); ``None``: its own. Such a kernel takes that kernel's plan and keeps no
+      statistics, factors or refresh of its own.
   """
 
   input_axes: tuple[int, ...]
@@ -47,6 +50,7 @@ class KernelPlan(NamedTuple):
   phase: int
   stack: tuple[int, ...] = ()
   groups: int = 1
+  reads: Optional[str] = None
 
   @property
   def slices(self) -> Optional[int]:
@@ -54,7 +58,7 @@ class KernelPlan(NamedTuple):
     return math.prod(self.stack) * self.groups if self.stack or self.groups > 1 else None
 
   def layout(self) -> Layout:
-    return Layout(self.input_axes, len(self.stack), self.groups)
+    return Layout(self.input_axes, len(self.stack), self.groups, self.reads)
 
   def to_slices(self, kernel: jax.Array) -> jax.Array:
     """A stacked or grouped ``kernel`` (the parameter's shape) as ``(slices, *one slice's kernel)``."""
@@ -93,6 +97,8 @@ class KernelPlan(NamedTuple):
       where.append(f"per layer of a stack {self.stack}")
     if self.groups > 1:
       where.append(f"per group of {self.groups}")
+    if self.reads is not None:
+      where.append(f"statistics shared with {self.reads}")
     if asked_rank is not None and self.below(asked_rank):
       sketch_cap = self.rank == self.n - 1 and asked_rank >= self.n
       where.append(f"rank {asked_rank} asked: " + ("a sketch's rank is below n" if sketch_cap else
@@ -192,7 +198,8 @@ def _input_dim(leaf, layout: Layout) -> int:
 def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -> dict[str, KernelPlan]:
   """The plan of every kernel of ``tree`` (arrays or shapes) that ``spec.kernel_filter`` selects
   (``captured``: the layouts the capture read from the layers, under ``spec.input_axes``). A stacked or
-  grouped kernel is planned per slice, its memory that of all its slices."""
+  grouped kernel is planned per slice, its memory that of all its slices. A kernel whose layout ``reads`` another's
+  statistics takes that kernel's plan; the memory rule plans the two as one statistic for both kernels' floats."""
   custom = isinstance(spec.statistics, stats_lib.CorrelationStatistics)
   decided: dict[str, tuple[str, Optional[int]]] = {}
   layouts, dims, shapes, opts, count, stacks, sizes = {}, {}, {}, {}, {}, {}, {}
@@ -201,46 +208,83 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
       continue
     layout = layouts[path] = axes_of(path, leaf, spec.input_axes, captured, spec.default_axes)
     stacks[path] = tuple(leaf.shape[:layout.stack])
-    n = dims[path] = _input_dim(leaf, layout)
+    dims[path] = _input_dim(leaf, layout)
     count[path] = _slices(leaf, layout)
     sizes[path] = leaf.size
-    width = leaf.size // (n * count[path])  # one slice's p
+  readers = _readers(layouts, dims, stacks)  # {owner: [kernels reading its statistics]}
+  for path in layouts:
+    if layouts[path].reads is not None:
+      continue  # planned as the kernel it reads, below
+    n, group = dims[path], [path, *readers.get(path, ())]
+    width = lambda q: sizes[q] // (n * count[q])  # one slice's p
     if path.rsplit("/", 1)[-1] == "embedding" and not custom:
-      if spec.extra is None or spec.extra("embedding", n, 0, width) is not None:
+      if spec.extra is None or spec.extra("embedding", n, 0, width(path)) is not None:
         decided[path] = ("embedding", 0)
       continue
     fixed = _fixed(spec, path, n)
     if fixed is None:
-      shapes[path] = (n, leaf.size // n)  # the bound n * p of all slices
-      opts[path] = [o._replace(floats=(o.floats + extra) * count[path])
+      shapes[path] = (n, sum(sizes[q] for q in group) // n)  # the bound n * p of all slices of the group
+      opts[path] = [o._replace(floats=(o.floats + sum(extras)) * count[path])
                     for o in options(n, spec.rank, spec.oversample, _full(spec, n))
-                    for extra in [0 if spec.extra is None else spec.extra(o.kind, n, o.rank, width)]
-                    if extra is not None]
+                    for extras in [[0 if spec.extra is None else spec.extra(o.kind, n, o.rank, width(q)) for q in group]]
+                    if None not in extras]
     else:
       decided[path] = fixed
   if opts:
     # budget='model': Adam's state beyond SGD's momentum, one float per parameter (with spec.extra: per parameter
     # of the kernels planned), less this state's scalars (count and key beyond Adam's count, a clipped-row
-    # counter per kernel) and the embeddings' statistics. With share < 1 (two transformations splitting the
-    # budget) this one gets that fraction of the floats.
+    # counter per kernel of its own statistics) and the embeddings' statistics. With share < 1 (two
+    # transformations splitting the budget) this one gets that fraction of the floats.
+    planned = lambda q: q in shapes or q in decided or layouts[q].reads in shapes or layouts[q].reads in decided
     pool = (sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree)) if spec.extra is None else
-            sum(sizes[p] for p in sizes if p in shapes or p in decided))
-    floats = math.floor(spec.share * pool) - 2 - len(layouts)
+            sum(sizes[p] for p in sizes if planned(p)))
+    floats = math.floor(spec.share * pool) - 2 - (len(layouts) - sum(map(len, readers.values())))
     floats -= sum(count[p] * state_floats("embedding", dims[p], 0, 0)
                   for p, (kind, _) in decided.items() if kind == "embedding")
     # with spec.extra a kernel left unplanned keeps Adam's second moment: its share of the floats stays its own
     for path, i in allot(shapes, opts, floats, spec.budget, spec.share, unplanned_keeps=spec.extra is not None).items():
       if i < len(opts[path]):  # else nothing fits: plain SGD
         decided[path] = (opts[path][i].kind, opts[path][i].rank)
+  for owner, group in readers.items():
+    if owner in decided:
+      decided.update((q, decided[owner]) for q in group)
   ordered = [p for p in layouts if p in decided]  # the tree's order
   plans = {
       path: KernelPlan(layouts[path].input_axes, dims[path], kind, k,
                        spec.statistics if kind == "custom" else spec.choices.of(kind, k), 0,
-                       stacks[path], layouts[path].groups)
+                       stacks[path], layouts[path].groups, layouts[path].reads)
       for path, (kind, k) in ((p, decided[p]) for p in ordered)
   }
-  phases = slice_phases(plans, spec.update_every, spec.stagger)
-  return {path: plan._replace(phase=int(phases[path][0])) for path, plan in plans.items()}
+  phases = slice_phases(own_statistics(plans), spec.update_every, spec.stagger)
+  return {path: plan._replace(phase=int(phases[plan.reads or path][0])) for path, plan in plans.items()}
+
+
+def own_statistics(kernel_plans: Mapping[str, KernelPlan]) -> dict[str, KernelPlan]:
+  """The plans of the kernels that keep statistics and factors of their own (not those that read another's)."""
+  return {p: plan for p, plan in kernel_plans.items() if plan.reads is None}
+
+
+def _readers(layouts: Mapping[str, Layout], dims, stacks) -> dict[str, list[str]]:
+  """``{kernel: [the kernels whose layout reads its statistics]}``, each pair checked: the kernel read is conditioned
+  here, reads its own statistics, and has the reader's input dimension, stack and feature groups."""
+  out: dict[str, list[str]] = {}
+  for path, layout in layouts.items():
+    owner = layout.reads
+    if owner is None:
+      continue
+    if owner not in layouts:
+      raise ValueError(f"kernel '{path}' reads the statistics of '{owner}' (Layout(reads=...)), which is not a "
+                       f"conditioned kernel of these parameters; the conditioned kernels: {sorted(layouts)}.")
+    other = layouts[owner]
+    if other.reads is not None or (dims[owner], stacks[owner], other.groups) != (dims[path], stacks[path],
+                                                                                 layout.groups):
+      raise ValueError(
+          f"kernel '{path}' (n={dims[path]}, stack {stacks[path]}, {layout.groups} groups) cannot read the "
+          f"statistics of '{owner}' (n={dims[owner]}, stack {stacks[owner]}, {other.groups} groups"
+          + (f", itself reading '{other.reads}'" if other.reads is not None else "")
+          + "): a kernel read by others keeps its own statistics, of the same input dimension, stack and groups.")
+    out.setdefault(owner, []).append(path)
+  return out
 
 
 def slice_phases(kernel_plans: Mapping[str, KernelPlan], update_every: int, stagger: bool) -> dict[str, np.ndarray]:

@@ -152,12 +152,14 @@ def summary_of(kernel_plans, notes=(), asked_rank: Optional[int] = None, refresh
 
 def fresh_kernel_states(kernel_plans, seed: int):
   """The state key (``None`` without kernels) and the kernels' ``(statistics, factors, clipped rows)`` before any
-  data: statistics and factors in their banks (:class:`~scsgd_jax._src.banks.Banked`), built by one compiled
+  data (a kernel that reads another's statistics keeps none: its entries are the other's): statistics and factors
+  in their banks (:class:`~scsgd_jax._src.banks.Banked`), built by one compiled
   program (called eagerly, one small program per kernel's shapes would compile)."""
-  index = banks_lib.BankIndex.of(kernel_plans)
+  own = plan_lib.own_statistics(kernel_plans)
+  index = banks_lib.BankIndex.of(own, aliases=[(p, plan.reads) for p, plan in kernel_plans.items() if plan.reads])
 
   def fresh():
-    key, per_kernel = _fresh_kernel_states(kernel_plans, seed)
+    key, per_kernel = _fresh_kernel_states(own, seed)
     part = lambda i: {p: f[i] for p, f in per_kernel.items()}
     return key, (banks_lib.Banked.of(index, part(0)), banks_lib.Banked.of(index, part(1)), part(2))
 
