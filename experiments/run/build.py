@@ -38,7 +38,9 @@ def build(config: ml_collections.ConfigDict, *, abstract: bool = False) -> Built
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   forward = optimizers.Forward(lambda p, inputs: nnx.merge(graphdef, p)(inputs),
                                data_lib.example_batch(config.dataset, config.batch_size))
-  return Built(graphdef, params, optimizers.create(config, forward, scsgd_jax.input_axes_nnx(module)), forward)
+  # the layouts, and the kernels that read one array (an attention's query, key, value) sharing its statistics
+  input_axes = scsgd_jax.input_axes_nnx(module, forward.example_batch[0])
+  return Built(graphdef, params, optimizers.create(config, forward, input_axes), forward)
 
 
 def abstract_state(built: Built) -> dict:

@@ -83,7 +83,8 @@ def measure(config: ml_collections.ConfigDict, model_name: str, name: str) -> di
   model = benchmark_step._model(model_name, shape, classes)
   base = name.removesuffix(APART)
   settings = {"name": base, **registry.recipe(base, spec["kind"]).settings}
-  opt = optimizers.create(optimizers.variant(config.run, settings), input_axes=scsgd_jax.input_axes_nnx(model),
+  opt = optimizers.create(optimizers.variant(config.run, settings),
+                          input_axes=benchmark_step.input_axes(model, model_name, shape, classes),
                           refresh_apart=name.endswith(APART))
   seen: dict = {}
   graphdef, params, rest = step_lib.split(model)

@@ -75,6 +75,12 @@ def jitted_step(model: nnx.Module, tx, capture: str, max_rows):
   return step_lib.make_train_step(graphdef, tx, capture, max_rows, donate=False), params, rest, tx.init(params)
 
 
+def input_axes(model: nnx.Module, name: str, shape: tuple, classes: int) -> dict:
+  """The model's layouts as the README's recipe reads them, given one input (the kernels that read one array, an
+  attention's query, key and value, sharing its statistics)."""
+  return scsgd_jax.input_axes_nnx(model, _data(name, shape, classes, 1, 1)[0][0])
+
+
 def _data(model_name: str, shape: tuple, classes: int, batch: int, n: int, seed: int = 0):
   rng = np.random.default_rng(seed)
   if len(shape) == 1 and not model_name.startswith("dense_"):  # tokens: next-token targets at every position
@@ -158,7 +164,7 @@ def _variants(config, name: str, shape: tuple, classes: int, kind: str | None = 
     if kind is not None:
       variant = {**registry.recipe(variant["name"], kind).settings, **variant}
     model = _model(name, shape, classes)
-    opt = optimizers.create(optimizers.variant(config.run, variant), input_axes=scsgd_jax.input_axes_nnx(model))
+    opt = optimizers.create(optimizers.variant(config.run, variant), input_axes=input_axes(model, name, shape, classes))
     tx, capture = opt.tx, capture or opt.capture
     fn, params, rest, opt_state = jitted_step(model, tx, capture, config.run.max_rows or None)
     variants[vname] = [fn, [params, rest, opt_state]]

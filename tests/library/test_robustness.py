@@ -20,7 +20,7 @@ from tests.library import zoo
 from experiments.optim.options import grouped
 
 KINDS = tuple(zoo.MODELS)
-axes = sk.input_axes_nnx
+axes = zoo.input_axes  # the attention kernels of the LMs share one statistic
 FAST = dict(update_every=3)  # refreshes at steps 1, 2, 4 (warm start) and every third: the basis moves often
 
 # (transformation at rate 1 of a model, b1, nesterov): Adam in the eigenbasis as each alias runs it
@@ -220,7 +220,7 @@ def test_the_reported_mlp_trains_with_scsgd_eigen_at_every_adam_rate_to_adamws_b
     return np.asarray([float(stepped(x, y, jnp.float32(rate), key, capture, False)[0]) for x, y in data])
 
   rates = (1e-4, 3e-4, 1e-3, 3e-3)
-  eigen = {r: losses(lambda m: sk.scsgd_eigen(1.0, input_axes=axes(m)), True, r) for r in rates}
+  eigen = {r: losses(lambda m: sk.scsgd_eigen(1.0, input_axes=sk.input_axes_nnx(m)), True, r) for r in rates}
   adamw = {r: losses(lambda m: optax.adamw(1.0), False, r) for r in rates}
   assert all(_stable(run) for run in eigen.values()), {r: run[-3:] for r, run in eigen.items()}
   final_loss = lambda runs: {r: round(float(np.mean(run[-10:])), 4) for r, run in runs.items()}

@@ -58,12 +58,12 @@ def _model():  # only read: each step merges the parameters into a model of its 
   return EveryLayer(nnx.Rngs(0))
 
 
-def _updated(alias, updates=3, told=True):
+def _updated(alias, updates=3, told=True, shared=False):
   """``(tx, params, f)``: ``f(params)`` is the state after ``updates`` of the README's step (capture, gradients,
   update, apply) on a fresh :class:`EveryLayer` under ``alias``, traced (``jax.eval_shape`` of it compiles nothing)."""
   model = _model()
   make, two_sided = ALIASES[alias]
-  tx = make(sk.input_axes_nnx(model) if told else None)
+  tx = make((sk.input_axes_nnx(model, IMAGES, IDS) if shared else sk.input_axes_nnx(model)) if told else None)
   graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model, nnx.Param))
   merged = lambda p: nnx.merge(graphdef, nnx.State(p))
 
@@ -109,6 +109,20 @@ def test_state_after_updates_has_inits_layout_and_restores_into_a_fresh_optimize
   state = tx.init(params)
   restored = serialization.from_bytes(_updated(alias)[0].init(params), serialization.to_bytes(state))
   jax.tree.map(np.testing.assert_array_equal, restored, state)
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_shared_statistics_keep_inits_layout(alias):
+  """Every layer kind, every alias, with the kernels that read one array sharing its statistics (the scanned
+  attention's query, key and value, per slice): the state after 3 updates has ``init``'s layout."""
+  tx, params, run = _updated(alias, shared=True)
+  fresh, after = jax.eval_shape(tx.init, params), jax.eval_shape(run, params)
+  assert jax.tree.structure(after) == jax.tree.structure(fresh)
+  assert _layout(after) == _layout(fresh)
+  conditioning = next(s for s in jax.tree.leaves(fresh, is_leaf=lambda x: hasattr(x, "summary")) if hasattr(
+      s, "summary"))
+  summary = getattr(conditioning, "conditioning", conditioning).summary()
+  assert summary["scan/blocks/attn/value/kernel"].endswith("statistics shared with scan/blocks/attn/query/kernel")
 
 
 def test_a_layout_init_cannot_read_is_refused_naming_each_kernel_and_the_fix():

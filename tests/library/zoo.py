@@ -100,6 +100,13 @@ def batches(kind: str, steps: int, seed: int = 0, batch: int = 32):
 MODELS = {"mlp": DeadMLP, "cnn": CNN, "transformer": TransformerBlock, "scanned": ScannedStack}
 
 
+def input_axes(model) -> dict:
+  """``input_axes_nnx`` of ``model`` given its first batch's inputs: the layouts, and the kernels that read one array
+  (an attention's query, key and value) sharing its statistics."""
+  kind = next(k for k, cls in MODELS.items() if isinstance(model, cls))
+  return sk.input_axes_nnx(model, next(batches(kind, 1))[0])
+
+
 def scaled_by_rate() -> optax.GradientTransformationExtraArgs:
   """The updates times the ``rate=`` extra argument of ``update``: a rate chosen per call, so one compiled step
   serves a whole grid of rates (every alias is linear in its rate)."""
