@@ -78,7 +78,7 @@ def scsgd_two_sided(
     *,
     momentum: float = defaults.MOMENTUM,
     magnitude: Literal["rms", "sign"] = "rms",
-    split_budget: bool = True,
+    split_budget: bool = False,
     graft_decay: float = defaults.GRAFT_DECAY,
     graft_eps: float = defaults.GRAFT_EPS,
     statistics: options.StatisticsOption = options.Statistics(),
@@ -103,10 +103,10 @@ def scsgd_two_sided(
   ``kernel_filter``, ``axis_name`` and ``seed`` go to both sides (:func:`scale_by_sketched_conditioning`'s
   arguments; the output side's seed is ``seed + 1``).
 
-  Memory: momentum's float per parameter, plus the base step's state, plus both sides' statistics, which split
-  the memory rule's budget of one float per parameter (``split_budget=True``, the default: half each;
-  ``False``: a budget each, up to twice Adam's state with ``'rms'``). ``magnitude='sign'`` keeps the whole state
-  within Adam's two floats per parameter; the default ``'rms'`` within Adam's plus the graft's float.
+  Memory: momentum's float per parameter, plus the base step's state, plus each side's statistics, each
+  side within the memory rule's budget of one float per parameter (``split_budget=True``: half of it
+  each). ``magnitude='sign', split_budget=True`` keeps the whole state within Adam's two floats per
+  parameter; the default (``'rms'``, a side each) takes up to twice Adam's.
 
   Args:
     learning_rate: the rate (or schedule) of the Nesterov SGD that ends the chain.
@@ -116,8 +116,7 @@ def scsgd_two_sided(
       (:func:`scale_by_normalized_rms`, distributed Shampoo's ``RMSPROP_NORMALIZED``; a float per
       parameter), or ``'sign'``, ``optax.scale_by_sign`` (distributed Shampoo's ``SQRT_N``: every layer's
       step has norm :math:`\sqrt{\text{size}}` times the rate; no state).
-    split_budget: the two sides split the memory rule's budget, half each (``Statistics(kind='auto')``; default);
-      ``False``: each side gets the whole budget.
+    split_budget: the two sides split the memory rule's budget, half each (``Statistics(kind='auto')``).
     graft_decay, graft_eps: normalized RMSprop's (``magnitude='rms'``).
     input_axes: the input side's layouts (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), so that ``init``
       plans every kernel (the output side reads each kernel along the axes its input axes leave).

@@ -242,17 +242,6 @@ def test_two_sided_state_is_within_adams_with_sign_magnitude_and_split_budget(ma
     assert floats(state) >= 0.95 * adam
 
 
-def test_the_default_splits_the_budget_so_the_state_is_adams_and_the_grafts_float():
-  """By default the sides split the memory rule's budget: the state is at most Adam's plus the graft's float per
-  parameter (the normalized RMSprop), where a budget each takes more."""
-  params = nnx.as_pure(nnx.state(TinyLM(nnx.Rngs(0)), nnx.Param))
-  floats = lambda tx: sum(np.size(x) for x in jax.tree.leaves(tx.init(params)))
-  size = sum(np.size(x) for x in jax.tree.leaves(params))
-  default = floats(sk.contrib.scsgd_two_sided(LR))
-  assert default == floats(sk.contrib.scsgd_two_sided(LR, split_budget=True))
-  assert default <= floats(optax.adam(0.1)) + size < floats(sk.contrib.scsgd_two_sided(LR, split_budget=False))
-
-
 def test_sign_magnitude_gives_an_unconditioned_leaf_its_normalized_gradient():
   """A bias (neither side conditions it) gets ``g sqrt(size) / |g|`` at the first step, times the rate and momentum."""
   layer = nnx.Linear(8, 6, rngs=nnx.Rngs(0))
