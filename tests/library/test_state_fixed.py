@@ -86,17 +86,23 @@ def _layout(tree):
   return [(jax.tree_util.keystr(p), np.shape(v), np.result_type(v)) for p, v in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-@pytest.mark.parametrize("alias", sorted(ALIASES))
-def test_state_after_updates_has_inits_layout_and_restores_into_a_fresh_optimizer(alias):
-  """Every layer kind, every alias: the state after 3 updates has ``init``'s structure, shapes and dtypes (so a
-  checkpoint of it restores into the state of a freshly built optimizer), and every kind of kernel is planned."""
-  tx, params, run = _updated(alias)
+def _summary_after_updates_as_at_init(alias, **kwargs):
+  """``(tx, params, summary)`` of :func:`_updated`, having checked that the state after its updates has ``init``'s
+  structure, shapes and dtypes; ``summary``: the conditioning's plans."""
+  tx, params, run = _updated(alias, **kwargs)
   fresh, after = jax.eval_shape(tx.init, params), jax.eval_shape(run, params)
   assert jax.tree.structure(after) == jax.tree.structure(fresh)
   assert _layout(after) == _layout(fresh)
   conditioning = next(s for s in jax.tree.leaves(fresh, is_leaf=lambda x: hasattr(x, "summary")) if hasattr(
       s, "summary"))
-  summary = getattr(conditioning, "conditioning", conditioning).summary()
+  return tx, params, getattr(conditioning, "conditioning", conditioning).summary()
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_state_after_updates_has_inits_layout_and_restores_into_a_fresh_optimizer(alias):
+  """Every layer kind, every alias: the state after 3 updates has ``init``'s structure, shapes and dtypes (so a
+  checkpoint of it restores into the state of a freshly built optimizer), and every kind of kernel is planned."""
+  tx, params, summary = _summary_after_updates_as_at_init(alias)
   kernels = ["dense/l1/kernel", "convs/conv/kernel", "convs/dw/kernel", "einsums/q/kernel", "einsums/kv/kernel",
              "scan/blocks/up/kernel", "ensemble/members/l1/kernel"]
   if alias == "scsgd_eigen_muon":  # Muon's filter leaves a grouped conv to the AdamW part
@@ -115,13 +121,7 @@ def test_state_after_updates_has_inits_layout_and_restores_into_a_fresh_optimize
 def test_shared_statistics_keep_inits_layout(alias):
   """Every layer kind, every alias, with the kernels that read one array sharing its statistics (the scanned
   attention's query, key and value, per slice): the state after 3 updates has ``init``'s layout."""
-  tx, params, run = _updated(alias, shared=True)
-  fresh, after = jax.eval_shape(tx.init, params), jax.eval_shape(run, params)
-  assert jax.tree.structure(after) == jax.tree.structure(fresh)
-  assert _layout(after) == _layout(fresh)
-  conditioning = next(s for s in jax.tree.leaves(fresh, is_leaf=lambda x: hasattr(x, "summary")) if hasattr(
-      s, "summary"))
-  summary = getattr(conditioning, "conditioning", conditioning).summary()
+  _, _, summary = _summary_after_updates_as_at_init(alias, shared=True)
   assert summary["scan/blocks/attn/value/kernel"].endswith("statistics shared with scan/blocks/attn/query/kernel")
 
 
