@@ -142,3 +142,24 @@ def test_reading_a_kernel_of_another_input_dimension_is_refused_naming_both():
   with pytest.raises(ValueError, match=r"kernel 'b/kernel' \(n=5, stack \(\), 1 groups\) cannot read the statistics "
                      r"of 'a/kernel' \(n=6"):
     sk.scsgd(0.1, input_axes=SHARED).init(params)
+
+
+def test_state_shardings_and_refreshes_apart_take_the_shared_state():
+  """``state_shardings`` gives the shared state its structure (one statistic for the kernels reading one array,
+  placed along its kernel's axes), under every alias; with the refreshes apart, ``refresh_conditioners`` refreshes
+  it in place of the step."""
+  from jax.sharding import PartitionSpec as P
+  model = Gated(nnx.Rngs(0))
+  axes = sk.input_axes_nnx(model, jnp.ones((2, 5, 8)), jnp.ones((2, 3, 8)))
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  specs = jax.tree.map(lambda a: P(*([None] * (a.ndim - 1) + ["tp"])) if a.ndim >= 2 else P(), params)
+  is_spec = lambda s: isinstance(s, P)
+  for tx in (sk.scsgd(0.1, input_axes=axes), sk.scsgd_eigen(1e-3, input_axes=axes),
+             sk.scsgd_eigen_muon(1e-3, input_axes=axes), sk.contrib.scsgd_two_sided(1e-3, input_axes=axes)):
+    state, got = tx.init(params), sk.state_shardings(tx, params, specs)
+    assert jax.tree.structure(got, is_leaf=is_spec) == jax.tree.structure(state)
+  tx = sk.scsgd(0.1, input_axes=axes, refresh=sk.Refresh(apart=True))
+  state = tx.init(params)
+  inner = sk.state_shardings(tx, params, specs)[0]
+  assert inner.statistics["attn/value/kernel"] == inner.statistics["attn/query/kernel"]
+  assert jax.tree.structure(sk.refresh_conditioners(state)) == jax.tree.structure(state)
