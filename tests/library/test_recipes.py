@@ -110,7 +110,8 @@ def _nnx_train_step(model, optimizer, x, y, key):  # the README's NNX recipe (al
 
 def test_nnx_model_with_batchnorm_trains_with_the_readme_recipe():
   model = NNXNet(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, scsgd_jax.scsgd(0.05, input_axes=scsgd_jax.input_axes_nnx(model)), wrt=nnx.Param)
+  tx = scsgd_jax.scsgd(0.05, input_axes=scsgd_jax.input_axes_nnx(model, _data(0)[0]))  # the README's, given a batch
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   train_step = lambda *a: _nnx_train_step(*a)[0]
 
   mean0 = np.asarray(model.bn.mean[...])
