@@ -12,7 +12,8 @@ def get_config():
   config.run = mnist.get_config()
   config.windows = 8  # refresh windows timed per pass, after one of warm-up
   config.order_seed = 0  # each round of steps runs SGD and the variant in a random order drawn from this seed
-  # name -> the optimizer and its sub-config values; 'capture': 'rows' computes the captured rows unused
+  # name -> the optimizer and its sub-config values; 'capture': 'rows' computes the captured rows unused; 'share':
+  # False plans every kernel its own statistics (the layouts read without a batch)
   config.variants = ml_collections.ConfigDict({
       "sgd": {"name": "sgd"},
       "sgd_again": {"name": "sgd"},  # the A/A control: SGD's step again, its ratio to SGD's is the noise
@@ -27,6 +28,7 @@ def get_config():
       "sgd_capture": {"name": "sgd", "capture": "rows"},  # phases: the capture's cost
       "scsgd_no_fold": {"name": "scsgd", "statistics_every": 10**9},  # phases: all but the fold
       "scsgd_no_stagger": {"name": "scsgd", "stagger": False},  # every kernel refreshing at the same step
+      "scsgd_unshared": {"name": "scsgd", "share": False},  # the attention's query, key, value each their own C
   })
   # name -> one example's shape, classes (text: vocabulary) and batch; 'kind': every variant runs its registry
   # recipe for that model kind, as the head to head's tables do (none: the run config's, LeNet's)

@@ -161,10 +161,12 @@ def _variants(config, name: str, shape: tuple, classes: int, kind: str | None = 
   for vname, variant in config.variants.items():
     variant = dict(variant)
     capture = variant.pop("capture", None)
+    share = variant.pop("share", True)  # False: each kernel its own statistics, the attention's q/k/v too
     if kind is not None:
       variant = {**registry.recipe(variant["name"], kind).settings, **variant}
     model = _model(name, shape, classes)
-    opt = optimizers.create(optimizers.variant(config.run, variant), input_axes=input_axes(model, name, shape, classes))
+    axes = input_axes(model, name, shape, classes) if share else scsgd_jax.input_axes_nnx(model)
+    opt = optimizers.create(optimizers.variant(config.run, variant), input_axes=axes)
     tx, capture = opt.tx, capture or opt.capture
     fn, params, rest, opt_state = jitted_step(model, tx, capture, config.run.max_rows or None)
     variants[vname] = [fn, [params, rest, opt_state]]
