@@ -68,9 +68,13 @@ class BankIndex(NamedTuple):
     """Every kernel's path: the banks' members, then the aliases."""
     return tuple(p for bank in self.banks for p in bank.paths) + tuple(p for p, _ in self.aliases)
 
+  def read(self, path: str) -> str:
+    """The kernel whose entry kernel ``path`` reads: its own path, or an alias' kernel read."""
+    return dict(self.aliases).get(path, path)
+
   def place(self, path: str) -> tuple[int, int, int, bool]:
     """``(bank, first slice, slices, lone)`` of kernel ``path`` (an alias: of the kernel it reads)."""
-    path = dict(self.aliases).get(path, path)
+    path = self.read(path)
     for i, bank in enumerate(self.banks):
       if path in bank.paths:
         j = bank.paths.index(path)

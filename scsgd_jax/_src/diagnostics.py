@@ -54,15 +54,17 @@ def kernel_diagnostics(state: Any) -> dict[str, dict[str, jax.Array]]:
     raise ValueError("kernel_diagnostics needs the state of scale_by_sketched_conditioning (or of an optimizer "
                      f"built on it: scsgd, scsgd_eigen, a chain holding one); got {type(state).__name__}.")
   inner = found[0]
-  out, reads = {}, dict(inner.factors.index.aliases)  # a kernel reading another's statistics: that one's rows
+  out = {}
   for path, factor in inner.factors.items():
     lead = factor.a_inv.ndim - (1 if factor.q is None and factor.b_inv is None else 0)
     spectrum = _spectrum
     for _ in range(lead):  # one entry per slice of a stack or group
       spectrum = jax.vmap(spectrum)
     high, low, tail = spectrum(factor)
+    # a kernel reading another's statistics: the rows that kernel folded
+    clipped = inner.clipped_rows[inner.factors.index.read(path)]
     out[path] = {"inverse_max": high, "inverse_min": low, "spread": high / jnp.maximum(low, 1e-30),
-                 "tail_inverse": tail, "clipped_rows": inner.clipped_rows[reads.get(path, path)]}
+                 "tail_inverse": tail, "clipped_rows": clipped}
   return out
 
 
