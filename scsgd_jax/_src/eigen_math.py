@@ -23,6 +23,11 @@ _ORTHOGONAL_RMS = 0.2
 # holds float32 round-off alone; its moment is read at least this share of the mean row moment, so round-off over
 # eps never makes a step
 _ROW_FLOOR = 1e-6
+# a rotated coordinate of a gradient structurally 0 there (a direction of the basis outside the inputs' span: the
+# null space of C, where eigh's basis is arbitrary) holds the rotation's float32 round-off alone, about 2^-23 of its
+# column's norm; each coordinate's second moment is read at least this share of its column's norm, squared (256x
+# that round-off), so Adam never scales round-off to a step of the rate, and leaves every larger coordinate alone
+_ROUND_OFF = 2.0**-15
 
 
 class EigenMoments(NamedTuple):
@@ -58,6 +63,14 @@ def rotation(factor: sketch.Factor) -> Optional[jax.Array]:
 
 def basis(q: Optional[jax.Array], v: jax.Array) -> jax.Array:
   return v if q is None else q @ v
+
+
+def lead_moment(lead: jax.Array) -> jax.Array:
+  """The rotated second moment ``(k, p)`` as the step reads it: each coordinate's at least ``2^-30`` of its
+  column's sum (a coordinate ``2^-15`` of its column's norm). A coordinate holding the rotation's round-off alone
+  (a direction outside the inputs' span, whose gradient is structurally 0) then moves by at most ``1/256`` of the
+  rate, not by the rate with a random sign; every larger coordinate is Adam's as it was."""
+  return jnp.maximum(lead, _ROUND_OFF**2 * jnp.sum(lead, axis=-2, keepdims=True))
 
 
 def tail_moment(moments: EigenMoments) -> jax.Array:
@@ -145,7 +158,7 @@ def direction(q, v, m, g, moments: EigenMoments, b2, correction, eps, bound, tai
     full = q is None and q_out is None
   g_lead, m_lead = rotate(g), rotate(m)
   lead = ema(moments.lead, jnp.square(g_lead))
-  out = back(ratio(m_lead, lead))
+  out = back(ratio(m_lead, lead_moment(lead)))
   if full:  # k = n (on both sides, if both): no tail
     return out, moments._replace(lead=lead)
   m_tail = m - back(m_lead)
