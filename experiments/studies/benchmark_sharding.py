@@ -11,7 +11,9 @@ state: a leaf shaped like a parameter sharded as it, the rest replicated) and ke
 shardings. Reported per optimizer and layout: the state's bytes on the fullest device, after ``init`` and after
 ``config.steps`` steps at each optimizer's registry rate (its authors', times ``config.rate_scale``; refreshes
 every ``config.settings``' period); the compiled step's temporary bytes per device
-(XLA's memory analysis); and the largest parameter difference from the same steps on one device.
+(XLA's memory analysis); and the largest parameter difference from the same steps on one device, beside the
+same steps' difference on one device when every input is moved by float32 round-off (``2^-24`` relative): how far
+rounding alone moves the run, the scale a sharded fold's reordered sums can move it by.
 
 ``--config.processes=2`` runs the same on 2 processes x 4 host devices (``jax.distributed`` on localhost, gloo):
 the meshes span both processes, each feeds its part of every batch, and each compares with its own one-device run;
@@ -108,6 +110,10 @@ def _run(config, name: str, mesh, kernel_spec, batch_spec, data) -> dict:
           "loss": float(loss), "params": _gathered(params, mesh)}
 
 
+def _max_difference(a, b) -> float:
+  return max(float(np.max(np.abs(u - v))) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 def _gathered(tree, mesh):
   """``tree``'s values on the host (each process gathers every shard, from every process)."""
   whole = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(tree)
@@ -146,6 +152,8 @@ def _study(config: ml_collections.ConfigDict) -> dict:
   teacher = rng.standard_normal((config.d, config.classes))
   x = rng.standard_normal((config.steps, config.batch, config.d)) * np.logspace(0, -2, config.d)
   data = (jnp.asarray(x, jnp.float32), jnp.asarray(np.argmax(x @ teacher, -1), jnp.int32))
+  # the same inputs moved by float32 round-off: one device's run on them says how far rounding alone moves it
+  perturbed = (jnp.asarray(x * (1 + 2.0**-24 * rng.standard_normal(x.shape)), jnp.float32), data[1])
   one = jax.sharding.Mesh(np.asarray(jax.local_devices()[:1]).reshape(1), ("fsdp",),
                           axis_types=(jax.sharding.AxisType.Auto,))
   out = {"devices": jax.device_count(), "processes": jax.process_count(), "layouts": {}}
@@ -154,9 +162,10 @@ def _study(config: ml_collections.ConfigDict) -> dict:
     for name in config.optimizers:
       sharded = _run(config, name, mesh, kernel_spec, batch_spec, data)
       alone = _run(config, name, one, P(None, None), P(), data)
-      diff = max(float(np.max(np.abs(a - b))) for a, b in
-                 zip(jax.tree.leaves(sharded.pop("params")), jax.tree.leaves(alone.pop("params"))))
-      rows[name] = {**sharded, "max_param_difference_vs_one_device": diff,
+      rounded = _run(config, name, one, P(None, None), P(), perturbed)
+      diff, rounding = (_max_difference(run["params"], alone["params"]) for run in (sharded, rounded))
+      rows[name] = {**{k: v for k, v in sharded.items() if k != "params"}, "max_param_difference_vs_one_device": diff,
+                    "max_param_difference_from_rounding": rounding, "difference_vs_rounding": diff / rounding,
                     "state_bytes_one_device": alone["state_bytes"]}
     base = rows[BASELINE]
     for row in rows.values():

@@ -35,4 +35,7 @@ def test_smoke_config_runs_and_the_sharded_runs_equal_one_device(tmp_path, proce
     assert rows["adamw"]["state_vs_adamw"] == 1.0
     for name, row in rows.items():
       assert row["max_param_difference_vs_one_device"] < 1e-4, (layout, name, row)
+      assert 0 < row["max_param_difference_from_rounding"] < 1e-4, (layout, name, row)
+      assert row["difference_vs_rounding"] == pytest.approx(
+          row["max_param_difference_vs_one_device"] / row["max_param_difference_from_rounding"])
       assert 0 < row["state_bytes"] <= row["state_bytes_one_device"], (layout, name, row)
