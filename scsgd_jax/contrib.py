@@ -7,6 +7,7 @@ import importlib
 from scsgd_jax._src.alias import scsgd_two_sided as scsgd_two_sided
 from scsgd_jax._src.graft import GraftState as GraftState
 from scsgd_jax._src.graft import scale_by_grafting as scale_by_grafting
+from scsgd_jax._src.graft import scale_by_normalized_factored_rms as scale_by_normalized_factored_rms
 from scsgd_jax._src.graft import scale_by_normalized_rms as scale_by_normalized_rms
 from scsgd_jax._src.output import default_output_axes as default_output_axes
 from scsgd_jax._src.output import output_kernel_filter as output_kernel_filter
@@ -16,8 +17,9 @@ _LAZY = {"output_perturbations_linen": "scsgd_jax._src.capture_linen",
          "output_perturbations_nnx": "scsgd_jax._src.capture_nnx"}
 
 __all__ = sorted([
-    "GraftState", "default_output_axes", "output_kernel_filter", "scale_by_grafting", "scale_by_normalized_rms",
-    "scale_by_output_conditioning", "scsgd_two_sided", *_LAZY,
+    "GraftState", "default_output_axes", "output_kernel_filter", "scale_by_grafting",
+    "scale_by_normalized_factored_rms", "scale_by_normalized_rms", "scale_by_output_conditioning", "scsgd_two_sided",
+    *_LAZY,
 ])
 
 

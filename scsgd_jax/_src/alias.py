@@ -77,7 +77,7 @@ def scsgd_two_sided(
     rank: Optional[int] = None,
     *,
     momentum: float = defaults.MOMENTUM,
-    magnitude: Literal["rms", "sign"] = "rms",
+    magnitude: Literal["rms", "factored", "sign"] = "rms",
     split_budget: bool = False,
     graft_decay: float = defaults.GRAFT_DECAY,
     graft_eps: float = defaults.GRAFT_EPS,
@@ -114,18 +114,21 @@ def scsgd_two_sided(
     momentum: Nesterov momentum.
     magnitude: the base step whose per-layer norm the direction takes: ``'rms'``, normalized RMSprop
       (:func:`scale_by_normalized_rms`, distributed Shampoo's ``RMSPROP_NORMALIZED``; a float per
-      parameter), or ``'sign'``, ``optax.scale_by_sign`` (distributed Shampoo's ``SQRT_N``: every layer's
+      parameter), ``'factored'``, the same with Adafactor's factored second moment
+      (:func:`scale_by_normalized_factored_rms`: ``n + p`` floats for a kernel whose two largest axes are at
+      least 128), or ``'sign'``, ``optax.scale_by_sign`` (distributed Shampoo's ``SQRT_N``: every layer's
       step has norm :math:`\sqrt{\text{size}}` times the rate; no state).
     split_budget: the two sides split the memory rule's budget, half each (``Statistics(kind='auto')``).
-    graft_decay, graft_eps: normalized RMSprop's (``magnitude='rms'``).
+    graft_decay, graft_eps: normalized RMSprop's (``magnitude='rms'`` or ``'factored'``, whose squares take
+      ``graft_eps**2``).
     input_axes: the input side's layouts (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), so that ``init``
       plans every kernel (the output side reads each kernel along the axes its input axes leave).
   """
   if not callable(learning_rate):
     checks.check_float("learning_rate", learning_rate, low=0.0)
   checks.check_float("momentum", momentum, low=0.0, high=1.0, high_open=True)
-  if magnitude not in ("rms", "sign"):
-    raise ValueError(f"magnitude must be 'rms' or 'sign', got {magnitude!r}.")
+  if magnitude not in ("rms", "factored", "sign"):
+    raise ValueError(f"magnitude must be 'rms', 'factored' or 'sign', got {magnitude!r}.")
   if not isinstance(split_budget, bool):
     raise ValueError(f"split_budget must be a bool, got {split_budget!r}.")
   share = 0.5 if split_budget else 1.0
@@ -134,7 +137,9 @@ def scsgd_two_sided(
   outputs = output.output_conditioning(
       s._replace(seed=seed + 1, kernel_filter=output.output_kernel_filter_from(kernel_filter, input_axes)),
       output_axes=output.output_axes_from(input_axes), budget_share=share)
-  base = (graft.scale_by_normalized_rms(graft_decay, graft_eps) if magnitude == "rms" else optax.scale_by_sign())
+  base = {"rms": lambda: graft.scale_by_normalized_rms(graft_decay, graft_eps),
+          "factored": lambda: graft.scale_by_normalized_factored_rms(graft_decay, graft_eps),
+          "sign": optax.scale_by_sign}[magnitude]()
   return optax.chain(
       graft.scale_by_grafting(base, optax.chain(inputs, outputs)),
       optax.sgd(learning_rate, momentum=momentum, nesterov=True))

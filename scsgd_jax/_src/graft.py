@@ -18,7 +18,7 @@ import optax
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
 
-__all__ = ["GraftState", "scale_by_grafting", "scale_by_normalized_rms"]
+__all__ = ["GraftState", "scale_by_grafting", "scale_by_normalized_factored_rms", "scale_by_normalized_rms"]
 
 
 def _norm(x):
@@ -69,8 +69,36 @@ def scale_by_normalized_rms(decay: float = defaults.GRAFT_DECAY, eps: float = de
   checks.check_float("decay", decay, low=0.0, high=1.0, high_open=True)
   checks.check_float("eps", eps, low=0.0)
 
+  return optax.chain(_unit(), optax.scale_by_rms(decay=decay, eps=eps, eps_in_sqrt=False, bias_correction=True))
+
+
+def scale_by_normalized_factored_rms(decay: float = defaults.GRAFT_DECAY,
+                                     eps: float = defaults.GRAFT_EPS) -> optax.GradientTransformation:
+  r""":func:`scale_by_normalized_rms` with Adafactor's factored second moment (``optax.scale_by_factored_rms``):
+  a leaf whose two largest axes are each at least 128 keeps their row and column moments (``n + p`` floats, not
+  ``n p``), read as ``v \approx r c^\top / \mathrm{mean}(r)``; a smaller leaf keeps RMSprop's. Each moment is an
+  EMA at the fixed ``decay``, bias-corrected as RMSprop's (Adafactor's rising decay replaced); ``eps^2`` joins
+  every squared gradient. The grafted step's norm as RMSprop's, nearly, at Adafactor's memory."""
+  checks.check_float("decay", decay, low=0.0, high=1.0, high_open=True)
+  checks.check_float("eps", eps, low=0.0)
+
+  def corrected(step, rate):  # the EMA's weight at update `step` (0 first) with RMSprop's bias correction folded in
+    t = jnp.asarray(step, jnp.float32) + 1.0
+    return rate * (1.0 - rate ** (t - 1.0)) / (1.0 - rate ** t)
+
+  factored = optax.scale_by_factored_rms(decay_rate=decay, epsilon=eps**2, decay_rate_fn=corrected)
+
+  def update(updates, state, params=None):
+    del params  # optax's factored RMS reads shapes and dtypes alone: the updates'
+    return factored.update(updates, state, updates)
+
+  return optax.chain(_unit(), optax.GradientTransformation(factored.init, update))
+
+
+def _unit() -> optax.GradientTransformation:
+  """Each leaf divided by its Frobenius norm (a zero leaf stays zero)."""
+
   def unit(g):
     return g / jnp.maximum(_norm(g), 1e-30).astype(g.dtype)
 
-  return optax.chain(optax.stateless(lambda updates, params: jax.tree.map(unit, updates)),
-                     optax.scale_by_rms(decay=decay, eps=eps, eps_in_sqrt=False, bias_correction=True))
+  return optax.stateless(lambda updates, params: jax.tree.map(unit, updates))

@@ -215,6 +215,27 @@ def test_scsgd_two_sided_two_steps_by_hand(magnitude):
     np.testing.assert_allclose(np.asarray(model.fc2.kernel[...]), w[1], rtol=2e-3, atol=2e-5)
 
 
+def test_factored_magnitude_is_adafactors_moments_of_the_normalized_gradient():
+  """Three steps by hand: each leaf divided by its norm; a (130, 140) leaf keeps Adafactor's row and column
+  moments (EMAs at the graft's decay, bias-corrected as RMSprop's, eps^2 in each square), read as
+  r c^T / mean(r); a (4, 5) leaf, under optax's 128 to factor, RMSprop's own moment."""
+  decay, eps = 0.9, 1e-3
+  tx = sk.contrib.scale_by_normalized_factored_rms(decay, eps)
+  gs = [{"big": RNG.standard_normal((130, 140)) * np.linspace(0.1, 3, 140), "small": RNG.standard_normal((4, 5))}
+        for _ in range(3)]
+  state = tx.init(jax.tree.map(jnp.zeros_like, gs[0]))
+  row = col = v = 0.0
+  for t, g in enumerate(gs, start=1):
+    out, state = jax.jit(tx.update)(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), g), state)
+    big, small = (g[k] / np.linalg.norm(g[k]) for k in ("big", "small"))
+    corrected = lambda m, x: (decay * m * (1 - decay ** (t - 1)) + (1 - decay) * x) / (1 - decay ** t)
+    row, col = corrected(row, (big ** 2 + eps ** 2).mean(1)), corrected(col, (big ** 2 + eps ** 2).mean(0))
+    v = corrected(v, small ** 2 + eps ** 2)
+    np.testing.assert_allclose(out["big"], big / np.sqrt(np.outer(row, col) / row.mean()), rtol=2e-4)
+    np.testing.assert_allclose(out["small"], small / np.sqrt(v), rtol=2e-4)
+  assert [np.shape(a) for a in (state[1].v_row["big"], state[1].v_col["big"])] == [(130,), (140,)]
+
+
 class TinyLM(nnx.Module):
   """An embedding, an attention-shaped and an MLP-shaped block and a head (two-sided's memory test)."""
 
@@ -265,5 +286,5 @@ def test_scsgd_two_sided_refuses_an_argument_one_side_would_take_alone():
            if hasattr(s, "summary")]
   assert sides[0].summary()["kernel"].endswith("n=4, per layer of a stack (3,)")
   assert sides[1].summary()["kernel"].endswith("n=5, per layer of a stack (3,)")
-  with pytest.raises(ValueError, match="magnitude must be 'rms' or 'sign', got 'adam'"):
+  with pytest.raises(ValueError, match="magnitude must be 'rms', 'factored' or 'sign', got 'adam'"):
     sk.contrib.scsgd_two_sided(LR, magnitude="adam")
