@@ -176,8 +176,12 @@ def adam_ratio_bound(b1, b2, t, nesterov=False):
 
 
 def adam_ratio(m_hat, v_hat, eps, bound):
-  """Adam's ratio m_hat / (sqrt(v_hat) + eps), clipped at its bound (where carried moments would pass it)."""
-  return np.clip(m_hat / (np.sqrt(v_hat) + eps), -bound, bound)
+  """Adam's ratio m_hat / (sqrt(v_hat) + eps) in a rotated basis, clipped at its bound (where carried moments would
+  pass it), each coordinate weighted by 1 / (1 + (f / v)^2) with f = 2^-30 its column's sum of v (a coordinate of
+  round-off alone steps by nothing)."""
+  f = 2.0**-30 * np.sum(v_hat, axis=-2, keepdims=True)
+  weight = 1.0 / (1.0 + (f / np.maximum(v_hat, 1e-30)) ** 2)
+  return np.clip(m_hat / (np.sqrt(v_hat) + eps), -bound, bound) * weight
 
 
 def capped(x, limit):

@@ -25,8 +25,10 @@ _ORTHOGONAL_RMS = 0.2
 _ROW_FLOOR = 1e-6
 # a rotated coordinate of a gradient structurally 0 there (a direction of the basis outside the inputs' span: the
 # null space of C, where eigh's basis is arbitrary) holds the rotation's float32 round-off alone, about 2^-23 of its
-# column's norm; each coordinate's second moment is read at least this share of its column's norm, squared (256x
-# that round-off), so Adam never scales round-off to a step of the rate, and leaves every larger coordinate alone
+# column's norm, which Adam's ratio would scale to a step of the rate (and Muon's orthogonalization after it, to a
+# full one); a coordinate's step is weighted by 1 / (1 + (f / v)^2), f this share of its column's norm, squared
+# (256x that round-off): round-off steps by 2^-32 of the rate, a coordinate above 2^-12 of its column's norm as
+# Adam's to 3e-4
 _ROUND_OFF = 2.0**-15
 
 
@@ -65,12 +67,13 @@ def basis(q: Optional[jax.Array], v: jax.Array) -> jax.Array:
   return v if q is None else q @ v
 
 
-def lead_moment(lead: jax.Array) -> jax.Array:
-  """The rotated second moment ``(k, p)`` as the step reads it: each coordinate's at least ``2^-30`` of its
-  column's sum (a coordinate ``2^-15`` of its column's norm). A coordinate holding the rotation's round-off alone
-  (a direction outside the inputs' span, whose gradient is structurally 0) then moves by at most ``1/256`` of the
-  rate, not by the rate with a random sign; every larger coordinate is Adam's as it was."""
-  return jnp.maximum(lead, _ROUND_OFF**2 * jnp.sum(lead, axis=-2, keepdims=True))
+def significance(lead: jax.Array) -> jax.Array:
+  """Each rotated coordinate's weight in the step, ``1 / (1 + (f / v)^2)`` with ``f = 2^-30`` its column's sum of
+  ``v``: 1 for Adam's coordinates (above ``2^-12`` of its column's norm: to 3e-4), ``2^-32`` for one holding the
+  rotation's float32 round-off alone (a direction outside the inputs' span, whose gradient is structurally 0),
+  which Adam's ratio would otherwise scale to a step of the rate with a random sign."""
+  floor = _ROUND_OFF**2 * jnp.sum(lead, axis=-2, keepdims=True)
+  return 1.0 / (1.0 + jnp.square(floor / jnp.maximum(lead, _TINY)))
 
 
 def tail_moment(moments: EigenMoments) -> jax.Array:
@@ -158,7 +161,7 @@ def direction(q, v, m, g, moments: EigenMoments, b2, correction, eps, bound, tai
     full = q is None and q_out is None
   g_lead, m_lead = rotate(g), rotate(m)
   lead = ema(moments.lead, jnp.square(g_lead))
-  out = back(ratio(m_lead, lead_moment(lead)))
+  out = back(ratio(m_lead, lead) * significance(lead))
   if full:  # k = n (on both sides, if both): no tail
     return out, moments._replace(lead=lead)
   m_tail = m - back(m_lead)

@@ -351,27 +351,30 @@ def test_sketched_basis_with_its_tail_equals_numpy(tail):
 def test_directions_outside_the_inputs_span_do_not_move(basis, monkeypatch):
   """A gradient's rows lie in its inputs' span (G = X^T dY); C's eigenbasis is arbitrary in the null space, where
   U^T G holds float32 round-off alone. Adam would scale that round-off to a step of the rate (a dead ReLU unit's
-  row moving at random); each coordinate's second moment read at least 2^-30 of its column's sum keeps the step in
-  the span: the part of the update outside it (numpy's projector) under 1e-2 of the update, against order 1
-  without the floor (the inputs' basis). Two inputs always 0 (dead units) keep their rows still alike."""
+  row moving at random), and Muon's orthogonalization after it to a full one; each rotated coordinate's step
+  weighted by 1 / (1 + (f / v)^2), f = 2^-30 its column's sum, keeps the step in the span: the part of the update
+  outside it (numpy's projector) under 1e-5 of the update for the eigenbasis and 1e-4 in front of Muon (Muon's
+  own: 1e-5), against order 1 without the weight (the inputs' basis). Two inputs always 0 (dead units) keep
+  their rows still alike."""
   rng = np.random.default_rng(3)
-  n, p, m = 12, 4, 3
+  n, p, m = 12, 8, 3
   x = rng.standard_normal((m, n)) * 10.0
   x[:, [2, 7]] = 0.0  # dead units
   outside = np.eye(n) - x.T @ np.linalg.pinv(x.T)
-  batches = [(x, x.T @ rng.standard_normal((m, p))) for _ in range(2)]
+  batches = [(x, x.T @ rng.standard_normal((m, p))) for _ in range(3)]
+  settings = grouped(dict(conditioner="full", **EXACT))
 
-  def leak(floor):
+  def leak(make, floor):
     monkeypatch.setattr(em, "_ROUND_OFF", floor)
-    tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, basis=basis,
-                                     **grouped(dict(conditioner="full", **EXACT)))
-    outs, _ = _run(tx, batches, n=n, p=p)
-    u = outs[-1]["dense"]["kernel"]
-    return np.linalg.norm(outside @ u) / np.linalg.norm(u), np.abs(u[[2, 7]]).max() / np.abs(u).max()
+    u = _run(make(), batches, n=n, p=p)[0][-1]["dense"]["kernel"]
+    return max(np.linalg.norm(outside @ u) / np.linalg.norm(u), np.abs(u[[2, 7]]).max() / np.abs(u).max())
 
-  assert max(leak(2.0**-15)) < 1e-2
-  if basis == "inputs":  # the round-off Adam scales up without the floor (the gradients' Gram holds less here)
-    assert max(leak(0.0)) > 0.1
+  eigen = lambda: sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, basis=basis, **settings)
+  eigen_muon = lambda: sk.scsgd_eigen_muon(1.0, **settings) if basis == "inputs" else None
+  assert leak(eigen, 2.0**-15) < 1e-5
+  if basis == "inputs":  # without the weight, the round-off Adam scales up (the gradients' Gram holds less here)
+    assert leak(eigen_muon, 2.0**-15) < 1e-4
+    assert min(leak(eigen, 0.0), leak(eigen_muon, 0.0)) > 0.1
 
 
 @pytest.mark.parametrize("basis", ["inputs", "gradients"])
