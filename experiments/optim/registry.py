@@ -251,7 +251,8 @@ REGISTRY: dict[str, Entry] = {
     "scsgd_two_sided": Entry(_scsgd_two_sided, CONDITIONING, "two_sided", lambda kind: Recipe(
         1e-3, {"graft_decay": SHAMPOO_SETTINGS["beta2"]},
         "scsgd_jax.contrib.scsgd_two_sided at its defaults: both sides' conditioning grafted onto normalized RMSprop as "
-        "Shampoo's RMSPROP_NORMALIZED grafting (Agarwal et al. 2020; beta2 as Shampoo's), Nesterov 0.9; rate "
+        "Shampoo's RMSPROP_NORMALIZED grafting (Agarwal et al. 2020; beta2 as Shampoo's) with Adafactor's factored "
+        "second moment, Nesterov 0.9; rate "
         "centre Adam's 1e-3 (the grafted step is on Adam's scale)"),
         prefixed=("graft_", scsgd_jax.contrib.scale_by_normalized_rms)),
     "scsgd_two_sided_lean": Entry(

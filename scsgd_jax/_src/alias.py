@@ -77,7 +77,7 @@ def scsgd_two_sided(
     rank: Optional[int] = None,
     *,
     momentum: float = defaults.MOMENTUM,
-    magnitude: Literal["rms", "factored", "sign"] = "rms",
+    magnitude: Literal["rms", "factored", "sign"] = "factored",
     split_budget: bool = False,
     graft_decay: float = defaults.GRAFT_DECAY,
     graft_eps: float = defaults.GRAFT_EPS,
@@ -103,24 +103,23 @@ def scsgd_two_sided(
   ``kernel_filter``, ``axis_name`` and ``seed`` go to both sides (:func:`scale_by_sketched_conditioning`'s
   arguments; the output side's seed is ``seed + 1``).
 
-  Memory: momentum's float per parameter, plus the base step's state, plus each side's statistics, each
-  side within the memory rule's budget of one float per parameter (``split_budget=True``: half of it
-  each). ``magnitude='sign', split_budget=True`` keeps the whole state within Adam's two floats per
-  parameter; the default (``'rms'``, a side each) takes up to twice Adam's.
+  Memory: momentum's float per parameter, plus the base step's state (the default ``'factored'``: ``n + p``
+  floats per large kernel), plus each side's statistics, each side within the memory rule's budget of one float
+  per parameter (``split_budget=True``: half of it each). ``magnitude='sign', split_budget=True`` keeps the
+  whole state within Adam's two floats per parameter; ``'rms'`` (a float per parameter) takes up to twice Adam's.
 
   Args:
     learning_rate: the rate (or schedule) of the Nesterov SGD that ends the chain.
     rank: sketch rank ``k`` of both sides (default 32).
     momentum: Nesterov momentum.
-    magnitude: the base step whose per-layer norm the direction takes: ``'rms'``, normalized RMSprop
-      (:func:`scale_by_normalized_rms`, distributed Shampoo's ``RMSPROP_NORMALIZED``; a float per
-      parameter), ``'factored'``, the same with Adafactor's factored second moment
-      (:func:`scale_by_normalized_factored_rms`: ``n + p`` floats for a kernel whose two largest axes are at
-      least 128), or ``'sign'``, ``optax.scale_by_sign`` (distributed Shampoo's ``SQRT_N``: every layer's
+    magnitude: the base step whose per-layer norm the direction takes: ``'factored'``, normalized RMSprop
+      with Adafactor's factored second moment (:func:`scale_by_normalized_factored_rms`: ``n + p`` floats for a
+      kernel whose two largest axes are at least 128), ``'rms'``, normalized RMSprop itself
+      (:func:`scale_by_normalized_rms`, distributed Shampoo's ``RMSPROP_NORMALIZED``; a float per parameter), or ``'sign'``, ``optax.scale_by_sign`` (distributed Shampoo's ``SQRT_N``: every layer's
       step has norm :math:`\sqrt{\text{size}}` times the rate; no state).
     split_budget: the two sides split the memory rule's budget, half each (``Statistics(kind='auto')``).
-    graft_decay, graft_eps: normalized RMSprop's (``magnitude='rms'`` or ``'factored'``, whose squares take
-      ``graft_eps**2``).
+    graft_decay, graft_eps: normalized RMSprop's (``magnitude='factored'``, whose squares take ``graft_eps**2``,
+      or ``'rms'``).
     input_axes: the input side's layouts (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), so that ``init``
       plans every kernel (the output side reads each kernel along the axes its input axes leave).
   """
