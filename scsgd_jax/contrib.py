@@ -5,6 +5,7 @@ per-layer norm, and the pieces it is built from."""
 import importlib
 
 from scsgd_jax._src.alias import scsgd_two_sided as scsgd_two_sided
+from scsgd_jax._src.graft import FactoredRMSState as FactoredRMSState
 from scsgd_jax._src.graft import GraftState as GraftState
 from scsgd_jax._src.graft import scale_by_grafting as scale_by_grafting
 from scsgd_jax._src.graft import scale_by_normalized_factored_rms as scale_by_normalized_factored_rms
@@ -17,7 +18,7 @@ _LAZY = {"output_perturbations_linen": "scsgd_jax._src.capture_linen",
          "output_perturbations_nnx": "scsgd_jax._src.capture_nnx"}
 
 __all__ = sorted([
-    "GraftState", "default_output_axes", "output_kernel_filter", "scale_by_grafting",
+    "FactoredRMSState", "GraftState", "default_output_axes", "output_kernel_filter", "scale_by_grafting",
     "scale_by_normalized_factored_rms", "scale_by_normalized_rms", "scale_by_output_conditioning", "scsgd_two_sided",
     *_LAZY,
 ])

@@ -17,8 +17,9 @@ import optax
 
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
+from scsgd_jax._src import layout as layout_lib
 
-__all__ = ["GraftState", "scale_by_grafting", "scale_by_normalized_factored_rms", "scale_by_normalized_rms"]
+__all__ = ["FactoredRMSState", "GraftState", "scale_by_grafting", "scale_by_normalized_factored_rms", "scale_by_normalized_rms"]
 
 
 def _norm(x):
@@ -72,6 +73,24 @@ def scale_by_normalized_rms(decay: float = defaults.GRAFT_DECAY, eps: float = de
   return optax.chain(_unit(), optax.scale_by_rms(decay=decay, eps=eps, eps_in_sqrt=False, bias_correction=True))
 
 
+class FactoredRMSState(NamedTuple):
+  """State of :func:`scale_by_normalized_factored_rms`: the moments of ``optax.scale_by_factored_rms``, laid out
+  so that every leaf of a parameter-shaped tree has its parameter's shape (``nnx.Optimizer`` gives such a leaf its
+  parameter's sharding annotation).
+
+  Attributes:
+    count: updates applied so far.
+    rows, cols: ``{leaf path: moment}``, a factored leaf's row and column moments.
+    v: a tree like the parameters: RMSprop's moment of each leaf not factored; ``optax.MaskedNode`` at the
+      factored ones.
+  """
+
+  count: jax.Array
+  rows: dict[str, jax.Array]
+  cols: dict[str, jax.Array]
+  v: optax.Updates
+
+
 def scale_by_normalized_factored_rms(decay: float = defaults.GRAFT_DECAY,
                                      eps: float = defaults.GRAFT_EPS) -> optax.GradientTransformation:
   r""":func:`scale_by_normalized_rms` with Adafactor's factored second moment (``optax.scale_by_factored_rms``):
@@ -88,11 +107,43 @@ def scale_by_normalized_factored_rms(decay: float = defaults.GRAFT_DECAY,
 
   factored = optax.scale_by_factored_rms(decay_rate=decay, epsilon=eps**2, decay_rate_fn=corrected)
 
+  def init(params):
+    return _laid_out(factored.init(params), params)
+
   def update(updates, state, params=None):
     del params  # optax's factored RMS reads shapes and dtypes alone: the updates'
-    return factored.update(updates, state, updates)
+    out, inner = factored.update(updates, _optax_state(state, updates), updates)
+    return out, _laid_out(inner, updates)
 
-  return optax.chain(_unit(), optax.GradientTransformation(factored.init, update))
+  return optax.chain(_unit(), optax.GradientTransformation(init, update))
+
+
+def _laid_out(inner, like) -> FactoredRMSState:
+  """optax's ``FactoredState`` as :class:`FactoredRMSState` (a leaf is factored where optax's full moment is not
+  its shape)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+  rows, cols, v = {}, {}, []
+  for (path, leaf), r, c, full in zip(flat, *(treedef.flatten_up_to(t) for t in (inner.v_row, inner.v_col, inner.v))):
+    if full.shape == leaf.shape:
+      v.append(full)
+    else:
+      name = layout_lib.path_to_str(path)
+      rows[name], cols[name] = r, c
+      v.append(optax.MaskedNode())
+  return FactoredRMSState(inner.count, rows, cols, treedef.unflatten(v))
+
+
+def _optax_state(state: FactoredRMSState, like):
+  """:class:`FactoredRMSState` back as optax's ``FactoredState`` (its placeholders of shape ``(1,)`` rebuilt)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+  rows, cols, v = [], [], []
+  for (path, leaf), full in zip(flat, treedef.flatten_up_to(state.v)):
+    name, blank = layout_lib.path_to_str(path), jnp.zeros((1,), leaf.dtype)
+    factored = isinstance(full, optax.MaskedNode)
+    rows.append(state.rows[name] if factored else blank)
+    cols.append(state.cols[name] if factored else blank)
+    v.append(blank if factored else full)
+  return optax.FactoredState(state.count, *(treedef.unflatten(t) for t in (rows, cols, v)))
 
 
 def _unit() -> optax.GradientTransformation:

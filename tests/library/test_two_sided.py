@@ -233,7 +233,8 @@ def test_factored_magnitude_is_adafactors_moments_of_the_normalized_gradient():
     v = corrected(v, small ** 2 + eps ** 2)
     np.testing.assert_allclose(out["big"], big / np.sqrt(np.outer(row, col) / row.mean()), rtol=2e-4)
     np.testing.assert_allclose(out["small"], small / np.sqrt(v), rtol=2e-4)
-  assert [np.shape(a) for a in (state[1].v_row["big"], state[1].v_col["big"])] == [(130,), (140,)]
+  assert [np.shape(a) for a in (state[1].rows["big"], state[1].cols["big"])] == [(130,), (140,)]
+  assert isinstance(state[1].v["big"], optax.MaskedNode) and state[1].v["small"].shape == (4, 5)
 
 
 class TinyLM(nnx.Module):
