@@ -9,7 +9,7 @@ every layer whatever the scale of its conditioner.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -74,15 +74,15 @@ def scale_by_normalized_rms(decay: float = defaults.GRAFT_DECAY, eps: float = de
 
 
 class FactoredRMSState(NamedTuple):
-  """State of :func:`scale_by_normalized_factored_rms`: the moments of ``optax.scale_by_factored_rms``, laid out
-  so that every leaf of a parameter-shaped tree has its parameter's shape (``nnx.Optimizer`` gives such a leaf its
-  parameter's sharding annotation).
+  """State of :func:`scale_by_normalized_factored_rms`, laid out so that every leaf of a parameter-shaped tree has
+  its parameter's shape (``nnx.Optimizer`` gives such a leaf its parameter's sharding annotation).
 
   Attributes:
     count: updates applied so far.
-    rows, cols: ``{leaf path: moment}``, a factored leaf's row and column moments.
-    v: a tree like the parameters: RMSprop's moment of each leaf not factored; ``optax.MaskedNode`` at the
-      factored ones.
+    rows, cols: ``{leaf path: moment}``, a factored leaf's row and column second moments (over its two largest
+      axes).
+    v: a tree like the parameters: RMSprop's second moment of each leaf not factored; ``optax.MaskedNode`` at
+      the factored ones.
   """
 
   count: jax.Array
@@ -91,59 +91,69 @@ class FactoredRMSState(NamedTuple):
   v: optax.Updates
 
 
+# optax's Adafactor factors a leaf's moment where its two largest axes are both at least this
+_MIN_DIM_TO_FACTOR = 128
+
+
 def scale_by_normalized_factored_rms(decay: float = defaults.GRAFT_DECAY,
                                      eps: float = defaults.GRAFT_EPS) -> optax.GradientTransformation:
-  r""":func:`scale_by_normalized_rms` with Adafactor's factored second moment (``optax.scale_by_factored_rms``):
-  a leaf whose two largest axes are each at least 128 keeps their row and column moments (``n + p`` floats, not
-  ``n p``), read as ``v \approx r c^\top / \mathrm{mean}(r)``; a smaller leaf keeps RMSprop's. Each moment is an
-  EMA at the fixed ``decay``, bias-corrected as RMSprop's (Adafactor's rising decay replaced); ``eps^2`` joins
-  every squared gradient. The grafted step's norm as RMSprop's, nearly, at Adafactor's memory."""
+  r""":func:`scale_by_normalized_rms` with Adafactor's factored second moment for a leaf whose two largest axes
+  are each at least 128 (optax's ``scale_by_factored_rms``' rule): their row and column moments (``n + p``
+  floats, not ``n p``), bias-corrected EMAs at ``decay`` of the squared normalized gradient plus ``eps^2``, read
+  as ``v \approx r c^\top / \mathrm{mean}(r)`` and the step ``g / \sqrt{v}``. Every other leaf is
+  :func:`scale_by_normalized_rms`'. The grafted step's norm as RMSprop's, nearly, at Adafactor's
+  memory."""
   checks.check_float("decay", decay, low=0.0, high=1.0, high_open=True)
   checks.check_float("eps", eps, low=0.0)
 
-  def corrected(step, rate):  # the EMA's weight at update `step` (0 first) with RMSprop's bias correction folded in
-    t = jnp.asarray(step, jnp.float32) + 1.0
-    return rate * (1.0 - rate ** (t - 1.0)) / (1.0 - rate ** t)
-
-  factored = optax.scale_by_factored_rms(decay_rate=decay, epsilon=eps**2, decay_rate_fn=corrected)
-
   def init(params):
-    return _laid_out(factored.init(params), params)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    rows, cols, v = {}, {}, []
+    for path, leaf in flat:
+      axes = _factored_axes(leaf.shape)
+      if axes is None:
+        v.append(jnp.zeros_like(leaf))
+        continue
+      name = layout_lib.path_to_str(path)
+      rows[name] = jnp.zeros(_without(leaf.shape, axes[1]), leaf.dtype)
+      cols[name] = jnp.zeros(_without(leaf.shape, axes[0]), leaf.dtype)
+      v.append(optax.MaskedNode())
+    return FactoredRMSState(jnp.zeros([], jnp.int32), rows, cols, treedef.unflatten(v))
 
   def update(updates, state, params=None):
-    del params  # optax's factored RMS reads shapes and dtypes alone: the updates'
-    out, inner = factored.update(updates, _optax_state(state, updates), updates)
-    return out, _laid_out(inner, updates)
+    del params
+    count = optax.safe_increment(state.count)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    rows, cols, v, out = {}, {}, [], []
+    for (path, g), nu in zip(flat, treedef.flatten_up_to(state.v)):
+      if not isinstance(nu, optax.MaskedNode):  # RMSprop's, as scale_by_rms(eps_in_sqrt=False, bias_correction)
+        nu = optax.tree.update_moment_per_elem_norm(g, nu, decay, 2)
+        out.append(g / (jnp.sqrt(optax.tree.bias_correction(nu, decay, count)) + eps))
+        v.append(nu)
+        continue
+      name, (first, second) = layout_lib.path_to_str(path), _factored_axes(g.shape)
+      sq = jnp.square(g) + eps**2
+      rows[name] = optax.tree.update_moment(jnp.mean(sq, axis=second), state.rows[name], decay, 1)
+      cols[name] = optax.tree.update_moment(jnp.mean(sq, axis=first), state.cols[name], decay, 1)
+      r, c = (optax.tree.bias_correction(m, decay, count) for m in (rows[name], cols[name]))
+      r = jnp.expand_dims(r / jnp.mean(r, axis=first - (first > second), keepdims=True), second)
+      out.append(g / jnp.sqrt(r * jnp.expand_dims(c, first)))
+      v.append(nu)
+    return treedef.unflatten(out), FactoredRMSState(count, rows, cols, treedef.unflatten(v))
 
   return optax.chain(_unit(), optax.GradientTransformation(init, update))
 
 
-def _laid_out(inner, like) -> FactoredRMSState:
-  """optax's ``FactoredState`` as :class:`FactoredRMSState` (a leaf is factored where optax's full moment is not
-  its shape)."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-  rows, cols, v = {}, {}, []
-  for (path, leaf), r, c, full in zip(flat, *(treedef.flatten_up_to(t) for t in (inner.v_row, inner.v_col, inner.v))):
-    if full.shape == leaf.shape:
-      v.append(full)
-    else:
-      name = layout_lib.path_to_str(path)
-      rows[name], cols[name] = r, c
-      v.append(optax.MaskedNode())
-  return FactoredRMSState(inner.count, rows, cols, treedef.unflatten(v))
+def _factored_axes(shape) -> Optional[tuple[int, int]]:
+  """A leaf's two largest axes ``(second largest, largest)`` where both are at least 128; else ``None``."""
+  if len(shape) < 2:
+    return None
+  order = sorted(range(len(shape)), key=lambda a: (shape[a], a))
+  return None if shape[order[-2]] < _MIN_DIM_TO_FACTOR else (order[-2], order[-1])
 
 
-def _optax_state(state: FactoredRMSState, like):
-  """:class:`FactoredRMSState` back as optax's ``FactoredState`` (its placeholders of shape ``(1,)`` rebuilt)."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-  rows, cols, v = [], [], []
-  for (path, leaf), full in zip(flat, treedef.flatten_up_to(state.v)):
-    name, blank = layout_lib.path_to_str(path), jnp.zeros((1,), leaf.dtype)
-    factored = isinstance(full, optax.MaskedNode)
-    rows.append(state.rows[name] if factored else blank)
-    cols.append(state.cols[name] if factored else blank)
-    v.append(blank if factored else full)
-  return optax.FactoredState(state.count, *(treedef.unflatten(t) for t in (rows, cols, v)))
+def _without(shape, axis: int) -> tuple[int, ...]:
+  return tuple(d for a, d in enumerate(shape) if a != axis)
 
 
 def _unit() -> optax.GradientTransformation:

@@ -216,23 +216,30 @@ def test_scsgd_two_sided_two_steps_by_hand(magnitude):
 
 
 def test_factored_magnitude_is_adafactors_moments_of_the_normalized_gradient():
-  """Three steps by hand: each leaf divided by its norm; a (130, 140) leaf keeps Adafactor's row and column
-  moments (EMAs at the graft's decay, bias-corrected as RMSprop's, eps^2 in each square), read as
-  r c^T / mean(r); a (4, 5) leaf, under optax's 128 to factor, RMSprop's own moment."""
+  """Three steps by hand: each leaf divided by its norm; a (130, 140) leaf and a (2, 3, 150, 129) conv kernel keep
+  Adafactor's row and column moments over their two largest axes (EMAs at the graft's decay, bias-corrected,
+  eps^2 in each square), read as r c^T / mean(r); a (4, 5) leaf, under 128 to factor, is
+  scale_by_normalized_rms'."""
   decay, eps = 0.9, 1e-3
   tx = sk.contrib.scale_by_normalized_factored_rms(decay, eps)
-  gs = [{"big": RNG.standard_normal((130, 140)) * np.linspace(0.1, 3, 140), "small": RNG.standard_normal((4, 5))}
-        for _ in range(3)]
+  gs = [{"big": RNG.standard_normal((130, 140)) * np.linspace(0.1, 3, 140), "small": RNG.standard_normal((4, 5)),
+         "conv": RNG.standard_normal((2, 3, 150, 129))} for _ in range(3)]
+  rms = sk.contrib.scale_by_normalized_rms(decay, eps)
+  rms_state = rms.init(jax.tree.map(jnp.zeros_like, gs[0]))
   state = tx.init(jax.tree.map(jnp.zeros_like, gs[0]))
-  row = col = v = 0.0
+  row = col = crow = ccol = 0.0
   for t, g in enumerate(gs, start=1):
-    out, state = jax.jit(tx.update)(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), g), state)
-    big, small = (g[k] / np.linalg.norm(g[k]) for k in ("big", "small"))
+    g32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), g)
+    out, state = jax.jit(tx.update)(g32, state)
+    want_rms, rms_state = jax.jit(rms.update)(g32, rms_state)
+    big, conv = (g[k] / np.linalg.norm(g[k]) for k in ("big", "conv"))
     corrected = lambda m, x: (decay * m * (1 - decay ** (t - 1)) + (1 - decay) * x) / (1 - decay ** t)
     row, col = corrected(row, (big ** 2 + eps ** 2).mean(1)), corrected(col, (big ** 2 + eps ** 2).mean(0))
-    v = corrected(v, small ** 2 + eps ** 2)
+    crow, ccol = corrected(crow, (conv ** 2 + eps ** 2).mean(3)), corrected(ccol, (conv ** 2 + eps ** 2).mean(2))
     np.testing.assert_allclose(out["big"], big / np.sqrt(np.outer(row, col) / row.mean()), rtol=2e-4)
-    np.testing.assert_allclose(out["small"], small / np.sqrt(v), rtol=2e-4)
+    v_conv = (crow / crow.mean(2, keepdims=True))[..., None] * ccol[:, :, None, :]  # axes 2 and 3 factored
+    np.testing.assert_allclose(out["conv"], conv / np.sqrt(v_conv), rtol=2e-4)
+    np.testing.assert_allclose(out["small"], want_rms["small"], rtol=1e-6)  # RMSprop's, to rounding
   assert [np.shape(a) for a in (state[1].rows["big"], state[1].cols["big"])] == [(130,), (140,)]
   assert isinstance(state[1].v["big"], optax.MaskedNode) and state[1].v["small"].shape == (4, 5)
 
