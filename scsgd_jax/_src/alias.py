@@ -115,8 +115,9 @@ def scsgd_two_sided(
     magnitude: the base step whose per-layer norm the direction takes: ``'factored'``, normalized RMSprop
       with Adafactor's factored second moment (:func:`scale_by_normalized_factored_rms`: ``n + p`` floats for a
       kernel whose two largest axes are at least 128), ``'rms'``, normalized RMSprop itself
-      (:func:`scale_by_normalized_rms`, distributed Shampoo's ``RMSPROP_NORMALIZED``; a float per parameter), or ``'sign'``, ``optax.scale_by_sign`` (distributed Shampoo's ``SQRT_N``: every layer's
-      step has norm :math:`\sqrt{\text{size}}` times the rate; no state).
+      (:func:`scale_by_normalized_rms`, distributed Shampoo's ``RMSPROP_NORMALIZED``; a float per parameter), or
+      ``'sign'``, ``optax.scale_by_sign`` (distributed Shampoo's ``SQRT_N``: every layer's step has norm
+      :math:`\sqrt{\text{size}}` times the rate; no state).
     split_budget: the two sides split the memory rule's budget, half each (``Statistics(kind='auto')``).
     graft_decay, graft_eps: normalized RMSprop's (``magnitude='factored'``, whose squares take ``graft_eps**2``,
       or ``'rms'``).

@@ -19,7 +19,8 @@ from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
 from scsgd_jax._src import layout as layout_lib
 
-__all__ = ["FactoredRMSState", "GraftState", "scale_by_grafting", "scale_by_normalized_factored_rms", "scale_by_normalized_rms"]
+__all__ = ["FactoredRMSState", "GraftState", "scale_by_grafting", "scale_by_normalized_factored_rms",
+           "scale_by_normalized_rms"]
 
 
 def _norm(x):
@@ -74,21 +75,19 @@ def scale_by_normalized_rms(decay: float = defaults.GRAFT_DECAY, eps: float = de
 
 
 class FactoredRMSState(NamedTuple):
-  """State of :func:`scale_by_normalized_factored_rms`, laid out so that every leaf of a parameter-shaped tree has
-  its parameter's shape (``nnx.Optimizer`` gives such a leaf its parameter's sharding annotation).
+  """State of the factored part of :func:`scale_by_normalized_factored_rms`, keyed by path so that no leaf sits at
+  a parameter's place with another shape (``nnx.Optimizer`` gives such a leaf its parameter's sharding
+  annotation).
 
   Attributes:
     count: updates applied so far.
     rows, cols: ``{leaf path: moment}``, a factored leaf's row and column second moments (over its two largest
       axes).
-    v: a tree like the parameters: RMSprop's second moment of each leaf not factored; ``optax.MaskedNode`` at
-      the factored ones.
   """
 
   count: jax.Array
   rows: dict[str, jax.Array]
   cols: dict[str, jax.Array]
-  v: optax.Updates
 
 
 # optax's Adafactor factors a leaf's moment where its two largest axes are both at least this
@@ -100,37 +99,37 @@ def scale_by_normalized_factored_rms(decay: float = defaults.GRAFT_DECAY,
   r""":func:`scale_by_normalized_rms` with Adafactor's factored second moment for a leaf whose two largest axes
   are each at least 128 (optax's ``scale_by_factored_rms``' rule): their row and column moments (``n + p``
   floats, not ``n p``), bias-corrected EMAs at ``decay`` of the squared normalized gradient plus ``eps^2``, read
-  as ``v \approx r c^\top / \mathrm{mean}(r)`` and the step ``g / \sqrt{v}``. Every other leaf is
-  :func:`scale_by_normalized_rms`'. The grafted step's norm as RMSprop's, nearly, at Adafactor's
-  memory."""
+  as ``v \approx r c^\top / \mathrm{mean}(r)`` and the step ``g / \sqrt{v}``. Every other leaf gets
+  ``optax.scale_by_rms`` as :func:`scale_by_normalized_rms` does. The grafted step's norm as RMSprop's, nearly,
+  at Adafactor's memory."""
   checks.check_float("decay", decay, low=0.0, high=1.0, high_open=True)
   checks.check_float("eps", eps, low=0.0)
+  factored = lambda tree: jax.tree.map(lambda leaf: _factored_axes(leaf.shape) is not None, tree)
+  return optax.chain(
+      _unit(),
+      optax.masked(optax.scale_by_rms(decay=decay, eps=eps, eps_in_sqrt=False, bias_correction=True),
+                   lambda tree: jax.tree.map(lambda f: not f, factored(tree))),
+      optax.masked(_scale_by_factored_moments(decay, eps), factored))
+
+
+def _scale_by_factored_moments(decay: float, eps: float) -> optax.GradientTransformation:
+  """Adafactor's step for leaves :func:`_factored_axes` factors (``optax.masked`` gives it those alone)."""
 
   def init(params):
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    rows, cols, v = {}, {}, []
-    for path, leaf in flat:
-      axes = _factored_axes(leaf.shape)
-      if axes is None:
-        v.append(jnp.zeros_like(leaf))
-        continue
+    rows, cols = {}, {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+      first, second = _factored_axes(leaf.shape)
       name = layout_lib.path_to_str(path)
-      rows[name] = jnp.zeros(_without(leaf.shape, axes[1]), leaf.dtype)
-      cols[name] = jnp.zeros(_without(leaf.shape, axes[0]), leaf.dtype)
-      v.append(optax.MaskedNode())
-    return FactoredRMSState(jnp.zeros([], jnp.int32), rows, cols, treedef.unflatten(v))
+      rows[name] = jnp.zeros(_without(leaf.shape, second), leaf.dtype)
+      cols[name] = jnp.zeros(_without(leaf.shape, first), leaf.dtype)
+    return FactoredRMSState(jnp.zeros([], jnp.int32), rows, cols)
 
   def update(updates, state, params=None):
     del params
     count = optax.safe_increment(state.count)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    rows, cols, v, out = {}, {}, [], []
-    for (path, g), nu in zip(flat, treedef.flatten_up_to(state.v)):
-      if not isinstance(nu, optax.MaskedNode):  # RMSprop's, as scale_by_rms(eps_in_sqrt=False, bias_correction)
-        nu = optax.tree.update_moment_per_elem_norm(g, nu, decay, 2)
-        out.append(g / (jnp.sqrt(optax.tree.bias_correction(nu, decay, count)) + eps))
-        v.append(nu)
-        continue
+    rows, cols, out = {}, {}, []
+    for path, g in flat:
       name, (first, second) = layout_lib.path_to_str(path), _factored_axes(g.shape)
       sq = jnp.square(g) + eps**2
       rows[name] = optax.tree.update_moment(jnp.mean(sq, axis=second), state.rows[name], decay, 1)
@@ -138,10 +137,9 @@ def scale_by_normalized_factored_rms(decay: float = defaults.GRAFT_DECAY,
       r, c = (optax.tree.bias_correction(m, decay, count) for m in (rows[name], cols[name]))
       r = jnp.expand_dims(r / jnp.mean(r, axis=first - (first > second), keepdims=True), second)
       out.append(g / jnp.sqrt(r * jnp.expand_dims(c, first)))
-      v.append(nu)
-    return treedef.unflatten(out), FactoredRMSState(count, rows, cols, treedef.unflatten(v))
+    return treedef.unflatten(out), FactoredRMSState(count, rows, cols)
 
-  return optax.chain(_unit(), optax.GradientTransformation(init, update))
+  return optax.GradientTransformation(init, update)
 
 
 def _factored_axes(shape) -> Optional[tuple[int, int]]:
