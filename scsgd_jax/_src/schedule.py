@@ -57,8 +57,9 @@ def refresh(kernel_plans, phases, stats: banks_lib.Banked, old_factors: banks_li
   """
   if key is None:  # the state keeps no key only when init conditioned no kernel: nothing to refresh
     return old_factors, key
-  keys = jax.random.split(key, len(kernel_plans) + 1)
-  key_of = dict(zip(kernel_plans, keys[1:]))
+  keyed = any(plan.statistics.keyed(plan.rank) for plan in kernel_plans.values())
+  keys = jax.random.split(key, len(kernel_plans) + 1) if keyed else None  # factors that draw nothing: no keys
+  key_of = dict(zip(kernel_plans, keys[1:] if keyed else [jnp.zeros_like(key)] * len(kernel_plans)))
   factors = list(old_factors.banks)
   for i, bank in enumerate(stats.index.banks):
     planned = [p for p in bank.paths if p in kernel_plans]
@@ -77,13 +78,13 @@ def refresh(kernel_plans, phases, stats: banks_lib.Banked, old_factors: banks_li
                                     for p, size in zip(bank.paths, bank.sizes)])
     member_keys = jnp.concatenate([
         (key_of[p][None] if lone else jax.random.split(key_of[p], size)) if p in kernel_plans
-        else jnp.zeros((size,) + keys.shape[1:], keys.dtype)
+        else jnp.zeros((size,) + key.shape, key.dtype)
         for p, size, lone in zip(bank.paths, bank.sizes, bank.lone)])
     due = refresh_due(count, jnp.asarray(member_phases)) & jnp.asarray(planned_slices)
     renew = lambda f, s=stats.banks[i], due=due, member_keys=member_keys, make=make: _refresh_due_members(
         s, f, due, member_keys, make)
     factors[i] = jax.lax.cond(jnp.any(due), renew, lambda f: f, factors[i])
-  return banks_lib.Banked(old_factors.index, factors), keys[0]
+  return banks_lib.Banked(old_factors.index, factors), keys[0] if keyed else key
 
 
 def _refresh_due_members(s, f, due, member_keys, make):
@@ -91,11 +92,12 @@ def _refresh_due_members(s, f, due, member_keys, make):
   members."""
 
   def body(j, f):
-    pick = lambda tree: jax.tree.map(lambda a: a[j], tree)
+    # member j of a bank's stacked leaves (j is in range: no index wrapping or clamping to compile)
+    pick = lambda tree: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), tree)
 
     def renew(f):
-      new = fold_lib.keep_if_finite(make(pick(s), member_keys[j]), pick(f))  # never a non-finite factor
-      return jax.tree.map(lambda a, b: a.at[j].set(b), f, new)
+      new = fold_lib.keep_if_finite(make(pick(s), pick(member_keys)), pick(f))  # never a non-finite factor
+      return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, j, 0), f, new)
 
     return jax.lax.cond(due[j], renew, lambda f: f, f)
 

@@ -52,6 +52,8 @@ class CorrelationStatistics(NamedTuple):
     trace: ``trace(stats) -> tr C`` estimate (0 before any data without a prior);
       the outlier guard compares new rows with it.
     takes_ids: whether ``update`` takes integer ids (embeddings) instead of rows.
+    keyed: ``keyed(rank) -> bool``, whether ``factor`` at ``rank`` reads its key (default: always); a refresh
+      whose factors read none draws no keys, and the state's key stays as it is.
   """
 
   init: Callable[[int, jax.Array], Any]
@@ -60,6 +62,7 @@ class CorrelationStatistics(NamedTuple):
   correlation: Callable[[Any], jax.Array]
   trace: Callable[[Any], jax.Array]
   takes_ids: bool = False
+  keyed: Callable[[Optional[int]], bool] = lambda rank: True
 
 
 class EmaState(NamedTuple):
@@ -154,7 +157,8 @@ def ema_correlation(
   def trace(state):  # read by the outlier guard every step: O(n), not a division of all of S
     return jnp.trace(state.moments) / jnp.where(state.weight > 0, state.weight, 1.0)
 
-  return CorrelationStatistics(init, update, factor, correlation, trace)
+  # the full conditioner's eigh draws nothing; the sketch (rank k) draws its test matrix
+  return CorrelationStatistics(init, update, factor, correlation, trace, keyed=lambda rank: rank is not None)
 
 
 class NystromState(NamedTuple):
@@ -222,7 +226,8 @@ def nystrom_correlation(
     core = state.omega.T @ y
     return y @ jnp.linalg.pinv(0.5 * (core + core.T), hermitian=True) @ y.T
 
-  return CorrelationStatistics(init, update, factor, correlation, lambda s: _ema_mean(s.ema)[1])
+  return CorrelationStatistics(init, update, factor, correlation, lambda s: _ema_mean(s.ema)[1],
+                               keyed=lambda rank: False)
 
 
 def diagonal_correlation(
@@ -264,4 +269,5 @@ def diagonal_correlation(
     return sketch.diagonal_factor(diagonal(state), eigenvalue_floor=eigenvalue_floor)
 
   return CorrelationStatistics(
-      init, update, factor, lambda s: jnp.diag(diagonal(s)), lambda s: jnp.sum(_ema_mean(s)), takes_ids)
+      init, update, factor, lambda s: jnp.diag(diagonal(s)), lambda s: jnp.sum(_ema_mean(s)), takes_ids,
+      keyed=lambda rank: False)
