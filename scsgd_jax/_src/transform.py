@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable, Optional
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from scsgd_jax._src import estimator as estimator_lib
@@ -120,19 +122,58 @@ def conditioning_and_plans(s: Settings,
 
 
 def _condition(updates, kernel_plans, factors):
-  """``A^{-1} G`` for every conditioned kernel; other leaves pass through."""
+  """``A^{-1} G`` for every conditioned kernel; other leaves pass through.
 
-  def condition(path, g):
+  The kernels of one bank whose slices read as matrices of one shape (and dtype) are conditioned as one batched
+  product over their slices stacked, each by its own slice of the bank's factors (a kernel that reads another's
+  statistics by that kernel's), so the program holds one product per bank and shape, not one per kernel.
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+  out = [g for _, g in flat]
+  groups: dict[tuple, list] = {}
+  for i, (path, g) in enumerate(flat):
     p = layout_lib.path_to_str(path)
     if p not in kernel_plans or g is None:
-      return g
-    plan = kernel_plans[p]
-    if plan.slices is None:
-      return sketch.precondition_kernel(factors[p], g, plan.input_axes)
-    # a stack of layers or groups: each slice conditioned by its own factor
-    sliced = jax.vmap(lambda f, s: sketch.precondition_kernel(f, s, plan.input_axes))(factors[p], plan.to_slices(g))
-    return plan.from_slices(sliced, g.shape)
+      continue
+    mats, restore = _slice_matrices(kernel_plans[p], g)
+    bank, start, size, _ = factors.index.place(p)
+    groups.setdefault((bank, mats.shape[1:], mats.dtype), []).append((i, mats, restore, np.arange(start, start + size)))
+  for (bank, _, dtype), members in groups.items():
+    rows = np.concatenate([m[3] for m in members])
+    factor = sketch.Factor(*(None if a is None else _rows(a, rows).astype(dtype) for a in factors.banks[bank]))
+    mats = jnp.concatenate([m[1] for m in members]) if len(members) > 1 else members[0][1]
+    conditioned = jax.vmap(sketch.apply_inverse)(factor, mats)
+    for (i, _, restore, _), part in zip(members, _split(conditioned, [len(m[3]) for m in members])):
+      out[i] = restore(part).astype(out[i].dtype)
+  return jax.tree_util.tree_unflatten(treedef, out)
 
-  return jax.tree_util.tree_map_with_path(condition, updates)
+
+def _slice_matrices(plan, g):
+  """A kernel gradient as its slices' matrices ``(slices, n, p)`` in ``float32`` (or wider), and the function that
+  puts such an array back in the gradient's layout (a kernel of one slice: one)."""
+  dtype = jnp.promote_types(g.dtype, jnp.float32)
+  x = g[None] if plan.slices is None else plan.to_slices(g)
+  # the slice axis leads the matrix' rows: (slices * n, p), read as (slices, n, p)
+  matrix, restore = sketch.kernel_matrix(x, (0,) + tuple(a % (x.ndim - 1) + 1 for a in plan.input_axes))
+  mats = matrix.reshape(x.shape[0], -1, matrix.shape[-1]).astype(dtype)
+
+  def back(m):
+    y = restore(m.reshape(matrix.shape))
+    return y[0] if plan.slices is None else plan.from_slices(y, g.shape)
+
+  return mats, back
 
 
+def _rows(a, rows: np.ndarray):
+  """The rows ``rows`` (static) of a bank's stacked leaf: the leaf itself, a slice, or a gather."""
+  if np.array_equal(rows, np.arange(a.shape[0])):
+    return a
+  if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
+    return jax.lax.slice_in_dim(a, int(rows[0]), int(rows[0]) + len(rows))
+  return jnp.take(a, jnp.asarray(rows), axis=0)
+
+
+def _split(x, sizes):
+  """``x`` split along its leading axis into parts of ``sizes``."""
+  starts = np.cumsum([0] + list(sizes))
+  return [jax.lax.slice_in_dim(x, int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]

@@ -52,8 +52,10 @@ def _fit(tx, loss, params, steps, inputs):
 def test_parabola_solved_with_extra_args(name):
   make, lr = ALIASES[name]
   params = {"dense": {"kernel": jnp.zeros((8, 3))}}
-  params, _ = _fit(make(lr), _parabola_loss, params, 1000, {"dense": {"kernel": X}})
-  np.testing.assert_allclose(params["dense"]["kernel"], W_STAR, atol=2e-2)
+  # the rate decays to 0 (cosine), as Muon and SGD are run: a step of fixed spectral size (Muon's) jitters about
+  # the solution at its rate's scale until the rate goes, and the round-off of the jitter's last step is not a test
+  params, _ = _fit(make(optax.cosine_decay_schedule(lr, 1000)), _parabola_loss, params, 1000, {"dense": {"kernel": X}})
+  np.testing.assert_allclose(params["dense"]["kernel"], W_STAR, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ALIASES)
