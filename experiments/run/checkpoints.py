@@ -93,16 +93,16 @@ def layout_differences(stored: dict[str, tuple], expected: dict[str, tuple]) -> 
   return out
 
 
-_BANKED = re.compile(r"(^|/)(statistics|factors)/bank\d+(/|$)")
-_STORED = re.compile(r"(^|/)(statistics|factors)/")
+_BANKED = re.compile(r"(^|/)(statistics|factors|clipped_rows)/bank\d+(/|$)")
+_STORED = re.compile(r"(^|/)(statistics|factors|clipped_rows)/")
 
 
 def per_kernel_format(stored: dict[str, tuple], expected: dict[str, tuple]) -> bool:
-  """Whether a stored state's layout keeps the conditioning's statistics and factors per kernel (the format before
-  banks) where the state built now keeps them in banks."""
+  """Whether a stored state's layout keeps the conditioning's statistics, factors or clipped-row counts per kernel
+  (the formats before banks, and before banked counts) where the state built now keeps them all in banks."""
   banked = lambda layout: [bool(_BANKED.search(p)) for p in layout if _STORED.search(p)]
   old, new = banked(stored), banked(expected)
-  return bool(old) and not any(old) and bool(new) and all(new)
+  return bool(old) and not all(old) and bool(new) and all(new)
 
 
 class Checkpoints:
@@ -169,9 +169,9 @@ class Checkpoints:
     expected = _layout(_storable(abstract_state))
     if per_kernel_format(stored, expected):
       raise errors.LayoutError(
-          f"checkpoint {os.path.join(self.directory, str(step))} keeps the conditioning's statistics and factors "
-          "per kernel, the format of scsgd_jax before banks; this version keeps them in banks and cannot continue "
-          "it. Continue it with the version that wrote it, or use a new --workdir to start over")
+          f"checkpoint {os.path.join(self.directory, str(step))} keeps the conditioning's statistics, factors or "
+          "clipped-row counts per kernel, a format of an earlier scsgd_jax; this version keeps them in banks and "
+          "cannot continue it. Continue it with the version that wrote it, or use a new --workdir to start over")
     diff = layout_differences(stored, expected)
     if diff:
       said = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")

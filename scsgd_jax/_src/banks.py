@@ -63,6 +63,11 @@ class BankIndex(NamedTuple):
                           tuple(kernel_plans[p].slices is None for p in paths))
                      for paths in grouped(kernel_plans, extra)), tuple(aliases))
 
+  def per_kernel(self) -> "BankIndex":
+    """The same banks with one place per kernel (a stack's slices together), its aliases left out: where the
+    state keeps a kernel's count (the rows the outlier guard clipped), not a slice's."""
+    return BankIndex(tuple(Bank(b.paths, (1,) * len(b.paths), (True,) * len(b.paths)) for b in self.banks))
+
   @property
   def paths(self) -> tuple[str, ...]:
     """Every kernel's path: the banks' members, then the aliases."""

@@ -64,17 +64,18 @@ def fold_bank(plan, stats, rows, outlier_threshold):
   return jax.vmap(plan.statistics.update)(stats, rows), n_clipped
 
 
-def fold(kernel_plans, rows, stats: banks_lib.Banked, clipped, outlier_threshold, axis_name=None):
+def fold(kernel_plans, rows, stats: banks_lib.Banked, clipped: banks_lib.Banked, outlier_threshold, axis_name=None):
   """Each kernel's rows folded into its statistics (guarded; a non-finite result keeps the old ones), a bank at a
   time: the members of a bank (:mod:`banks`) whose rows have one shape per slice fold as one computation over
-  their slices stacked (a stacked or grouped kernel's slices each fold their own rows). Kernels without a plan
+  their slices stacked (a stacked or grouped kernel's slices each fold their own rows), and add the rows they
+  clipped to their counts (``clipped``, one place per kernel in the statistics' banks). Kernels without a plan
   here (left unconditioned in this update) or without rows keep their statistics.
 
   With ``axis_name`` (``pmap``/``shard_map``) the folded statistics are averaged over that axis: the
   statistics are an EMA, affine in the batch's moments, so the mean of the replicas' folds is the fold of
   the mean moments, i.e. of the gathered rows (equal shards); every replica then holds the same state.
   """
-  new_banks, new_clipped = list(stats.banks), dict(clipped)
+  new_banks, new_clipped = list(stats.banks), list(clipped.banks)
   for i, bank in enumerate(stats.index.banks):
     groups: dict[tuple, list[int]] = {}  # members with rows, by the shape of one slice's rows
     for j, path in enumerate(bank.paths):
@@ -84,13 +85,14 @@ def fold(kernel_plans, rows, stats: banks_lib.Banked, clipped, outlier_threshold
     for members in groups.values():
       new_banks[i], counts = _fold_members(kernel_plans[bank.paths[members[0]]], bank, members, new_banks[i], rows,
                                            outlier_threshold, axis_name)
-      for j, c in zip(members, counts):
-        new_clipped[bank.paths[j]] = clipped[bank.paths[j]] + jnp.sum(c)
-  return banks_lib.Banked(stats.index, new_banks), new_clipped
+      new_clipped[i] = (new_clipped[i] + counts if len(members) == len(bank.paths)
+                        else new_clipped[i].at[np.asarray(members)].add(counts))
+  return banks_lib.Banked(stats.index, new_banks), banks_lib.Banked(clipped.index, new_clipped)
 
 
 def _fold_members(plan, bank: banks_lib.Bank, members: list[int], stats, rows, outlier_threshold, axis_name):
-  """The bank's statistics ``stats`` with ``members`` (indices into the bank) folded; and each one's clip counts."""
+  """The bank's statistics ``stats`` with ``members`` (indices into the bank) folded; and each one's clip count
+  (summed over its slices)."""
   every = len(members) == len(bank.paths)
   starts = bank.starts()
   places = np.concatenate([np.arange(starts[j], starts[j] + bank.sizes[j]) for j in members]) if not every else None
@@ -101,4 +103,7 @@ def _fold_members(plan, bank: banks_lib.Bank, members: list[int], stats, rows, o
     folded, n_clipped = jax.lax.pmean(folded, axis_name), jax.lax.psum(n_clipped, axis_name)
   kept = jax.vmap(keep_if_finite)(folded, old)
   new = kept if every else jax.tree.map(lambda a, u: a.at[places].set(u), stats, kept)
-  return new, banks_lib.unstacked(n_clipped, [bank.sizes[j] for j in members], [False] * len(members))
+  sizes = [bank.sizes[j] for j in members]
+  if any(size > 1 for size in sizes):  # a stack's slices: one count for the kernel
+    n_clipped = jnp.zeros(len(members), n_clipped.dtype).at[np.repeat(np.arange(len(members)), sizes)].add(n_clipped)
+  return new, n_clipped

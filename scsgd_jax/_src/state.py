@@ -67,7 +67,8 @@ class ScaleBySketchedConditioningState(NamedTuple):
       dense ``C``, or the streaming sketch), one per conditioned kernel, stored in banks: the kernels of one kind
       of statistics, ``n`` and rank stacked (a mapping read per kernel; its leaves are the banks').
     factors: ``{kernel path: Factor}``, the conditioner currently applied, stored in the same banks.
-    clipped_rows: ``{kernel path: int32}``, input rows clipped by the outlier guard so far.
+    clipped_rows: ``{kernel path: int32}``, input rows clipped by the outlier guard so far, per kernel of its own
+      statistics, stored in the statistics' banks (one place per kernel).
     plan: how each kernel is conditioned (static; see :meth:`summary`).
   """
 
@@ -75,7 +76,7 @@ class ScaleBySketchedConditioningState(NamedTuple):
   key: Optional[jax.Array]
   statistics: Mapping[str, Any]
   factors: Mapping[str, sketch.Factor]
-  clipped_rows: dict[str, jax.Array]
+  clipped_rows: Mapping[str, jax.Array]
   plan: PlanSummary = PlanSummary(())
 
   def summary(self) -> dict[str, str]:
@@ -161,7 +162,8 @@ def fresh_kernel_states(kernel_plans, seed: int):
   def fresh():
     key, per_kernel = _fresh_kernel_states(own, seed)
     part = lambda i: {p: f[i] for p, f in per_kernel.items()}
-    return key, (banks_lib.Banked.of(index, part(0)), banks_lib.Banked.of(index, part(1)), part(2))
+    return key, (banks_lib.Banked.of(index, part(0)), banks_lib.Banked.of(index, part(1)),
+                 banks_lib.Banked.of(index.per_kernel(), part(2)))
 
   return jax.jit(fresh)()
 
@@ -189,11 +191,11 @@ def noted(state: ScaleBySketchedConditioningState, kernel_plans, skipped=(), ask
   this update. A state whose statistics or factors do not have the plans' shapes (a checkpoint of another plan or
   of an earlier version of the state) is refused, naming the kernel."""
   notes = {**{p: why for p, why in state.plan.items if p not in kernel_plans}, **dict(skipped)}
-  if not (isinstance(state.statistics, banks_lib.Banked) and isinstance(state.factors, banks_lib.Banked)):
+  if not all(isinstance(x, banks_lib.Banked) for x in (state.statistics, state.factors, state.clipped_rows)):
     raise ValueError(
-        "the state keeps its statistics and factors per kernel, the format of scsgd_jax before banks: it cannot run "
-        "here. Restore checkpoints into the state of tx.init(params) of this version (a checkpoint written before "
-        "banks does not restore; see the changelog).")
+        "the state keeps its statistics, factors or clipped-row counts per kernel, a format of an earlier "
+        "scsgd_jax: it cannot run here. Restore checkpoints into the state of tx.init(params) of this version (a "
+        "checkpoint of an earlier format does not restore; see the changelog).")
   _, shapes = jax.eval_shape(lambda: _fresh_kernel_states(kernel_plans, 0))
   for p in kernel_plans:
     if not same_shapes((state.statistics[p], state.factors[p]), shapes[p][:2]):

@@ -1,5 +1,6 @@
-"""A checkpoint of the conditioning state per kernel (the format before banks) is refused in one line that says so,
-never called damaged nor listed array by array; a checkpoint of the banked state restores."""
+"""A checkpoint of the conditioning state per kernel (the format before banks, or its clipped-row counts alone: the
+format before banked counts) is refused in one line that says so, never called damaged nor listed array by array; a
+checkpoint of the banked state restores."""
 
 import jax
 import jax.numpy as jnp
@@ -16,20 +17,21 @@ def _state():
   return {"params": PARAMS, "opt_state": sk.scsgd(0.1).init(PARAMS)}
 
 
-def _per_kernel(state):
-  """``state`` as the format before banks kept it: the statistics and factors a dict by kernel path."""
+def _per_kernel(state, fields=("statistics", "factors", "clipped_rows")):
+  """``state`` as the formats before banks kept it: ``fields`` a dict by kernel path (the clipped-row counts alone:
+  the format before banked counts)."""
   inner = state["opt_state"][0]
-  old = inner._replace(statistics={p: inner.statistics[p] for p in inner.statistics},
-                       factors={p: inner.factors[p] for p in inner.factors})
+  old = inner._replace(**{f: {p: getattr(inner, f)[p] for p in getattr(inner, f)} for f in fields})
   return {**state, "opt_state": (old,) + tuple(state["opt_state"][1:])}
 
 
-def test_a_per_kernel_checkpoint_is_refused_as_the_format_before_banks(tmp_path):
+@pytest.mark.parametrize("fields", [("statistics", "factors", "clipped_rows"), ("clipped_rows",)])
+def test_a_per_kernel_checkpoint_is_refused_as_an_earlier_format(tmp_path, fields):
   store = ckpt.Checkpoints(str(tmp_path / "checkpoints"), str(tmp_path / "damaged"))
-  store.save(20, _per_kernel(_state()), ckpt.Progress(1.0))
-  with pytest.raises(errors.LayoutError, match=r"checkpoints/20 keeps the conditioning's statistics and factors per "
-                                               r"kernel, the format of scsgd_jax before banks; this version keeps "
-                                               r"them in banks and cannot continue it") as info:
+  store.save(20, _per_kernel(_state(), fields), ckpt.Progress(1.0))
+  with pytest.raises(errors.LayoutError, match=r"checkpoints/20 keeps the conditioning's statistics, factors or "
+                                               r"clipped-row counts per kernel, a format of an earlier scsgd_jax; "
+                                               r"this version keeps them in banks and cannot continue it") as info:
     store.restore(jax.eval_shape(_state))
   assert "damaged" not in str(info.value) and "\n" not in str(info.value)
   store.close()
@@ -52,4 +54,6 @@ def test_the_format_check_reads_array_names():
   per_kernel = {"opt_state/0/statistics/a/kernel/moments": (6, 6), "opt_state/0/factors/a/kernel/b_inv": (6, 6)}
   assert ckpt.per_kernel_format(per_kernel, banked)
   assert not ckpt.per_kernel_format(banked, banked) and not ckpt.per_kernel_format(per_kernel, per_kernel)
+  counts_apart = {**banked, "opt_state/0/clipped_rows/a/kernel": ()}  # banked but for its clipped-row counts
+  assert ckpt.per_kernel_format(counts_apart, {**banked, "opt_state/0/clipped_rows/bank0": (2,)})
   assert not ckpt.per_kernel_format({"params/a/kernel": (6, 5)}, banked)  # no conditioning stored: another matter

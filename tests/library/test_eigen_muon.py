@@ -128,9 +128,10 @@ def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_coun
   want, want_state = _run(chain, steps=6)
   for g, w in zip(got, want):
     jax.tree.map(np.testing.assert_array_equal, g, w)
-  counters = [x for x in jax.tree.leaves(got_state) if x.dtype == jnp.int32 and x.ndim == 0]
-  assert [int(c) for c in counters] == [6] + [0] * (len(counters) - 1)  # the count, then the clipped-row counters
-  assert len(counters) == 1 + len(got_state[0].conditioning.clipped_rows)
+  counters = [x for x in jax.tree.leaves(got_state) if x.dtype == jnp.int32]
+  clipped = got_state[0].conditioning.clipped_rows  # the clipped-row counts, in the statistics' banks
+  assert [c.tolist() for c in counters] == [6] + [b.tolist() for b in clipped.banks]  # one count, then them
+  assert [int(clipped[p]) for p in clipped] == [0] * len(clipped)
   schedules = 2 if callable(rate) else 0  # Muon's and its AdamW part's scale_by_learning_rate
   scalars = 4 * (1 + 3 + 1 + schedules)  # Muon's count, its coefficients, its AdamW part's count
   assert _nbytes(want_state) - _nbytes(got_state) == 6 * 4 * 4 + scalars

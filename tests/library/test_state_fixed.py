@@ -167,3 +167,17 @@ def test_state_shardings_follow_each_kernels_axes_and_the_parameters():
   assert eigen.moments["s/kernel"] == type(eigen.moments["s/kernel"])(P("stage", None, "tp"), P("stage", "tp"),
                                                                       P("stage", "tp"))
   assert eigen.mu == specs
+
+
+@pytest.mark.parametrize("fields", [("statistics", "factors", "clipped_rows"), ("clipped_rows",)])
+def test_a_state_of_an_earlier_format_is_refused_at_the_first_update(fields):
+  """A state keeping its statistics, factors or clipped-row counts as ``{kernel path: ...}`` dicts (the formats
+  before banks, and before banked counts, as a restored checkpoint of those versions would) is refused in words."""
+  params = {"a": {"kernel": jnp.ones((6, 5))}, "b": {"kernel": jnp.ones((6, 3))}}
+  tx = sk.scale_by_sketched_conditioning(2)
+  state = tx.init(params)
+  old = state._replace(**{f: {p: getattr(state, f)[p] for p in getattr(state, f)} for f in fields})
+  rows = {k: {"kernel": jnp.ones((4, 6))} for k in params}
+  with pytest.raises(ValueError, match="statistics, factors or clipped-row counts per kernel, a format of an earlier"):
+    tx.update(jax.tree.map(jnp.ones_like, params), old, params, layer_inputs=rows)
+  tx.update(jax.tree.map(jnp.ones_like, params), state, params, layer_inputs=rows)  # the banked state runs

@@ -640,6 +640,7 @@ def test_kernels_alike_fold_as_one_bank_each_member_exactly_as_alone():
   rows["c"][1, 2] = np.nan  # c keeps its statistics
   rows["d"] = rng.standard_normal((m + 3, n)).astype(np.float32)  # same plan, other rows: its own bank
   rows["s"] = rng.standard_normal((2, m, n)).astype(np.float32)
+  rows["s"][1, 3] *= 1e3  # an outlier in the stack's second layer: the stack's count is its layers' sum
   grads = jax.tree.map(jnp.ones_like, params)
   _, new = jax.jit(tx.update)(grads, state, params,
                               layer_inputs={k: {"kernel": jnp.asarray(x)} for k, x in rows.items()})
@@ -650,7 +651,9 @@ def test_kernels_alike_fold_as_one_bank_each_member_exactly_as_alone():
   expected = {"a": ema(rows["a"]), "b": ema(clipped_b), "c": np.eye(n), "d": ema(rows["d"])}
   for k, c in expected.items():
     np.testing.assert_allclose(new.statistics[f"{k}/kernel"].moments, c, rtol=1e-5, atol=1e-6, err_msg=k)
-  for i in range(2):
-    np.testing.assert_allclose(new.statistics["s/kernel"].moments[i], ema(rows["s"][i]), rtol=1e-5, atol=1e-6)
+  clipped_s = rows["s"][1].copy()
+  clipped_s[3] *= bound / np.linalg.norm(clipped_s[3])
+  for i, x in enumerate([rows["s"][0], clipped_s]):
+    np.testing.assert_allclose(new.statistics["s/kernel"].moments[i], ema(x), rtol=1e-5, atol=1e-6)
   assert {k: int(v) for k, v in new.clipped_rows.items()} == {"a/kernel": 0, "b/kernel": 1, "c/kernel": 0,
-                                                               "d/kernel": 0, "s/kernel": 0}
+                                                               "d/kernel": 0, "s/kernel": 1}
