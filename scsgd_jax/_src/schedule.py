@@ -59,7 +59,7 @@ def refresh(kernel_plans, phases, stats: banks_lib.Banked, old_factors: banks_li
     return old_factors, key
   keyed = any(plan.statistics.keyed(plan.rank) for plan in kernel_plans.values())
   keys = jax.random.split(key, len(kernel_plans) + 1) if keyed else None  # factors that draw nothing: no keys
-  key_of = dict(zip(kernel_plans, keys[1:] if keyed else [jnp.zeros_like(key)] * len(kernel_plans)))
+  key_of = dict(zip(kernel_plans, keys[1:])) if keyed else {}
   factors = list(old_factors.banks)
   for i, bank in enumerate(stats.index.banks):
     planned = [p for p in bank.paths if p in kernel_plans]
@@ -77,7 +77,7 @@ def refresh(kernel_plans, phases, stats: banks_lib.Banked, old_factors: banks_li
     member_phases = np.concatenate([phases[p] if p in kernel_plans else np.zeros(size, np.int64)
                                     for p, size in zip(bank.paths, bank.sizes)])
     member_keys = jnp.concatenate([
-        (key_of[p][None] if lone else jax.random.split(key_of[p], size)) if p in kernel_plans
+        (key_of[p][None] if lone else jax.random.split(key_of[p], size)) if p in key_of
         else jnp.zeros((size,) + key.shape, key.dtype)
         for p, size, lone in zip(bank.paths, bank.sizes, bank.lone)])
     due = refresh_due(count, jnp.asarray(member_phases)) & jnp.asarray(planned_slices)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from scsgd_jax._src import banks as banks_lib
 from scsgd_jax._src import estimator as estimator_lib
 from scsgd_jax._src import options
 from scsgd_jax._src import layout as layout_lib
@@ -141,9 +142,10 @@ def _condition(updates, kernel_plans, factors):
   for (bank, _, dtype), members in groups.items():
     rows = np.concatenate([m[3] for m in members])
     factor = sketch.Factor(*(None if a is None else _rows(a, rows).astype(dtype) for a in factors.banks[bank]))
-    mats = jnp.concatenate([m[1] for m in members]) if len(members) > 1 else members[0][1]
-    conditioned = jax.vmap(sketch.apply_inverse)(factor, mats)
-    for (i, _, restore, _), part in zip(members, _split(conditioned, [len(m[3]) for m in members])):
+    conditioned = jax.vmap(sketch.apply_inverse)(factor, banks_lib.stacked([m[1] for m in members],
+                                                                           [False] * len(members)))
+    parts = banks_lib.unstacked(conditioned, [len(m[3]) for m in members], [False] * len(members))
+    for (i, _, restore, _), part in zip(members, parts):
       out[i] = restore(part).astype(out[i].dtype)
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -169,11 +171,6 @@ def _rows(a, rows: np.ndarray):
   if np.array_equal(rows, np.arange(a.shape[0])):
     return a
   if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))):
-    return jax.lax.slice_in_dim(a, int(rows[0]), int(rows[0]) + len(rows))
+    return banks_lib.member(a, int(rows[0]), len(rows), False)
   return jnp.take(a, jnp.asarray(rows), axis=0)
 
-
-def _split(x, sizes):
-  """``x`` split along its leading axis into parts of ``sizes``."""
-  starts = np.cumsum([0] + list(sizes))
-  return [jax.lax.slice_in_dim(x, int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
