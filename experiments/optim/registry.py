@@ -220,6 +220,16 @@ POLAR3_NOTE = ("three Newton-Schulz steps at Polar Express's coefficients (Amsel
                "first three the nanoGPT speedrun runs)")
 
 
+# the anchor of what the sketch gives up: SOAP's two-sided basis (the gradients' own correlations on both sides) at
+# full rank in front of Muon, the layout of SOAP-Muon, refreshed every 10 steps (SOAP's precondition_frequency,
+# Vyas et al. 2024, Table 1 and its reference code's default)
+SOAP_IN_FRONT = {"basis": "gradients", "sides": "both", "conditioner": "full", "statistics": "dense",
+                 "update_every": 10}
+SOAP_NOTE = ("the bases at full rank on both sides, from the gradients' correlations (SOAP's, Vyas et al. 2024, "
+             "arXiv:2409.11321), refreshed every 10 steps (SOAP's precondition_frequency): the anchor of what the "
+             "one-sided sketch gives up")
+
+
 def _eigen_muon_recipe(note: str) -> Callable[[str], Recipe]:
   return lambda kind: Recipe(
       0.02, {**{f"muon_{k}": v for k, v in _muon_settings(kind).items()},
@@ -281,6 +291,10 @@ REGISTRY: dict[str, Entry] = {
         scsgd_jax.scale_by_eigenbasis_adam, "inputs", _eigen_muon_recipe(POLAR3_NOTE + ", chosen on the development "
                                                                           "task (Muon's five steps replaced)"),
         fixed=POLAR3_IN_FRONT, prefixed=("muon_", peers.muon), adam_rate="muon_adam_learning_rate"),
+    "scsgd_eigen_muon_soap": Entry(
+        lambda lr, kwargs, config, forward: _scsgd_eigen_muon(lr, {**kwargs, **SOAP_IN_FRONT}, config, forward),
+        scsgd_jax.scale_by_eigenbasis_adam, "inputs", _eigen_muon_recipe(SOAP_NOTE), fixed=SOAP_IN_FRONT,
+        prefixed=("muon_", peers.muon), adam_rate="muon_adam_learning_rate"),
     "psgd_kron": Entry(_plain(peers.psgd_kron), peers.psgd_kron, "none", lambda kind: Recipe(
         5e-4, {k: v for k, v in adam_settings(kind).items() if k != "b2"}, PSGD), packages=("psgd-jax",)),
     "muon": Entry(_muon, peers.muon, "none",

@@ -57,9 +57,9 @@ PACKAGES = ("scsgd-jax", "jax", "jaxlib", "optax", "flax", "orbax-checkpoint", "
 
 
 # what decides a run's numbers: the library and the training code (not the reports, the harness or the CLI)
-TRAINING_CODE = ("scsgd_jax", *(f"experiments/{m}.py" for m in (
-    "build", "checkpoints", "data", "devices", "models", "optimizers", "peers", "registry", "step", "train",
-    "upstream", "warm_start")))
+TRAINING_CODE = ("scsgd_jax", "experiments/optim", "experiments/paper/warm_start.py",
+                 *(f"experiments/run/{m}.py" for m in ("build", "checkpoints", "data", "devices", "models", "step",
+                                                       "train")))
 
 
 def code_hash(root: str) -> str:

@@ -218,6 +218,8 @@ def scsgd_eigen_muon(
     adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
     weight_decay: float = 0.0,
     muon: Optional[dict] = None,
+    basis: eigenbasis.Basis = "inputs",
+    sides: eigenbasis.Sides = "input",
     statistics: options.StatisticsOption = options.Statistics(),
     refresh: options.Refresh = options.Refresh(),
     conditioner: options.Conditioner = options.Conditioner(),
@@ -258,6 +260,8 @@ def scsgd_eigen_muon(
     weight_decay: Muon's decoupled weight decay on the hidden kernels.
     muon: ``optax.contrib.muon``'s other arguments (``ns_steps``, ``adam_b1``, ``adam_b2``,
       ``adam_weight_decay``, ...).
+    basis, sides: the eigenbasis' (:func:`scale_by_eigenbasis_adam`): ``basis='gradients', sides='both'`` at full
+      rank (``Conditioner('full')``, ``Statistics('dense')``) is SOAP's two-sided basis in front of Muon.
     statistics, refresh, conditioner, input_axes, axis_name, seed: the conditioning's
       (:func:`scale_by_eigenbasis_adam`).
     kernel_filter: the hidden kernels (default: see above).
@@ -282,6 +286,8 @@ def scsgd_eigen_muon(
                                               b2=b2,
                                               eps=eps,
                                               nesterov=True,
+                                              basis=basis,
+                                              sides=sides,
                                               others="identity",
                                               statistics=statistics,
                                               refresh=refresh,

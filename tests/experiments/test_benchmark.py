@@ -167,14 +167,16 @@ def test_records_carry_the_code_hash_of_library_and_training_code(tmp_path):
     target = root / entry / "m.py" if not entry.endswith(".py") else root / entry
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text("x = 1\n")
-  (root / "experiments" / "benchmark_report.py").write_text("report = 1\n")
+  (root / "experiments" / "run" / "report.py").write_text("report = 1\n")
   before = report.code_hash(str(root))
-  (root / "experiments" / "benchmark_report.py").write_text("report = 2\n")  # a report change is not the code's
+  (root / "experiments" / "run" / "report.py").write_text("report = 2\n")  # a report change is not the code's
   assert report.code_hash(str(root)) == before
   (root / "scsgd_jax" / "m.py").write_text("x = 2\n")
   assert report.code_hash(str(root)) != before
-  assert report.provenance()["code_hash"] == report.code_hash(os.path.dirname(os.path.dirname(
-      os.path.dirname(os.path.abspath(__file__)))))
+  checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert report.provenance()["code_hash"] == report.code_hash(checkout)
+  # every entry is in the checkout: a module that moved would silently leave the hash
+  assert [e for e in report.TRAINING_CODE if not os.path.exists(os.path.join(checkout, e))] == []
 
 
 def test_anchors_by_brute_force():

@@ -358,3 +358,40 @@ def test_polar3_rows_are_their_rows_with_three_polar_express_steps(name, base):
   assert workdir.config_differences(json.loads(json.dumps(train.record(config))), train.record(config)) == []
   with pytest.raises(ValueError, match="steps=6 is outside 1..5"):
     peers.polar_express(6)
+
+
+def test_soap_anchor_row_is_the_library_alias_with_both_gradient_bases_at_full_rank():
+  """scsgd_eigen_muon_soap equals scsgd_jax.scsgd_eigen_muon given SOAP's layout by hand (the gradients' bases on
+  both sides, full rank, refreshed every 10 steps), differs from the one-sided row, and writes the layout out."""
+  rng = np.random.default_rng(0)
+  params = {"dense": {"kernel": jnp.ones((6, 8)), "bias": jnp.zeros(8)}, "head": {"kernel": jnp.ones((8, 5))}}
+  extra = {"layer_inputs": {"dense": {"kernel": jnp.asarray(rng.standard_normal((16, 6)), jnp.float32)},
+                            "head": {"kernel": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)}}}
+  grads = [jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), jnp.float32), params) for _ in range(3)]
+
+  def run(tx):
+    state, out = tx.init(params), []
+    for g in grads:
+      u, state = tx.update(g, state, params, **extra)
+      out.append(u)
+    return out, state
+
+  config = helpers.smoke_config()
+  config.optimizer.name = "scsgd_eigen_muon_soap"
+  config.optimizer.scsgd_eigen_muon_soap = optimizers.sub_config("scsgd_eigen_muon_soap", muon_output_layer="head")
+  got, state = run(optimizers.create(config).tx)
+  lr = optimizers.learning_rate(config)
+  by_hand = scsgd_jax.scsgd_eigen_muon(lr, output_layer="head", basis="gradients", sides="both", seed=config.seed,
+                                       conditioner=scsgd_jax.Conditioner("full"),
+                                       statistics=scsgd_jax.Statistics("dense"),
+                                       refresh=scsgd_jax.Refresh(every=10))
+  want, _ = run(by_hand)
+  one_sided, _ = run(scsgd_jax.scsgd_eigen_muon(lr, output_layer="head", seed=config.seed,
+                                                conditioner=scsgd_jax.Conditioner("full"),
+                                                statistics=scsgd_jax.Statistics("dense")))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+  assert not np.allclose(got[-1]["dense"]["kernel"], one_sided[-1]["dense"]["kernel"], rtol=1e-3)
+  assert set(state[0].output_rotations) == {"dense/kernel"}
+  resolved = optimizers.resolved_settings(config)
+  assert {k: resolved[k] for k in registry.SOAP_IN_FRONT} == registry.SOAP_IN_FRONT

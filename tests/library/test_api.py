@@ -71,7 +71,7 @@ PARAMETERS = {
     "scsgd": 11,
     "scale_by_sketched_conditioning": 8,
     "scsgd_eigen": 18,
-    "scsgd_eigen_muon": 16,
+    "scsgd_eigen_muon": 18,  # scsgd_eigen's basis and sides too
     "scale_by_eigenbasis_adam": 17,
     "contrib.scsgd_two_sided": 14,
     "contrib.scale_by_output_conditioning": 9,

@@ -85,11 +85,17 @@ def test_hidden_kernel_is_newton_schulz_of_the_eigenbasis_adam_and_the_rest_adam
 _SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, LR, 2, 6)
 
 
-@pytest.mark.parametrize("rate,conditioning", [(LR, {}), (_SCHEDULE, {}), (_SCHEDULE, dict(conditioner="full", **EXACT))],
-                         ids=["defaults", "schedule", "schedule_conditioned"])
-def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_counters(rate, conditioning):
+SOAP = dict(basis="gradients", sides="both")  # the gradients' bases on both sides: SOAP's, at full rank
+
+
+@pytest.mark.parametrize("rate,conditioning,basis", [(LR, {}, {}), (_SCHEDULE, {}, {}),
+                                                     (_SCHEDULE, dict(conditioner="full", **EXACT), {}),
+                                                     (LR, dict(conditioner="full", **EXACT), SOAP)],
+                         ids=["defaults", "schedule", "schedule_conditioned", "soap_both_sides"])
+def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_counters(rate, conditioning, basis):
   """The alias equals chain(eigenbasis Adam, optax.contrib.muon(beta=0)) bit for bit (at the sketch's defaults,
-  which leave the small hidden kernel to Adam; and with it conditioned), a schedule's rate included, and its state
+  which leave the small hidden kernel to Adam; with it conditioned; rotated on both sides by the gradients' bases,
+  SOAP's), a schedule's rate included, and its state
   is that chain's less Muon's momentum buffer (the hidden kernel's size), Muon's counters (its own, its AdamW
   part's, the schedules') and its Newton-Schulz coefficients: one counter is left, the eigenbasis'."""
   hidden = sk.muon_kernel_filter("head")
@@ -100,6 +106,7 @@ def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_coun
                                   nesterov=True,
                                   others="identity",
                                   kernel_filter=hidden,
+                                  **basis,
                                   **grouped(dict(**conditioning))),
       optax.contrib.muon(rate,
                          beta=0.0,
@@ -123,14 +130,19 @@ def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_coun
                            output_layer="head",
                            adam_learning_rate=adam_rate,
                            muon={"adam_b2": B2},
+                           **basis,
                            **grouped(dict(**conditioning)))
   got, got_state = _run(tx, steps=6)
+  if basis:  # the hidden kernel is rotated on both sides: the output side's basis is in the state
+    assert set(got_state[0].output_rotations) == {"hidden/kernel"}
   want, want_state = _run(chain, steps=6)
   for g, w in zip(got, want):
     jax.tree.map(np.testing.assert_array_equal, g, w)
   counters = [x for x in jax.tree.leaves(got_state) if x.dtype == jnp.int32]
   clipped = got_state[0].conditioning.clipped_rows  # the clipped-row counts, in the statistics' banks
-  assert [c.tolist() for c in counters] == [6] + [b.tolist() for b in clipped.banks]  # one count, then them
+  sides = [got_state[0].conditioning] + ([got_state[0].output] if basis else [])  # each side's count, then its clips
+  assert [c.tolist() for c in counters] == [x for side in sides for x in [6] + [b.tolist() for b in
+                                                                                side.clipped_rows.banks]]
   assert [int(clipped[p]) for p in clipped] == [0] * len(clipped)
   schedules = 2 if callable(rate) else 0  # Muon's and its AdamW part's scale_by_learning_rate
   scalars = 4 * (1 + 3 + 1 + schedules)  # Muon's count, its coefficients, its AdamW part's count

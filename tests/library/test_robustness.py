@@ -35,6 +35,16 @@ EIGENBASES = {
                                     kernel_filter=sk.muon_kernel_filter("head"),
                                     input_axes=axes(m),
                                     **grouped(dict(**FAST))), optax.scale(-1.0)), 0.95, True),
+    # the same stage rotated on both sides by the gradients' bases at full rank (SOAP's, scsgd_eigen_muon's option)
+    "soap_stage": (lambda m: optax.chain(
+        sk.scale_by_eigenbasis_adam(b1=0.95,
+                                    nesterov=True,
+                                    basis="gradients",
+                                    sides="both",
+                                    kernel_filter=sk.muon_kernel_filter("head"),
+                                    input_axes=axes(m),
+                                    **grouped(dict(conditioner="full", statistics="dense", **FAST))),
+        optax.scale(-1.0)), 0.95, True),
 }
 
 
@@ -64,6 +74,9 @@ def _aliases():
       "scsgd_eigen": (lambda m: sk.scsgd_eigen(1.0, input_axes=axes(m)), "adamw", False),
       "scsgd_eigen_muon": (lambda m: sk.scsgd_eigen_muon(1.0, output_layer="head", input_axes=axes(m)), "muon",
                            False),
+      "scsgd_eigen_muon_soap": (lambda m: sk.scsgd_eigen_muon(
+          1.0, output_layer="head", basis="gradients", sides="both", input_axes=axes(m),
+          conditioner=sk.Conditioner("full"), statistics=sk.Statistics("dense")), "muon", False),
       "scsgd_two_sided": (lambda m: sk.contrib.scsgd_two_sided(1.0, input_axes=axes(m)), "adamw", True),
       "conditioning_adamw": (lambda m: optax.chain(conditioning(m), optax.adamw(1.0)), "adamw", False),
       "conditioning_muon": (lambda m: optax.chain(conditioning(m), optax.contrib.muon(1.0)), "muon", False),

@@ -24,6 +24,8 @@ ALIASES = {
     "scsgd_eigen_muon": (lambda axes: sk.scsgd_eigen_muon(1e-3, input_axes=axes, **SMALL), False),
     "scsgd_eigen_both_sides": (lambda axes: sk.scsgd_eigen(1e-3, sides="both", basis="gradients", input_axes=axes,
                                                            **SMALL), False),
+    "scsgd_eigen_muon_both_sides": (lambda axes: sk.scsgd_eigen_muon(1e-3, sides="both", basis="gradients",
+                                                                     input_axes=axes, **SMALL), False),
     "scsgd_two_sided": (lambda axes: sk.contrib.scsgd_two_sided(1e-3, input_axes=axes), True),
 }
 IMAGES = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8, 8, 3)), jnp.float32)
@@ -105,7 +107,7 @@ def test_state_after_updates_has_inits_layout_and_restores_into_a_fresh_optimize
   tx, params, summary = _summary_after_updates_as_at_init(alias)
   kernels = ["dense/l1/kernel", "convs/conv/kernel", "convs/dw/kernel", "einsums/q/kernel", "einsums/kv/kernel",
              "scan/blocks/up/kernel", "ensemble/members/l1/kernel"]
-  if alias == "scsgd_eigen_muon":  # Muon's filter leaves a grouped conv to the AdamW part
+  if alias.startswith("scsgd_eigen_muon"):  # Muon's filter leaves a grouped conv to the AdamW part
     kernels.remove("convs/dw/kernel")
     assert summary["convs/dw/kernel"] == "not conditioned: excluded by kernel_filter"
   for kernel in kernels:
