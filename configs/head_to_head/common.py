@@ -18,7 +18,7 @@ KEPT = ("adamw", "sgd", "nadamw", "muon", "kfac")
 # a new variant's grid is centred on the rate the row it varies chose
 CENTRE_AS = {"muon_polar3": "muon", "scsgd_eigen_muon_soap": "scsgd_eigen_muon"}
 # experiments/run/report.py's code hash of the library and training code every row of these tables runs
-CODE = "FROZEN"
+CODE = "a876122862c78096"
 
 
 def final(config, cadence: int, current: str, earlier: tuple[str, ...], rows: tuple[str, ...] = ROWS):
