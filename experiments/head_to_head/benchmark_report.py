@@ -103,7 +103,35 @@ def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
     same = sgd is not None and len(sgd["machines"]) == 1 and s["machines"] == sgd["machines"]
     s["step_time_vs_sgd"] = (s["step_ms_median"] / sgd["step_ms_median"]
                              if same and sgd["step_ms_median"] and s["step_ms_median"] else None)
+    # the race in SGD's steps: iterations to the target at this row's step cost
+    s["sgd_steps_to_target"] = (s["iterations_median"] * s["step_time_vs_sgd"]
+                                if s["iterations_median"] and s["step_time_vs_sgd"] else None)
   return out
+
+
+def orders(summary: dict) -> dict[str, list[str]]:
+  """The rows ranked each way: by iterations to the target (the table's order), by measured training seconds to
+  it, and by final validation loss (a row that never reached the target ranks after those that did)."""
+  o, inf = summary["optimizers"], float("inf")
+  return {"iterations": rank(summary),
+          "seconds": sorted(o, key=lambda n: (o[n].get("seconds_median") or inf, o[n]["final_loss_median"])),
+          "final loss": sorted(o, key=lambda n: (o[n]["final_loss_median"], n))}
+
+
+def orders_said(summary: dict) -> list[str]:
+  """The report's sentences on how the rankings differ (the race by iterations and by seconds, the final loss)."""
+  by = orders(summary)
+  reached = [n for n in by["iterations"] if summary["optimizers"][n]["iterations_median"]]
+  lines = [f"Ranked by measured training seconds to the target: {', '.join(n for n in by['seconds'] if n in reached)}"
+           + ("" if [n for n in by["seconds"] if n in reached] != reached else " (as by iterations)") + "; by final "
+           f"validation loss: {', '.join(by['final loss'])}."]
+  if by["final loss"][0] != by["iterations"][0]:
+    lines.append(f"**The race and the final loss rank rows differently:** {by['iterations'][0]} reaches the target "
+                 f"first, {by['final loss'][0]} ends lowest.")
+  if reached and by["seconds"][0] != by["iterations"][0]:
+    lines.append(f"**By time the race differs:** {by['seconds'][0]} reaches the target in the fewest training seconds, "
+                 f"{by['iterations'][0]} in the fewest iterations.")
+  return lines
 
 
 def rank(summary: dict) -> list[str]:
@@ -169,8 +197,9 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
          "another than the most common: the table does not compare them like with like; re-run them.\n"]
         if len(summary["code_hashes"]) > 1 else []),
       f"| rank | optimizer | lr | reached | iterations to target (median [range]) | final {config.eval_split} loss (median [range]) | "
-      f"final {b.report_split} loss (median [range]) | {b.report_split} error | ms/step | vs SGD | state bytes | seeds |",
-      "|" + " --- |" * 12]
+      f"final {b.report_split} loss (median [range]) | {b.report_split} error | ms/step | vs SGD | "
+      "training s to target | in SGD steps | state bytes | seeds |",
+      "|" + " --- |" * 14]
   for i, name in enumerate(rank(summary), 1):
     s = s_[name]
     joint = "".join(f", {k} {v:g}" for k, v in s["joint"].items())
@@ -181,12 +210,16 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
         f"{with_range(s['final_loss_median'], s['final_loss_range'])} | "
         f"{with_range(s['report_loss_median'], s['report_loss_range'])} | {report.fmt(s['report_error_median'], '.2f', percent=True)} | "
         f"{report.fmt(s['step_ms_median'], '.1f')} | {report.fmt(s['step_time_vs_sgd'], '.2f')} | "
+        f"{report.fmt(s.get('seconds_median'), '.1f')} | {report.fmt(s.get('sgd_steps_to_target'), '.0f')} | "
         f"{s['state_bytes']:,} | {len(s['seeds'])} |")
+  lines += ["", *orders_said(summary)]
   if missing:
     lines += ["", f"Not run yet (or not complete): {', '.join(missing)}."]
   lines += ["", "(edge): the chosen rate is at an end of the grid even after growing it, so the grid may not "
             "bracket the best rate. ms/step: training seconds per step (compilation, evaluation and checkpoints "
-            "excluded), median of seeds; the rows ran one after another on "
+            "excluded), median of seeds; training s to target: those seconds until the first evaluation at or below "
+            "the target, median of seeds (every seed must reach it); in SGD steps: iterations to the target times "
+            "the row's step over SGD's (vs SGD), the race at SGD's step cost; the rows ran one after another on "
             + (f"{machines[0]}" if len(machines) == 1 else "the machines named above")
             + ", the load average of each is in results.json (`load_average_1min_max`).", "",
             f"Every grid point (final {config.eval_split} loss, seed 0; inf = diverged):", "",

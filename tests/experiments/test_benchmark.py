@@ -495,3 +495,34 @@ def test_frozen_code_refuses_to_train_on_another_code_version(tmp_path, monkeypa
   with pytest.raises(Trained):
     harness.run("scsgd", benchmark.Point(0.1), 0)
   assert len(trained) == 1
+
+
+def test_time_to_target_and_the_rankings_each_way_by_hand():
+  """Each row's training seconds to the target (the first evaluation at or below it, median of seeds) and its race
+  in SGD's steps (iterations to it times its step over SGD's); the report says where the race by time and the
+  final loss rank rows otherwise than the race by iterations."""
+  config = _config()
+  p = benchmark.Point
+
+  def opt(losses, ms):
+    return {"point": p(0.01), "tried": {p(0.01): 0.1}, "seeds": {0: _record(losses, ms, losses[-1])}}
+
+  results = {  # target 0.40 (adamw's final); evaluations every 100 steps at ms * 0.1 s each
+      "sgd": opt([0.9, 0.6, 0.45], 10),
+      "adamw": opt([0.8, 0.5, 0.40], 10),   # reaches at 300 steps, 3 s
+      "kfac": opt([0.40, 0.3, 0.1], 50),    # at 100 steps, 5 s: first by iterations, lowest final loss
+      "scsgd": opt([0.5, 0.4, 0.35], 10),   # at 200 steps, 2 s: first by time
+  }
+  s = benchmark_report.summarize(config, results, {})
+  o = s["optimizers"]
+  assert [o[n]["seconds_median"] for n in ("adamw", "kfac", "scsgd")] == pytest.approx([3.0, 5.0, 2.0])
+  assert [o[n]["sgd_steps_to_target"] for n in ("adamw", "kfac", "scsgd")] == pytest.approx([300, 500, 200])
+  assert o["sgd"]["seconds_median"] is None and o["sgd"]["sgd_steps_to_target"] is None
+  by = benchmark_report.orders(s)
+  assert by["iterations"][:3] == ["kfac", "scsgd", "adamw"] and by["seconds"][:3] == ["scsgd", "adamw", "kfac"]
+  said = " ".join(benchmark_report.orders_said(s))
+  assert "scsgd reaches the target in the fewest training seconds, kfac in the fewest iterations" in said
+  assert "race and the final loss rank rows differently" not in said  # kfac is first both ways
+  results["scsgd"] = opt([0.5, 0.4, 0.05], 10)  # scsgd now ends lowest, the target unchanged
+  said = " ".join(benchmark_report.orders_said(benchmark_report.summarize(config, results, {})))
+  assert "kfac reaches the target first, scsgd ends lowest" in said
