@@ -16,16 +16,20 @@ RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "re
 TASKS = sorted(os.path.basename(d) for d in glob.glob(os.path.join(RESULTS, "*")) if os.path.isdir(d))
 FINE = RESULTS + "_fine"  # the finer yardstick (configs/benchmark_fine/), committed run by run as it goes
 FINE_TASKS = sorted(os.path.basename(d) for d in glob.glob(os.path.join(FINE, "*")) if os.path.isdir(d))
+FINAL = os.path.join(RESULTS, "..", "head_to_head")  # the final protocol (configs/head_to_head/), run by run
+FINAL_TASKS = sorted(os.path.basename(d) for d in glob.glob(os.path.join(FINAL, "*")) if os.path.isdir(d))
+DIRS = {"benchmark": RESULTS, "benchmark_fine": FINE, "head_to_head": FINAL}
 
 
 def test_every_task_has_committed_rows():
   assert TASKS == ["convex", "mnist", "shakespeare"]
 
 
-@pytest.mark.parametrize("protocol,task", [("benchmark", t) for t in TASKS] + [("benchmark_fine", t) for t in FINE_TASKS])
+@pytest.mark.parametrize("protocol,task", [("benchmark", t) for t in TASKS] + [("benchmark_fine", t) for t in FINE_TASKS]
+                         + [("head_to_head", t) for t in FINAL_TASKS])
 def test_the_harness_finds_no_committed_row_to_rerun(protocol, task, tmp_path, capsys):
   config = importlib.import_module(f"configs.{protocol}.{task}").get_config()
-  results_dir = os.path.join(RESULTS if protocol == "benchmark" else FINE, task)
+  results_dir = os.path.join(DIRS[protocol], task)
   harness = benchmark.Harness(config, str(tmp_path), results_dir, "")
 
   def never_train(*args, **kwargs):
