@@ -122,8 +122,9 @@ def orders_said(summary: dict) -> list[str]:
   """The report's sentences on how the rankings differ (the race by iterations and by seconds, the final loss)."""
   by = orders(summary)
   reached = [n for n in by["iterations"] if summary["optimizers"][n]["iterations_median"]]
-  lines = [f"Ranked by measured training seconds to the target: {', '.join(n for n in by['seconds'] if n in reached)}"
-           + ("" if [n for n in by["seconds"] if n in reached] != reached else " (as by iterations)") + "; by final "
+  by_time = [n for n in by["seconds"] if n in reached]
+  lines = [f"Ranked by measured training seconds to the target: {', '.join(by_time)}"
+           + (" (as by iterations)" if by_time == reached else "") + "; by final "
            f"validation loss: {', '.join(by['final loss'])}."]
   if by["final loss"][0] != by["iterations"][0]:
     lines.append(f"**The race and the final loss rank rows differently:** {by['iterations'][0]} reaches the target "
