@@ -39,6 +39,10 @@ def get_config():
   # results dirs of another task (the first with a row's seed-0 grid counts): each row's grid is centred on
   # the point it chose there (its joint settings fixed to it) rather than on its authors' rate
   config.benchmark.centre_from = ()
+  # rows that keep a point chosen on an earlier table ({row: rate, or {"learning_rate": .., <joint setting>: ..}}):
+  # its seed 0 runs here, no grid; and the points the other rows' grids centre on, in the same form
+  config.benchmark.points = ml_collections.ConfigDict()
+  config.benchmark.centres = ml_collections.ConfigDict()
   config.benchmark.retune = ()  # rows that tune here although points_from has their grid (their step changed)
   # this protocol's rows ran before scsgd_jax's `normalize` default moved from the paper's 'none' to
   # 'embeddings': every row that takes the argument runs with the value its committed records ran with

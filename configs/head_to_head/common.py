@@ -13,27 +13,22 @@ import ml_collections
 # Every contending row, in the order they run (AdamW first: Muon's AdamW part takes its rate).
 ROWS = ("adamw", "sgd", "nadamw", "muon", "muon_polar3", "kfac", "psgd_kron", "scsgd", "scsgd_muon", "scsgd_eigen",
         "scsgd_eigen_muon", "scsgd_eigen_muon_polar3", "scsgd_eigen_muon_soap")
-# the rows whose updates are the same as on the task's current table: their chosen rates stand
-KEPT = ("adamw", "sgd", "nadamw", "muon", "kfac")
-# a new variant's grid is centred on the rate the row it varies chose
-CENTRE_AS = {"muon_polar3": "muon", "scsgd_eigen_muon_soap": "scsgd_eigen_muon"}
 # experiments/run/report.py's code hash of the library and training code every row of these tables runs
 CODE = "a876122862c78096"
 
 
-def final(config, cadence: int, current: str, earlier: tuple[str, ...], rows: tuple[str, ...] = ROWS):
-  """``config`` (a task's budget, data and schedule) under the final protocol: ``current`` is the results dir of
-  the task's current table (the kept rows' rates), ``earlier`` the dirs whose choices centre the other rows' grids
-  (the first holding a row's seed-0 grid counts)."""
+def final(config, cadence: int, points: dict, centres: dict, rows: tuple[str, ...] = ROWS):
+  """``config`` (a task's budget, data and schedule) under the final protocol: ``points`` the rates (and joint
+  settings) the kept rows chose on the task's earlier tables, ``centres`` the rate the other rows' grids centre on
+  (the one each, or the row it varies, chose there)."""
   config.eval_every = cadence
   config.benchmark.seeds = (0, 1, 2, 3, 4)
   config.benchmark.all_optimizers = rows
   config.benchmark.optimizers = rows
   config.benchmark.ran_with = ml_collections.ConfigDict()  # the library's defaults
-  config.benchmark.points_from = current
-  config.benchmark.retune = tuple(r for r in rows if r not in KEPT)
-  config.benchmark.centre_from = (current,) + tuple(earlier)
-  config.benchmark.centre_as = dict(CENTRE_AS)
+  config.benchmark.points = ml_collections.ConfigDict(points)
+  config.benchmark.centres = ml_collections.ConfigDict(centres)
+  config.benchmark.retune = tuple(r for r in rows if r not in points)
   config.benchmark.grid = (0.316, 1.0, 3.16)
   config.benchmark.extend_edge = 1
   config.benchmark.frozen_code = CODE

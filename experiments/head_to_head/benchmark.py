@@ -51,6 +51,7 @@ from experiments.optim import optimizers
 from experiments.optim import registry
 from experiments.head_to_head import baselines
 from experiments.head_to_head import benchmark_report
+from experiments.head_to_head import grid
 from experiments.head_to_head.grid import (RUNS, Point, best_point, earlier_grid, joint_points, key,  # noqa: F401
                                            learning_rates, names, read_record, record_point, tune)
 from experiments.run import report
@@ -154,8 +155,12 @@ class Harness:
   def choose(self, name: str) -> tuple[Point, dict[Point, float]]:
     """The tuned point of ``name`` (running its seed-0 grid as needed) and every grid point's loss; with
     ``benchmark.points_from``, the point that task's committed seed-0 grid chose, where it has one (unless
-    ``benchmark.retune`` names ``name``: a setting that moves its step changed since that grid ran)."""
+    ``benchmark.retune`` names ``name``: a setting that moves its step changed since that grid ran); with
+    ``benchmark.points``, the point given there (its seed 0 run here is its one grid point)."""
     b = self.config.benchmark
+    kept = grid.given(self.config, "points", name)
+    if kept is not None:
+      return kept, {kept: benchmark_report.final(self.run(name, kept, 0))}
     tried = earlier_grid(b.get("points_from", ""), name) if name not in b.get("retune", ()) else {}
     for joint in joint_points(self.config, name) if not tried else ():
       losses = tune(lambda lr, j=joint: benchmark_report.final(self.run(name, Point(lr, j), 0)),
@@ -218,7 +223,12 @@ def validate(config) -> None:
   """Every seed-0 grid run's config, before any run (a bad override is one line, nothing trained)."""
   if config.benchmark.kind not in registry.KINDS:
     raise errors.ConfigError(f"config.benchmark.kind: {config.benchmark.kind!r}; choose one of {registry.KINDS}.")
+  grid.check_given(config)
   for name in names(config):
+    kept = grid.given(config, "points", name)
+    if kept is not None:
+      validate_lib.validate_config(run_config(config, name, kept, 0))
+      continue
     for joint in joint_points(config, name):
       for lr in learning_rates(config, name):
         validate_lib.validate_config(run_config(config, name, Point(lr, joint), 0))

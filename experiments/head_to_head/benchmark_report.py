@@ -67,7 +67,8 @@ def summarize(config, results: dict[str, dict], anchors: dict) -> dict:
     reports = [r["report"] for r in recs] if all("report" in r for r in recs) else []  # each seed's, or none
     out["optimizers"][name] = {
         "learning_rate": o["point"].learning_rate, "joint": dict(o["point"].joint),
-        "at_grid_edge": o["point"].learning_rate in (lrs[0], lrs[-1]),
+        "at_grid_edge": len(lrs) > 1 and o["point"].learning_rate in (lrs[0], lrs[-1]),
+        "kept": name in config.benchmark.get("points", {}),  # chosen on an earlier table of the task
         "source": registry.recipe(name, config.benchmark.kind).source,
         "settings": recs[0]["config"][workdir_lib.RESOLVED_KEY],
         "seeds": sorted(o["seeds"]), "commits": sorted({r["commit"] for r in recs}),
@@ -204,7 +205,7 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
   for i, name in enumerate(rank(summary), 1):
     s = s_[name]
     joint = "".join(f", {k} {v:g}" for k, v in s["joint"].items())
-    edge = " (edge)" if s["at_grid_edge"] else ""
+    edge = " (kept)" if s.get("kept") else " (edge)" if s["at_grid_edge"] else ""
     its = f"{report.fmt(s['iterations_median'], '.0f')} [{', '.join(map(str, s['iterations_range'] or []))}]"
     lines.append(
         f"| {i} | {name}{' *' if s['other_code'] else ''} | {s['learning_rate']:g}{joint}{edge} | {s['reached']} | {its} | "
@@ -217,7 +218,8 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
   if missing:
     lines += ["", f"Not run yet (or not complete): {', '.join(missing)}."]
   lines += ["", "(edge): the chosen rate is at an end of the grid even after growing it, so the grid may not "
-            "bracket the best rate. ms/step: training seconds per step (compilation, evaluation and checkpoints "
+            "bracket the best rate. (kept): the rate the row chose on an earlier table of this task (its updates "
+            "unchanged since; the config names the table), its seed 0 run again here. ms/step: training seconds per step (compilation, evaluation and checkpoints "
             "excluded), median of seeds; training s to target: those seconds until the first evaluation at or below "
             "the target, median of seeds (every seed must reach it); in SGD steps: iterations to the target times "
             "the row's step over SGD's (vs SGD), the race at SGD's step cost; the rows ran one after another on "

@@ -55,11 +55,53 @@ def best_point(tried: dict[Point, float]) -> Point:
   return min(tried, key=lambda p: (tried[p], p.learning_rate, p.joint))
 
 
+def given(config, field: str, name: str) -> Optional[Point]:
+  """The point ``config.benchmark.<field>`` gives ``name``, or ``None``: ``points`` (the point a row keeps, chosen
+  on an earlier table of the task, its seed 0 run again here) or ``centres`` (the centre of a row's grid). Each
+  is a rate, or a dict of ``learning_rate`` and the jointly tuned settings (``{"learning_rate": 0.1,
+  "damping": 0.001}``)."""
+  spec = config.benchmark.get(field, {}).get(name)
+  if spec is None:
+    return None
+  if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+    return Point(float(spec))
+  if not hasattr(spec, "items"):
+    raise TypeError(f"a {type(spec).__name__}")
+  spec = dict(spec.items())
+  rate = spec.pop("learning_rate")
+  return Point(float(rate), tuple(sorted((k, float(v)) for k, v in spec.items())))
+
+
+def check_given(config) -> None:
+  """``benchmark.points`` and ``benchmark.centres`` name rows of the table, and no row both keeps a point and
+  tunes (``retune``): refused before any run, naming the row."""
+  b = config.benchmark
+  rows = set(b.all_optimizers)
+  for field in ("points", "centres"):
+    for name in b.get(field, {}):
+      if name not in rows:
+        raise errors.ConfigError(f"config.benchmark.{field}: {name!r} is not a row of this table "
+                                 f"(config.benchmark.all_optimizers: {sorted(rows)}).")
+      try:
+        given(config, field, name)
+      except (KeyError, TypeError, ValueError) as e:
+        raise errors.ConfigError(f"config.benchmark.{field}.{name}: {dict(b[field]).get(name)!r} is not a rate "
+                                 f"or a dict of learning_rate and joint settings ({e}).") from None
+  both = sorted(set(b.get("points", {})) & set(b.get("retune", ())))
+  if both:
+    raise errors.ConfigError(f"config.benchmark.points gives {both} a point that config.benchmark.retune tunes "
+                             "again: keep one.")
+
+
 def centre(config, name: str) -> Optional[Point]:
-  """The point ``name`` chose on another task, which centres its grid here: ``benchmark.centre_from`` names
-  results dirs, the first with a committed seed-0 grid of ``name`` gives it; ``None`` without one (the grid is
-  centred on its authors' rate). ``benchmark.centre_as`` maps a row to the row whose choice centres it (a
-  variant of a row that ran there: three Newton-Schulz steps where that row ran five)."""
+  """The point that centres ``name``'s grid here: ``benchmark.centres``' (a point chosen on an earlier table), else
+  the one it chose on another task: ``benchmark.centre_from`` names results dirs, the first with a committed seed-0
+  grid of ``name`` gives it; ``None`` without one (the grid is centred on its authors' rate).
+  ``benchmark.centre_as`` maps a row to the row whose choice centres it (a variant of a row that ran there: three
+  Newton-Schulz steps where that row ran five)."""
+  literal = given(config, "centres", name)
+  if literal is not None:
+    return literal
   chosen_by = config.benchmark.get("centre_as", {}).get(name, name)
   for results_dir in config.benchmark.get("centre_from", ()):
     tried = earlier_grid(results_dir, chosen_by)

@@ -356,6 +356,37 @@ def test_centre_from_centres_each_rows_grid_on_the_point_it_chose_on_another_tas
   assert len(benchmark.joint_points(config, "kfac")) == 3 and benchmark.learning_rates(config, "sgd")[1] == 0.01
 
 
+def test_given_points_keep_their_rate_and_run_only_their_seed_0_as_their_grid(tmp_path):
+  """benchmark.points: a kept row runs the point given (a rate, or a rate and its joint settings) with no grid, its
+  seed-0 loss its one grid point; benchmark.centres centres a row's grid on the point given, joint settings fixed."""
+  p = benchmark.Point
+  config = _config()
+  config.benchmark.points = {"sgd": 0.1, "kfac": {"learning_rate": 1.0, "damping": 0.01}}
+  config.benchmark.centres = {"adamw": 0.01, "kfac": {"learning_rate": 0.5, "damping": 0.1}}
+  harness = benchmark.Harness(config, str(tmp_path / "work"), str(tmp_path / "results"), "cmd")
+  ran = []
+  harness.run = lambda name, point, seed: ran.append((name, point, seed)) or _record([0.5, 0.25], 10.0)
+  assert harness.choose("sgd") == (p(0.1), {p(0.1): 0.25}) and ran == [("sgd", p(0.1), 0)]
+  assert harness.choose("kfac")[0] == p(1.0, (("damping", 0.01),))
+  assert benchmark.learning_rates(config, "adamw") == [0.00316, 0.01, 0.0316, 0.1]  # x the grid (0.316 .. 10)
+  assert benchmark.joint_points(config, "kfac") == [(("damping", 0.1),)]
+  assert benchmark.learning_rates(config, "kfac")[1] == 0.5
+
+
+@pytest.mark.parametrize("field,value,culprit", [
+    ("points", {"lion": 0.1}, "'lion' is not a row"),
+    ("centres", {"sgd": "fast"}, "config.benchmark.centres.sgd"),
+    ("points", {"sgd": {"damping": 0.1}}, "config.benchmark.points.sgd"),
+    ("points", {"scsgd": 0.1}, "retune tunes"),
+])
+def test_given_points_of_no_row_or_of_no_rate_or_of_a_retuned_row_are_refused_before_any_run(field, value, culprit):
+  config = _config()
+  config.benchmark.retune = ("scsgd",)
+  config.benchmark[field] = value
+  with pytest.raises(errors.ConfigError, match=culprit):
+    benchmark.validate(config)
+
+
 def test_ran_with_pins_what_the_coarse_rows_ran_and_the_finer_protocol_runs_the_defaults():
   """The coarse protocol's rows ran before normalize's default moved: its run configs give normalize='none' to
   every row that takes the argument (and to no other); the finer protocol's run the library's default."""

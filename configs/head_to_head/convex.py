@@ -1,0 +1,15 @@
+"""Logistic regression's final table (configs/head_to_head/common.py): multinomial logistic regression on MNIST
+pixels, 3,000 iterations at batch 64 (configs/benchmark/convex.py's task), validation every 25."""
+
+from configs.benchmark import convex
+from configs.head_to_head import common
+
+# The rates the kept rows chose on the task's earlier table (configs/benchmark_fine/convex_state_rule.py, in the
+# history), and the centres of the other rows' grids, as LeNet's (configs/head_to_head/mnist.py).
+POINTS = {"adamw": 0.01, "sgd": 0.1, "nadamw": 0.01, "muon": 0.02, "kfac": {"learning_rate": 0.316, "damping": 0.1}}
+CENTRES = {"muon_polar3": 0.02, "psgd_kron": 0.00158, "scsgd": 0.0316, "scsgd_muon": 0.02, "scsgd_eigen": 0.01,
+           "scsgd_eigen_muon": 0.02, "scsgd_eigen_muon_polar3": 0.02, "scsgd_eigen_muon_soap": 0.02}
+
+
+def get_config():
+  return common.final(convex.get_config(), 25, POINTS, CENTRES)
