@@ -4,8 +4,8 @@
 
 For every results file that records a commit (each head-to-head run's record, each report), its commit and
 command; for each table of runs (a head-to-head task, the development task), the commits its rows ran at and,
-between consecutive commits, the code files that changed (``scsgd_jax/``, ``experiments/``, ``configs/``;
-results excluded), so a reader sees at once whether all rows ran the same library and training code. The
+between consecutive commits, the library and training code files that changed (``report.TRAINING_CODE``, what
+a record's code hash covers), so a reader sees at once whether all rows ran the same library and training code. The
 prose docs cite this file instead of commits.
 """
 
@@ -20,8 +20,9 @@ from typing import Optional
 from absl import app
 from absl import flags
 
+from experiments.run import report
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CODE = ("scsgd_jax", "experiments", "configs", ":(exclude)experiments/results")
 OUT = "provenance.json"
 
 FLAGS = flags.FLAGS
@@ -40,7 +41,7 @@ def _order(commits) -> list[str]:
 
 def code_changes(older: str, newer: str) -> Optional[list[str]]:
   """The code files that differ between two commits (``None``: a commit is not in this history)."""
-  out = _git("diff", "--name-only", older, newer, "--", *CODE)
+  out = _git("diff", "--name-only", older, newer, "--", *report.TRAINING_CODE)
   return None if out is None else [f for f in out.splitlines() if f]
 
 
