@@ -407,13 +407,11 @@ def test_ran_with_pins_what_the_coarse_rows_ran_and_the_finer_protocol_runs_the_
 
 def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   assert benchmark.task_names("configs/benchmark_fine/shakespeare.py") == [
-      "convex", "convex_state_rule", "convex_step_rule", "mnist", "mnist_state_rule", "mnist_step_rule",
       "shakespeare", "shakespeare_large", "shakespeare_large_state_rule", "shakespeare_large_step_rule",
       "shakespeare_state_rule", "shakespeare_step_rule"]
-  for task, cadence in (("shakespeare", 10), ("mnist", 25), ("convex", 25), ("shakespeare_large", 25),
-                        ("shakespeare_state_rule", 10), ("mnist_state_rule", 25), ("convex_state_rule", 25),
-                        ("shakespeare_large_state_rule", 25), ("shakespeare_step_rule", 10), ("mnist_step_rule", 25),
-                        ("convex_step_rule", 25), ("shakespeare_large_step_rule", 25)):
+  for task, cadence in (("shakespeare", 10), ("shakespeare_large", 25), ("shakespeare_state_rule", 10),
+                        ("shakespeare_large_state_rule", 25), ("shakespeare_step_rule", 10),
+                        ("shakespeare_large_step_rule", 25)):
     config = importlib.import_module(f"configs.benchmark_fine.{task}").get_config()
     assert config.eval_every == cadence and len(config.benchmark.seeds) >= 3, task
     with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
@@ -431,18 +429,29 @@ def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   assert benchmark.learning_rates(state_rule, "scsgd_eigen_muon") == [0.00632, 0.02, 0.0632]
   assert benchmark.learning_rates(state_rule, "scsgd") == [0.0999, 0.316, 0.999]
   assert benchmark.best_point(benchmark.earlier_grid(state_rule.benchmark.points_from, "muon")).learning_rate == 0.02
-  # LeNet/MNIST's: the eigenbasis rows around the finer table's choices, the rest (no embedding) at their rates
-  mnist_rule = importlib.import_module("configs.benchmark_fine.mnist_state_rule").get_config()
-  assert mnist_rule.benchmark.retune == ("scsgd_eigen", "scsgd_eigen_muon")
-  assert benchmark.learning_rates(mnist_rule, "scsgd_eigen_muon") == [0.002, 0.00632, 0.02]
-  assert benchmark.learning_rates(mnist_rule, "scsgd_eigen") == [0.000999, 0.00316, 0.00999]
   # the larger task's: the eigenbasis in front of Muon around its choice there, the others at their larger-task rates
   large_rule = importlib.import_module("configs.benchmark_fine.shakespeare_large_state_rule").get_config()
   assert large_rule.num_steps == large.num_steps and large_rule.benchmark.seeds == large.benchmark.seeds
   assert benchmark.learning_rates(large_rule, "scsgd_eigen_muon") == [0.002, 0.00632, 0.02]
   assert benchmark.best_point(benchmark.earlier_grid(large_rule.benchmark.points_from, "kfac")) == benchmark.Point(
       0.316, (("damping", 0.001),))
-  assert {config.benchmark.frozen_code for config in (state_rule, mnist_rule, large_rule)} == {"b298a2205499b59b"}
+  assert {config.benchmark.frozen_code for config in (state_rule, large_rule)} == {"b298a2205499b59b"}
+
+
+@pytest.mark.parametrize("task", ["mnist", "convex"])
+def test_final_tables_keep_the_rows_whose_updates_did_not_change_and_retune_the_others_around_their_choice(task):
+  """configs/head_to_head/: every row 5 seeds, read every 25 iterations, one frozen code version; the kept rows run
+  the point written in the config (no grid), every other row three rates half a decade apart around its centre."""
+  config = importlib.import_module(f"configs.head_to_head.{task}").get_config()
+  b = config.benchmark
+  assert config.eval_every == 25 and b.seeds == (0, 1, 2, 3, 4) and b.grid == (0.316, 1.0, 3.16)
+  assert sorted(b.points) == ["adamw", "kfac", "muon", "nadamw", "sgd"] and b.frozen_code == "a876122862c78096"
+  assert set(b.retune) | set(b.points) == set(b.all_optimizers) and not set(b.retune) & set(b.points)
+  assert set(b.centres) == set(b.retune)
+  centre = benchmark.grid.given(config, "centres", "scsgd_eigen").learning_rate
+  assert benchmark.learning_rates(config, "scsgd_eigen") == [float(f"{centre * m:.3g}") for m in b.grid]
+  with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
+    benchmark.validate(config)
 
 
 @pytest.mark.parametrize("holes", [1, 2])
