@@ -15,13 +15,13 @@ OPTIMIZERS = ("adamw", "muon", "scsgd_eigen", "kfac", "scsgd_eigen_muon", "scsgd
               "scsgd", "sgd")
 
 
-def finer(config, task: str, cadence: int):
+def finer(config, cadence: int):
   """``config`` (a task of configs/benchmark/) under the finer yardstick."""
   config.eval_every = cadence
   config.benchmark.seeds = (0, 1, 2, 3, 4)
   config.benchmark.all_optimizers = OPTIMIZERS
   config.benchmark.optimizers = OPTIMIZERS
-  config.benchmark.points_from = f"experiments/results/benchmark/{task}"
+  config.benchmark.points_from = ""  # the coarse tables' rates stood here; those tables left the tree (git history)
   config.benchmark.ran_with = ml_collections.ConfigDict()  # the library's defaults, `normalize` included
   # every row of these tables ran this version of the library and training code; the library's defaults moved on
   # after (the eigenbasis' memory rule): its records stand as run, a row re-run today is another version
@@ -34,14 +34,16 @@ def finer(config, task: str, cadence: int):
 STATE_RULE_CODE = "b298a2205499b59b"
 
 
-def on_state_rule_version(config, task: str, rows: tuple[str, ...], retune: tuple[str, ...]):
-  """``config`` (a finer table of ``task``) as the table of ``rows`` on the state-rule version, all of one code
-  version: the rows in ``retune`` (the eigenbasis rows, which that version plans otherwise, and any whose step
-  changed) tune again on three rates half a decade apart around the rate each chose in ``task``'s finer table
-  (one more past an end that wins); the others take the rates of ``config.benchmark.points_from`` (for the
-  tasks of configs/benchmark/, the coarse protocol's, as the finer table did)."""
-  config.benchmark.retune = retune
-  config.benchmark.centre_from = (f"experiments/results/benchmark_fine/{task}",)
+def on_state_rule_version(config, rows: tuple[str, ...], points: dict, centres: dict):
+  """``config`` (a finer table's task) as the table of ``rows`` on the state-rule version, all of one code version:
+  the rows of ``points`` run the point they chose on the task's earlier table; the others (the eigenbasis rows,
+  which that version plans otherwise, and any whose step changed) tune again on three rates half a decade apart
+  around their point of ``centres`` (their authors' rate without one), one more past an end that wins."""
+  config.benchmark.points_from = ""
+  config.benchmark.centre_from = ()
+  config.benchmark.points = ml_collections.ConfigDict(points)
+  config.benchmark.centres = ml_collections.ConfigDict(centres)
+  config.benchmark.retune = tuple(r for r in rows if r not in points)
   config.benchmark.grid = (0.316, 1.0, 3.16)
   config.benchmark.extend_edge = 1
   config.benchmark.frozen_code = STATE_RULE_CODE
@@ -63,6 +65,8 @@ def on_step_rule_version(config, task: str):
   three-step row tunes on three rates half a decade apart around the rate its five-step row chose on that table
   (one more past an end that wins); the other rows take the rates that table ran (its directory's seed-0 grid)."""
   state_rule = f"experiments/results/benchmark_fine/{task}_state_rule"
+  config.benchmark.points = ml_collections.ConfigDict()
+  config.benchmark.centres = ml_collections.ConfigDict()
   config.benchmark.retune = ()
   config.benchmark.points_from = state_rule
   config.benchmark.centre_from = (state_rule,)

@@ -10,8 +10,12 @@ from configs.benchmark_fine import shakespeare_large
 ROWS = ("scsgd_eigen_muon", "muon", "adamw", "sgd", "kfac", "scsgd")
 
 
+# the points the rows chose on the task's first table (configs/benchmark_fine/shakespeare_large.py, in the history),
+# and the centre of the eigenbasis row's grid: its choice there
+POINTS = {"muon": 0.00632, "adamw": 0.000999, "sgd": 0.0999, "kfac": {"learning_rate": 0.316, "damping": 0.001},
+          "scsgd": 0.316}
+CENTRES = {"scsgd_eigen_muon": 0.00632}
+
+
 def get_config():
-  config = common.on_state_rule_version(shakespeare_large.get_config(), "shakespeare_large", ROWS,
-                                        retune=("scsgd_eigen_muon",))
-  config.benchmark.points_from = "experiments/results/benchmark_fine/shakespeare_large"
-  return config
+  return common.on_state_rule_version(shakespeare_large.get_config(), ROWS, POINTS, CENTRES)

@@ -73,8 +73,9 @@ def given(config, field: str, name: str) -> Optional[Point]:
 
 
 def check_given(config) -> None:
-  """``benchmark.points`` and ``benchmark.centres`` name rows of the table, and no row both keeps a point and
-  tunes (``retune``): refused before any run, naming the row."""
+  """``benchmark.points`` and ``benchmark.centres`` name rows of the table, ``points_from`` and ``centre_from`` dirs
+  of committed runs, and no row both keeps a point and tunes (``retune``): refused before any run, naming the
+  culprit."""
   b = config.benchmark
   rows = set(b.all_optimizers)
   for field in ("points", "centres"):
@@ -87,6 +88,12 @@ def check_given(config) -> None:
       except (KeyError, TypeError, ValueError) as e:
         raise errors.ConfigError(f"config.benchmark.{field}.{name}: {dict(b[field]).get(name)!r} is not a rate "
                                  f"or a dict of learning_rate and joint settings ({e}).") from None
+  for field, dirs in (("points_from", [b.get("points_from", "")]), ("centre_from", list(b.get("centre_from", ())))):
+    for d in dirs:
+      if d and not os.path.isdir(os.path.join(d, RUNS)):
+        raise errors.ConfigError(f"config.benchmark.{field}: {d!r} holds no runs ({os.path.join(d, RUNS)} is not a "
+                                 "directory): name a results dir of committed runs, or write the points "
+                                 "(config.benchmark.points / centres).")
   both = sorted(set(b.get("points", {})) & set(b.get("retune", ())))
   if both:
     raise errors.ConfigError(f"config.benchmark.points gives {both} a point that config.benchmark.retune tunes "

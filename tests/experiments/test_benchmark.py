@@ -374,12 +374,14 @@ def test_given_points_keep_their_rate_and_run_only_their_seed_0_as_their_grid(tm
 
 
 @pytest.mark.parametrize("field,value,culprit", [
+    ("points_from", "experiments/results/no_such_table", "holds no runs"),
+    ("centre_from", ("experiments/results/no_such_table",), "holds no runs"),
     ("points", {"lion": 0.1}, "'lion' is not a row"),
     ("centres", {"sgd": "fast"}, "config.benchmark.centres.sgd"),
     ("points", {"sgd": {"damping": 0.1}}, "config.benchmark.points.sgd"),
     ("points", {"scsgd": 0.1}, "retune tunes"),
 ])
-def test_given_points_of_no_row_or_of_no_rate_or_of_a_retuned_row_are_refused_before_any_run(field, value, culprit):
+def test_given_points_or_results_dirs_that_name_nothing_or_a_retuned_row_are_refused_before_any_run(field, value, culprit):
   config = _config()
   config.benchmark.retune = ("scsgd",)
   config.benchmark[field] = value
@@ -420,21 +422,21 @@ def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   fine = importlib.import_module("configs.benchmark_fine.shakespeare").get_config()
   assert fine.num_steps == coarse.num_steps and fine.schedule == coarse.schedule  # so the chosen rates stand
   large = importlib.import_module("configs.benchmark_fine.shakespeare_large").get_config()
-  for path in large.benchmark.centre_from:  # the larger task's grids centre on what these chose
-    assert os.path.isdir(os.path.join(path, benchmark.RUNS)), path
-  assert benchmark.learning_rates(large, "muon") == [0.00632, 0.02, 0.0632]
+  assert benchmark.learning_rates(large, "muon") == [0.00632, 0.02, 0.0632]  # centred on the character's choice
   # the state-rule table: the re-planned eigenbasis rows tune around the finer table's choices, the others take them
   state_rule = importlib.import_module("configs.benchmark_fine.shakespeare_state_rule").get_config()
   assert state_rule.num_steps == fine.num_steps and state_rule.schedule == fine.schedule
   assert benchmark.learning_rates(state_rule, "scsgd_eigen_muon") == [0.00632, 0.02, 0.0632]
   assert benchmark.learning_rates(state_rule, "scsgd") == [0.0999, 0.316, 0.999]
-  assert benchmark.best_point(benchmark.earlier_grid(state_rule.benchmark.points_from, "muon")).learning_rate == 0.02
+  assert benchmark.grid.given(state_rule, "points", "muon") == benchmark.Point(0.02)
   # the larger task's: the eigenbasis in front of Muon around its choice there, the others at their larger-task rates
   large_rule = importlib.import_module("configs.benchmark_fine.shakespeare_large_state_rule").get_config()
   assert large_rule.num_steps == large.num_steps and large_rule.benchmark.seeds == large.benchmark.seeds
   assert benchmark.learning_rates(large_rule, "scsgd_eigen_muon") == [0.002, 0.00632, 0.02]
-  assert benchmark.best_point(benchmark.earlier_grid(large_rule.benchmark.points_from, "kfac")) == benchmark.Point(
-      0.316, (("damping", 0.001),))
+  assert benchmark.grid.given(large_rule, "points", "kfac") == benchmark.Point(0.316, (("damping", 0.001),))
+  # the step rule's tables take the state-rule tables' rates from their committed seed-0 runs
+  step_rule = importlib.import_module("configs.benchmark_fine.shakespeare_step_rule").get_config()
+  assert benchmark.best_point(benchmark.earlier_grid(step_rule.benchmark.points_from, "muon")) == benchmark.Point(0.02)
   assert {config.benchmark.frozen_code for config in (state_rule, large_rule)} == {"b298a2205499b59b"}
 
 
