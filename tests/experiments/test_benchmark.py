@@ -440,13 +440,15 @@ def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   assert {config.benchmark.frozen_code for config in (state_rule, large_rule)} == {"b298a2205499b59b"}
 
 
-@pytest.mark.parametrize("task", ["mnist", "convex"])
-def test_final_tables_keep_the_rows_whose_updates_did_not_change_and_retune_the_others_around_their_choice(task):
-  """configs/head_to_head/: every row 5 seeds, read every 25 iterations, one frozen code version; the kept rows run
-  the point written in the config (no grid), every other row three rates half a decade apart around its centre."""
+@pytest.mark.parametrize("task,cadence", [("mnist", 25), ("convex", 25), ("shakespeare", 10)])
+def test_final_tables_keep_the_rows_whose_updates_did_not_change_and_retune_the_others_around_their_choice(task,
+                                                                                                          cadence):
+  """configs/head_to_head/: every row 5 seeds, read every 25 iterations (the character transformer 10), one frozen
+  code version; the kept rows run the point written in the config (no grid), every other row three rates half a
+  decade apart around its centre."""
   config = importlib.import_module(f"configs.head_to_head.{task}").get_config()
   b = config.benchmark
-  assert config.eval_every == 25 and b.seeds == (0, 1, 2, 3, 4) and b.grid == (0.316, 1.0, 3.16)
+  assert config.eval_every == cadence and b.seeds == (0, 1, 2, 3, 4) and b.grid == (0.316, 1.0, 3.16)
   assert sorted(b.points) == ["adamw", "kfac", "muon", "nadamw", "sgd"] and b.frozen_code == "a876122862c78096"
   assert set(b.retune) | set(b.points) == set(b.all_optimizers) and not set(b.retune) & set(b.points)
   assert set(b.centres) == set(b.retune)
