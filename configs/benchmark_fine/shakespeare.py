@@ -7,6 +7,4 @@ from configs.benchmark_fine import common
 
 
 def get_config():
-  config = common.finer(shakespeare.get_config(), 10)
-  config.benchmark.retune = ("scsgd",)  # normalize='embeddings' changed its embedding's step (common.py)
-  return config
+  return common.finer(shakespeare.get_config(), 10)

@@ -28,7 +28,6 @@ def final(config, cadence: int, points: dict, centres: dict, rows: tuple[str, ..
   config.benchmark.ran_with = ml_collections.ConfigDict()  # the library's defaults
   config.benchmark.points = ml_collections.ConfigDict(points)
   config.benchmark.centres = ml_collections.ConfigDict(centres)
-  config.benchmark.retune = tuple(r for r in rows if r not in points)
   config.benchmark.grid = (0.316, 1.0, 3.16)
   config.benchmark.extend_edge = 1
   config.benchmark.frozen_code = CODE

@@ -1,8 +1,8 @@
 """Head to head: every optimizer on one task under one protocol, each run committed as it finishes.
 
-  python -m experiments.head_to_head.benchmark --config configs/benchmark/<task>.py --workdir workdir/benchmark/<task> \\
-      --results_dir experiments/results/benchmark/<task> --data_dir ../shared/tfds \\
-      [--config.benchmark.optimizers=sgd,adamw]
+  python -m experiments.head_to_head.benchmark --config configs/head_to_head/<task>.py \\
+      --workdir workdir/head_to_head/<task> --results_dir experiments/results/head_to_head/<task> \\
+      --data_dir ../shared/tfds [--config.benchmark.optimizers=sgd,adamw]
 
 Protocol (``config.benchmark``):
 
@@ -12,9 +12,10 @@ Protocol (``config.benchmark``):
   (a validation split; a diverged run loses). A best rate at an end of the grid grows the grid
   past that end (``extend_edge`` steps at most). An optimizer with a second hyperparameter without
   an upstream default (``joint_grid``: K-FAC's damping) tunes it jointly with the rate.
-  Then ``seeds[1:]`` at the chosen point; the seed-0 run is one of the seeds. ``centre_from`` (results
-  dirs of another task) centres each row's grid on the point it chose there instead (``centre_as``: on the
-  point another row chose there).
+  Then ``seeds[1:]`` at the chosen point; the seed-0 run is one of the seeds. ``points`` gives a row the
+  point it keeps (chosen on an earlier table: its seed 0 runs, no grid), ``centres`` the point its grid is
+  centred on; ``points_from`` / ``centre_from`` (results dirs of committed runs) read those points from an
+  earlier table's seed-0 grids instead (``centre_as``: the point another row chose there).
 - **The schedule users train with** (the task config's ``schedule``: warmup then cosine).
 - **Each optimizer as its authors run it**: ``registry.recipe(name, benchmark.kind)``.
 - **Every run is its own unit**: trained in ``<workdir>/<key>``, then its record (command, commit,

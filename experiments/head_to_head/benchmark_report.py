@@ -185,7 +185,8 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
         if len(machines) > 1 else []),
       f"Budget {config.num_steps} iterations at batch {config.batch_size}; schedule {dict(config.schedule)} "
       f"(peak = the tuned rate); trained on `{config.train_split}`, chosen on `{config.eval_split}`, reported on "
-      f"`{b.report_split}`. Rates: each optimizer's authors' rate x {list(b.grid)}, one full-budget run per "
+      f"`{b.report_split}`. Rates: each optimizer's authors' rate (or its centre in the config, "
+      f"`benchmark.centres`) x {list(b.grid)}, one full-budget run per "
       f"rate on seed 0, the grid grown past a winning end (at most {b.extend_edge} steps), chosen by final "
       f"{config.eval_split} loss; then seeds {list(b.seeds)} at the chosen rate. Target: "
       f"{summary['target']:.4f}, the best final {config.eval_split} loss (median of seeds) of "
@@ -217,12 +218,14 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
   lines += ["", *orders_said(summary)]
   if missing:
     lines += ["", f"Not run yet (or not complete): {', '.join(missing)}."]
+  kept = (" (kept): the rate the row chose on an earlier table of this task (its updates unchanged since; the config "
+          "names the table), its seed 0 run again here." if any(s_[n].get("kept") for n in s_) else "")
   lines += ["", "(edge): the chosen rate is at an end of the grid even after growing it, so the grid may not "
-            "bracket the best rate. (kept): the rate the row chose on an earlier table of this task (its updates "
-            "unchanged since; the config names the table), its seed 0 run again here. ms/step: training seconds per step (compilation, evaluation and checkpoints "
-            "excluded), median of seeds; training s to target: those seconds until the first evaluation at or below "
-            "the target, median of seeds (every seed must reach it); in SGD steps: iterations to the target times "
-            "the row's step over SGD's (vs SGD), the race at SGD's step cost; the rows ran one after another on "
+            f"bracket the best rate.{kept} ms/step: training seconds per step (compilation, evaluation and "
+            "checkpoints excluded), median of seeds; training s to target: those seconds until the first evaluation "
+            "at or below the target, median of seeds (every seed must reach it); in SGD steps: iterations to the "
+            "target times the row's step over SGD's (vs SGD), the race at SGD's step cost; the rows ran one after "
+            "another on "
             + (f"{machines[0]}" if len(machines) == 1 else "the machines named above")
             + ", the load average of each is in results.json (`load_average_1min_max`).", "",
             f"Every grid point (final {config.eval_split} loss, seed 0; inf = diverged):", "",

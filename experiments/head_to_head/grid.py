@@ -63,37 +63,59 @@ def given(config, field: str, name: str) -> Optional[Point]:
   spec = config.benchmark.get(field, {}).get(name)
   if spec is None:
     return None
-  if isinstance(spec, (int, float)) and not isinstance(spec, bool):
-    return Point(float(spec))
   if not hasattr(spec, "items"):
-    raise TypeError(f"a {type(spec).__name__}")
+    return Point(_rate(spec))
   spec = dict(spec.items())
   rate = spec.pop("learning_rate")
-  return Point(float(rate), tuple(sorted((k, float(v)) for k, v in spec.items())))
+  return Point(_rate(rate), tuple(sorted((k, _rate(v)) for k, v in spec.items())))
+
+
+def _rate(value) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise TypeError(f"{value!r} is not a number")
+  return float(value)
+
+
+def _check_point(config, field: str, name: str) -> None:
+  """``benchmark.<field>.<name>`` is a point of a row of the table whose joint settings are the row's."""
+  b = config.benchmark
+  if name not in b.all_optimizers:
+    raise errors.ConfigError(f"config.benchmark.{field}: {name!r} is not a row of this table "
+                             f"(config.benchmark.all_optimizers: {sorted(b.all_optimizers)}).")
+  try:
+    point = given(config, field, name)
+  except (KeyError, TypeError, ValueError) as e:
+    spec = b[field][name]
+    shown = spec.to_dict() if hasattr(spec, "to_dict") else spec
+    raise errors.ConfigError(f"config.benchmark.{field}.{name}: {shown!r} is not a rate or a dict of "
+                             f"learning_rate and joint settings ({e}).") from None
+  joint = sorted(b.joint_grid.get(name, {}))
+  if sorted(k for k, _ in point.joint) != joint:
+    raise errors.ConfigError(f"config.benchmark.{field}.{name}: its joint settings are "
+                             f"{sorted(k for k, _ in point.joint)}, the row tunes {joint} "
+                             "(config.benchmark.joint_grid).")
 
 
 def check_given(config) -> None:
-  """``benchmark.points`` and ``benchmark.centres`` name rows of the table, ``points_from`` and ``centre_from`` dirs
-  of committed runs, and no row both keeps a point and tunes (``retune``): refused before any run, naming the
-  culprit."""
+  """``benchmark.points`` and ``benchmark.centres`` give points of rows of the table (none both), ``points_from``
+  and ``centre_from`` name dirs of committed runs, and ``retune`` acts (with ``points_from``) on no row that keeps a
+  point: refused before any run, naming the culprit."""
   b = config.benchmark
-  rows = set(b.all_optimizers)
   for field in ("points", "centres"):
     for name in b.get(field, {}):
-      if name not in rows:
-        raise errors.ConfigError(f"config.benchmark.{field}: {name!r} is not a row of this table "
-                                 f"(config.benchmark.all_optimizers: {sorted(rows)}).")
-      try:
-        given(config, field, name)
-      except (KeyError, TypeError, ValueError) as e:
-        raise errors.ConfigError(f"config.benchmark.{field}.{name}: {dict(b[field]).get(name)!r} is not a rate "
-                                 f"or a dict of learning_rate and joint settings ({e}).") from None
+      _check_point(config, field, name)
+  both = sorted(set(b.get("points", {})) & set(b.get("centres", {})))
+  if both:
+    raise errors.ConfigError(f"config.benchmark.points and .centres both give {both}: a kept row has no grid.")
   for field, dirs in (("points_from", [b.get("points_from", "")]), ("centre_from", list(b.get("centre_from", ())))):
     for d in dirs:
       if d and not os.path.isdir(os.path.join(d, RUNS)):
         raise errors.ConfigError(f"config.benchmark.{field}: {d!r} holds no runs ({os.path.join(d, RUNS)} is not a "
                                  "directory): name a results dir of committed runs, or write the points "
                                  "(config.benchmark.points / centres).")
+  if b.get("retune", ()) and not b.get("points_from", ""):
+    raise errors.ConfigError(f"config.benchmark.retune {tuple(b.retune)} acts only with config.benchmark.points_from "
+                             "(rows it names tune although that table holds their grid): set both or neither.")
   both = sorted(set(b.get("points", {})) & set(b.get("retune", ())))
   if both:
     raise errors.ConfigError(f"config.benchmark.points gives {both} a point that config.benchmark.retune tunes "

@@ -373,18 +373,26 @@ def test_given_points_keep_their_rate_and_run_only_their_seed_0_as_their_grid(tm
   assert benchmark.learning_rates(config, "kfac")[1] == 0.5
 
 
-@pytest.mark.parametrize("field,value,culprit", [
-    ("points_from", "experiments/results/no_such_table", "holds no runs"),
-    ("centre_from", ("experiments/results/no_such_table",), "holds no runs"),
-    ("points", {"lion": 0.1}, "'lion' is not a row"),
-    ("centres", {"sgd": "fast"}, "config.benchmark.centres.sgd"),
-    ("points", {"sgd": {"damping": 0.1}}, "config.benchmark.points.sgd"),
-    ("points", {"scsgd": 0.1}, "retune tunes"),
+@pytest.mark.parametrize("settings,culprit", [
+    ({"points_from": "experiments/results/no_such_table"}, "points_from: .* holds no runs"),
+    ({"centre_from": ("experiments/results/no_such_table",)}, "centre_from: .* holds no runs"),
+    ({"points": {"lion": 0.1}}, "points: 'lion' is not a row"),
+    ({"centres": {"sgd": "fast"}}, "centres.sgd: 'fast' is not a rate"),
+    ({"points": {"sgd": True}}, "points.sgd: True is not a rate"),
+    ({"points": {"sgd": {"damping": 0.1}}}, "points.sgd: .* is not a rate"),
+    ({"points": {"sgd": {"learning_rate": "0.1"}}}, "points.sgd: .* is not a rate"),
+    ({"points": {"kfac": 0.1}}, r"points.kfac: its joint settings are \[\], the row tunes \['damping'\]"),
+    ({"centres": {"sgd": {"learning_rate": 0.1, "damping": 0.1}}}, "centres.sgd: its joint settings are"),
+    ({"points": {"sgd": 0.1}, "centres": {"sgd": 0.1}}, r"both give \['sgd'\]"),
+    ({"retune": ("scsgd",)}, "retune .* acts only with config.benchmark.points_from"),
+    ({"retune": ("scsgd",), "points_from": "<runs>", "points": {"scsgd": 0.1}}, "retune tunes again"),
 ])
-def test_given_points_or_results_dirs_that_name_nothing_or_a_retuned_row_are_refused_before_any_run(field, value, culprit):
+def test_given_points_or_results_dirs_that_name_nothing_or_a_retuned_row_are_refused_before_any_run(settings, culprit,
+                                                                                                   tmp_path):
   config = _config()
-  config.benchmark.retune = ("scsgd",)
-  config.benchmark[field] = value
+  (tmp_path / "runs").mkdir()
+  for field, value in settings.items():
+    config.benchmark[field] = str(tmp_path) if value == "<runs>" else value
   with pytest.raises(errors.ConfigError, match=culprit):
     benchmark.validate(config)
 
@@ -404,7 +412,7 @@ def test_ran_with_pins_what_the_coarse_rows_ran_and_the_finer_protocol_runs_the_
     assert optimizers.resolved_settings(cfg).get("normalize") == ("none" if takes else None), name
     cfg = benchmark.run_config(fine, name, point, 0)
     assert optimizers.resolved_settings(cfg).get("normalize") == (defaults.NORMALIZE if takes else None), name
-  assert defaults.NORMALIZE == "embeddings" and fine.benchmark.retune == ("scsgd",)
+  assert defaults.NORMALIZE == "embeddings"
 
 
 def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
@@ -450,8 +458,7 @@ def test_final_tables_keep_the_rows_whose_updates_did_not_change_and_retune_the_
   b = config.benchmark
   assert config.eval_every == cadence and b.seeds == (0, 1, 2, 3, 4) and b.grid == (0.316, 1.0, 3.16)
   assert sorted(b.points) == ["adamw", "kfac", "muon", "nadamw", "sgd"] and b.frozen_code == "a876122862c78096"
-  assert set(b.retune) | set(b.points) == set(b.all_optimizers) and not set(b.retune) & set(b.points)
-  assert set(b.centres) == set(b.retune)
+  assert set(b.centres) | set(b.points) == set(b.all_optimizers) and not set(b.centres) & set(b.points)
   centre = benchmark.grid.given(config, "centres", "scsgd_eigen").learning_rate
   assert benchmark.learning_rates(config, "scsgd_eigen") == [float(f"{centre * m:.3g}") for m in b.grid]
   with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
