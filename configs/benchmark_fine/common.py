@@ -21,7 +21,6 @@ def finer(config, cadence: int):
   config.benchmark.seeds = (0, 1, 2, 3, 4)
   config.benchmark.all_optimizers = OPTIMIZERS
   config.benchmark.optimizers = OPTIMIZERS
-  config.benchmark.points_from = ""  # the coarse tables' rates stood here; those tables left the tree (git history)
   config.benchmark.ran_with = ml_collections.ConfigDict()  # the library's defaults, `normalize` included
   # every row of these tables ran this version of the library and training code; the library's defaults moved on
   # after (the eigenbasis' memory rule): its records stand as run, a row re-run today is another version
@@ -39,8 +38,6 @@ def on_state_rule_version(config, rows: tuple[str, ...], points: dict, centres: 
   the rows of ``points`` run the point they chose on the task's earlier table; the others (the eigenbasis rows,
   which that version plans otherwise, and any whose step changed) tune again on three rates half a decade apart
   around their point of ``centres`` (their authors' rate without one), one more past an end that wins."""
-  config.benchmark.points_from = ""
-  config.benchmark.centre_from = ()
   config.benchmark.points = ml_collections.ConfigDict(points)
   config.benchmark.centres = ml_collections.ConfigDict(centres)
   config.benchmark.grid = (0.316, 1.0, 3.16)

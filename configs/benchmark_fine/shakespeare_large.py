@@ -25,8 +25,6 @@ def get_config():
   config.model = "char_transformer_large"
   config.num_steps = 2000
   config.checkpoint_every = 500
-  config.benchmark.points_from = ""
-  config.benchmark.centre_from = ()
   config.benchmark.centres = ml_collections.ConfigDict(CENTRES)
   config.benchmark.grid = (0.316, 1.0, 3.16)
   config.benchmark.extend_edge = 1

@@ -89,11 +89,10 @@ def _check_point(config, field: str, name: str) -> None:
     shown = spec.to_dict() if hasattr(spec, "to_dict") else spec
     raise errors.ConfigError(f"config.benchmark.{field}.{name}: {shown!r} is not a rate or a dict of "
                              f"learning_rate and joint settings ({e}).") from None
-  joint = sorted(b.joint_grid.get(name, {}))
-  if sorted(k for k, _ in point.joint) != joint:
-    raise errors.ConfigError(f"config.benchmark.{field}.{name}: its joint settings are "
-                             f"{sorted(k for k, _ in point.joint)}, the row tunes {joint} "
-                             "(config.benchmark.joint_grid).")
+  joint, tuned = [k for k, _ in point.joint], sorted(b.joint_grid.get(name, {}))  # point.joint: sorted by key
+  if joint != tuned:
+    raise errors.ConfigError(f"config.benchmark.{field}.{name}: its joint settings are {joint}, the row tunes "
+                             f"{tuned} (config.benchmark.joint_grid).")
 
 
 def check_given(config) -> None:

@@ -5,8 +5,8 @@
 For every results file that records a commit (each head-to-head run's record, each report), its commit and
 command; for each table of runs (a head-to-head task, the development task), the commits its rows ran at and,
 between consecutive commits, the library and training code files that changed (``report.TRAINING_CODE``, what
-a record's code hash covers), so a reader sees at once whether all rows ran the same library and training code. The
-prose docs cite this file instead of commits.
+a record's code hash covers), so a reader sees at once whether all rows ran the same library and training code.
+The prose docs cite this file instead of commits.
 """
 
 from __future__ import annotations
