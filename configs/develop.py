@@ -1,15 +1,15 @@
 """The development task (experiments/studies/develop.py): the head to head's char transformer on a
 synthetic order-2 Markov source, so that no variant is tuned on a benchmark task's data. Short runs at
 the protocol's schedule (warmup + cosine), tuning (rate grid grown past a winning end, 3 seeds at the
-chosen rate: configs/benchmark/common.py) and each optimizer's authors' settings (transformer kind)."""
+chosen rate: configs/head_to_head/common.py) and each optimizer's authors' settings (transformer kind)."""
 
 import ml_collections
 
-from configs.benchmark import common
+from configs.head_to_head import common
 
 
 def get_config():
-  config = common.get_config()  # the protocol's schedule; config.benchmark.kind selects the recipes
+  config = common.task()  # the protocol's schedule; config.benchmark.kind selects the recipes
   config.model = "char_transformer"
   config.benchmark.kind = "transformer"
   config.batch_size = 16

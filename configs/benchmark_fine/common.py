@@ -1,4 +1,4 @@
-"""The head to head at a finer yardstick: a task of configs/benchmark/ evaluated every ``cadence`` iterations
+"""The head to head at a finer yardstick: a task of configs/head_to_head/ evaluated every ``cadence`` iterations
 (about 1.7% of the character transformer's budget), five seeds per row, the rates the coarser protocol chose
 standing (same budget and schedule: the tables' configs write them) and the rows that were within reach of the
 first. The rows run the library's defaults: `normalize='embeddings'`, which
@@ -16,12 +16,11 @@ OPTIMIZERS = ("adamw", "muon", "scsgd_eigen", "kfac", "scsgd_eigen_muon", "scsgd
 
 
 def finer(config, cadence: int):
-  """``config`` (a task of configs/benchmark/) under the finer yardstick."""
+  """``config`` (a task of configs/head_to_head/, its ``task()``) under the finer yardstick."""
   config.eval_every = cadence
   config.benchmark.seeds = (0, 1, 2, 3, 4)
   config.benchmark.all_optimizers = OPTIMIZERS
   config.benchmark.optimizers = OPTIMIZERS
-  config.benchmark.ran_with = ml_collections.ConfigDict()  # the library's defaults, `normalize` included
   # every row of these tables ran this version of the library and training code; the library's defaults moved on
   # after (the eigenbasis' memory rule): its records stand as run, a row re-run today is another version
   config.benchmark.frozen_code = "31933587bb6f6f5d"

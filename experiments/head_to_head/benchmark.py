@@ -65,13 +65,11 @@ HARNESS_LOCK = ".harness.lock"  # <results_dir>/.harness.lock: one live harness 
 
 
 def run_config(config, name: str, point: Point, seed: int, extra: Optional[dict] = None):
-  """The config of one run: the task's, with optimizer ``name`` at its recipe, ``point`` and ``extra``, and
-  the arguments of ``benchmark.ran_with`` that ``name`` takes (a protocol whose rows ran before a default moved)."""
+  """The config of one run: the task's, with optimizer ``name`` at its recipe, ``point`` and ``extra``."""
   cfg = ml_collections.ConfigDict(config.to_dict())
   with cfg.unlocked():
     del cfg["benchmark"]  # the protocol is the harness's: a run's recorded config is what it trains
-  ran_with = {k: v for k, v in config.benchmark.get("ran_with", {}).items() if k in optimizers.sub_config(name)}
-  cfg = optimizers.variant(cfg, {"name": name, **ran_with, **registry.recipe(name, config.benchmark.kind).settings,
+  cfg = optimizers.variant(cfg, {"name": name, **registry.recipe(name, config.benchmark.kind).settings,
                                  **dict(point.joint), **(extra or {})})
   cfg.schedule.base = point.learning_rate
   cfg.seed = seed
@@ -236,7 +234,7 @@ def validate(config) -> None:
 
 
 def task_names(config_file: str) -> list[str]:
-  """The benchmark's tasks: the configs beside ``config_file`` (``configs/benchmark/<task>.py``)."""
+  """The benchmark's tasks: the configs beside ``config_file`` (``configs/head_to_head/<task>.py``)."""
   folder = os.path.dirname(os.path.abspath(config_file))
   return sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".py") and f not in ("common.py", "__init__.py"))
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from configs.benchmark import convex
+from configs.head_to_head import common
+from configs.head_to_head import convex
 from experiments.head_to_head import baselines
 from experiments.head_to_head import benchmark
 from experiments.head_to_head import benchmark_report
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.head_to_head
 
 
 def _config():
-  config = convex.get_config()
+  config = convex.task()
   config.benchmark.optimizers = ("sgd", "adamw", "scsgd")
   config.benchmark.seeds = (0, 1)
   return config
@@ -62,7 +63,7 @@ def test_tuning_grows_the_grid_past_an_edge_that_wins_and_stops_at_a_bracket():
 
 
 def test_each_run_carries_its_authors_settings_and_the_schedule():
-  config = importlib.import_module("configs.benchmark.shakespeare").get_config()
+  config = importlib.import_module("configs.head_to_head.shakespeare").task()
   cfg = benchmark.run_config(config, "adamw", benchmark.Point(0.003), 2)
   assert (cfg.optimizer.name, cfg.schedule.base, cfg.seed, cfg.schedule.name) == ("adamw", 0.003, 2, "warmup_cosine")
   assert (cfg.optimizer.adamw.b2, cfg.optimizer.adamw.weight_decay, cfg.optimizer.adamw.decay_matrices_only) == (
@@ -262,7 +263,8 @@ def test_runs_are_committed_once_skipped_when_unchanged_rerun_when_changed(tmp_p
 
 
 def test_tasks_are_the_configs_beside_the_one_run():
-  assert benchmark.task_names("configs/benchmark/convex.py") == ["convex", "mnist", "shakespeare"]
+  assert benchmark.task_names("configs/head_to_head/convex.py") == ["convex", "mnist", "shakespeare",
+                                                                     "shakespeare_large"]
 
 
 def _shakespeare_source(*args, **kwargs):
@@ -273,21 +275,19 @@ def _shakespeare_source(*args, **kwargs):
 
 @pytest.mark.parametrize("task", ["convex", "mnist", "shakespeare"])
 def test_every_optimizer_takes_steps_on_every_task(task, tmp_path, monkeypatch):
-  """Each task's own model and settings, every optimizer of its protocol at its authors' settings, two
-  steps on mock data. The character transformer keeps one of its three blocks (the same layers, less to
-  compile: with three this was the suite's slowest test)."""
+  """Each task's own model and settings, every optimizer of the harness (its tables' rows and the peers no
+  table runs today) at its authors' settings, two steps on mock data. The character transformer keeps one of its
+  three blocks (the same layers, less to compile: with three this was the suite's slowest test)."""
   transformer = models.CharTransformer
   monkeypatch.setattr(models, "CharTransformer", lambda **kwargs: transformer(**{**kwargs, "layers": 1}))
-  config = importlib.import_module(f"configs.benchmark.{task}").get_config()
+  config = importlib.import_module(f"configs.head_to_head.{task}").task()
   config.download = False
   config.train_split, config.eval_split = "train", "test"
   config.batch_size, config.max_train_examples, config.max_test_examples, config.eval_batch_size = 8, 64, 16, 16
   config.num_steps, config.train_log_every, config.eval_every, config.checkpoint_every = 2, 1, 2, 2
   source = dict(as_data_source_fn=_shakespeare_source) if config.dataset == "tiny_shakespeare" else {}
-  names = benchmark.names(config)
-  assert set(names) == {"sgd", "scsgd", "adamw", "nadamw", "muon", "shampoo", "shampoo_input", "sketchy", "kfac",
-                        "scsgd_adamw", "scsgd_graft", "scsgd_two_sided", "scsgd_two_sided_lean", "scsgd_muon",
-                        "scsgd_muon_fresh"}
+  assert set(benchmark.names(config)) == set(common.ROWS)
+  names = sorted(set(optimizers.OPTIMIZERS) - {"adam"})  # every row of the harness, in a table today or not
   # the peers broadcast implicitly; the library's own tests keep rank promotion an error (conftest)
   with tfds.testing.mock_data(num_examples=64, **source), jax.numpy_rank_promotion("allow"):
     for name in names:
@@ -397,24 +397,6 @@ def test_given_points_or_results_dirs_that_name_nothing_or_a_retuned_row_are_ref
     benchmark.validate(config)
 
 
-def test_ran_with_pins_what_the_coarse_rows_ran_and_the_finer_protocol_runs_the_defaults():
-  """The coarse protocol's rows ran before normalize's default moved: its run configs give normalize='none' to
-  every row that takes the argument (and to no other); the finer protocol's run the library's default."""
-  from scsgd_jax._src import defaults
-  coarse = importlib.import_module("configs.benchmark.shakespeare").get_config()
-  fine = importlib.import_module("configs.benchmark_fine.shakespeare").get_config()
-  point = benchmark.Point(1e-3)
-  for name in ("scsgd", "scsgd_muon", "scsgd_two_sided", "adamw", "scsgd_eigen"):
-    takes = "normalize" in optimizers.sub_config(name)
-    assert takes == (name not in ("adamw", "scsgd_eigen")), name
-    cfg = benchmark.run_config(coarse, name, point, 0)
-    assert cfg.optimizer[name].get("normalize") == ("none" if takes else None), name
-    assert optimizers.resolved_settings(cfg).get("normalize") == ("none" if takes else None), name
-    cfg = benchmark.run_config(fine, name, point, 0)
-    assert optimizers.resolved_settings(cfg).get("normalize") == (defaults.NORMALIZE if takes else None), name
-  assert defaults.NORMALIZE == "embeddings"
-
-
 def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   assert benchmark.task_names("configs/benchmark_fine/shakespeare.py") == [
       "shakespeare", "shakespeare_large", "shakespeare_large_state_rule", "shakespeare_large_step_rule",
@@ -426,7 +408,7 @@ def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
     assert config.eval_every == cadence and len(config.benchmark.seeds) >= 3, task
     with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
       benchmark.validate(config)  # every seed-0 grid config of every row, before any run
-  coarse = importlib.import_module("configs.benchmark.shakespeare").get_config()
+  coarse = importlib.import_module("configs.head_to_head.shakespeare").task()
   fine = importlib.import_module("configs.benchmark_fine.shakespeare").get_config()
   assert fine.num_steps == coarse.num_steps and fine.schedule == coarse.schedule  # so the chosen rates stand
   large = importlib.import_module("configs.benchmark_fine.shakespeare_large").get_config()
@@ -448,19 +430,25 @@ def test_finer_yardstick_tasks_read_every_10_or_25_iterations_at_5_seeds():
   assert {config.benchmark.frozen_code for config in (state_rule, large_rule)} == {"b298a2205499b59b"}
 
 
-@pytest.mark.parametrize("task,cadence", [("mnist", 25), ("convex", 25), ("shakespeare", 10)])
-def test_final_tables_keep_the_rows_whose_updates_did_not_change_and_retune_the_others_around_their_choice(task,
-                                                                                                          cadence):
-  """configs/head_to_head/: every row 5 seeds, read every 25 iterations (the character transformer 10), one frozen
-  code version; the kept rows run the point written in the config (no grid), every other row three rates half a
-  decade apart around its centre."""
+_KEPT = ["adamw", "kfac", "muon", "nadamw", "sgd"]
+
+
+@pytest.mark.parametrize("task,cadence,seeds,kept", [("mnist", 25, 5, _KEPT), ("convex", 25, 5, _KEPT),
+                                                     ("shakespeare", 10, 5, _KEPT),
+                                                     ("shakespeare_large", 25, 3, ["adamw", "kfac", "muon", "sgd"])])
+def test_final_tables_keep_the_rows_whose_updates_did_not_change_and_retune_the_others_around_their_choice(
+    task, cadence, seeds, kept):
+  """configs/head_to_head/: every row 5 seeds (the larger transformer 3), read every 25 iterations (the character
+  transformer 10), one frozen code version; the kept rows run the point written in the config (no grid), every
+  other row three rates half a decade apart around its centre."""
   config = importlib.import_module(f"configs.head_to_head.{task}").get_config()
   b = config.benchmark
-  assert config.eval_every == cadence and b.seeds == (0, 1, 2, 3, 4) and b.grid == (0.316, 1.0, 3.16)
-  assert sorted(b.points) == ["adamw", "kfac", "muon", "nadamw", "sgd"] and b.frozen_code == "a876122862c78096"
+  assert config.eval_every == cadence and b.seeds == tuple(range(seeds)) and b.grid == (0.316, 1.0, 3.16)
+  assert sorted(b.points) == kept and b.frozen_code == "a876122862c78096"
   assert set(b.centres) | set(b.points) == set(b.all_optimizers) and not set(b.centres) & set(b.points)
-  centre = benchmark.grid.given(config, "centres", "scsgd_eigen").learning_rate
-  assert benchmark.learning_rates(config, "scsgd_eigen") == [float(f"{centre * m:.3g}") for m in b.grid]
+  tuned = b.all_optimizers[-1]
+  centre = benchmark.grid.given(config, "centres", tuned).learning_rate
+  assert benchmark.learning_rates(config, tuned) == [float(f"{centre * m:.3g}") for m in b.grid]
   with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
     benchmark.validate(config)
 

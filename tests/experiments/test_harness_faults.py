@@ -10,7 +10,7 @@ import os
 import pytest
 import tensorflow_datasets as tfds
 
-from configs.benchmark import convex
+from configs.head_to_head import convex
 from experiments.head_to_head import benchmark
 from experiments.run import cli
 from experiments.run import errors
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.head_to_head
 
 
 def _config():
-  config = convex.get_config()
+  config = convex.task()
   config.download = False
   config.max_train_examples, config.max_test_examples = 64, 32
   config.train_split, config.eval_split = "train", "test"
