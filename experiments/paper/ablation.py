@@ -1,6 +1,6 @@
 """SCSGD ablation on one config: rank, EMA rate, refresh period, row sampling, conditioner kind.
 
-  python -m experiments.paper.ablation --config configs/mnist_ablation.py --workdir workdir/ablation \
+  python -m experiments.paper.ablation --config configs/paper/ablation.py --workdir workdir/ablation \
       --results_dir experiments/results/mnist_ablation --data_dir ../shared/tfds
 
 Each variant is the config with one SCSGD setting changed, same seed (same init and batches),

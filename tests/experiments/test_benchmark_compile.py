@@ -47,7 +47,7 @@ def test_kernels_counts_what_runs_outside_fusion_bodies():
 
 
 def test_smoke_config_writes_medians_and_ratios(tmp_path):
-  args = ["--config", "configs/benchmark_compile.py", "--config.models=('transformer_lm_1', 'transformer_lm_2')",
+  args = ["--config", "configs/studies/benchmark_compile.py", "--config.models=('transformer_lm_1', 'transformer_lm_2')",
           "--config.optimizers=('sgd', 'scsgd', 'scsgd+apart')", "--config.repeats=1", f"--results_dir={tmp_path}"]
   out = subprocess.run([sys.executable, "-m", "experiments.studies.benchmark_compile", *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)

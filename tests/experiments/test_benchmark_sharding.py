@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.parametrize("processes, filename", [(1, "benchmark_sharding.json"), (2, "benchmark_sharding_2x4.json")])
 def test_smoke_config_runs_and_the_sharded_runs_equal_one_device(tmp_path, processes, filename):
   """On one process of 8 devices, and on 2 processes of 4 (the meshes spanning both)."""
-  args = ["--config", "configs/benchmark_sharding.py", "--config.d=16", "--config.hidden=32", "--config.blocks=1",
+  args = ["--config", "configs/studies/benchmark_sharding.py", "--config.d=16", "--config.hidden=32", "--config.blocks=1",
           "--config.classes=4", "--config.batch=16", "--config.steps=3", f"--config.processes={processes}",
           "--config.optimizers=('adamw', 'muon', 'scsgd', 'scsgd_eigen_muon')", f"--results_dir={tmp_path}"]
   out = subprocess.run([sys.executable, "-m", "experiments.studies.benchmark_sharding", *args], cwd=ROOT,

@@ -119,13 +119,13 @@ def test_guarded_main_lets_bugs_raise():
 
 @pytest.mark.head_to_head
 def test_benchmark_takes_config_overrides_and_writes_its_results_file(tmp_path):
-  out = _run("experiments.studies.benchmark_step", "--config", "configs/benchmark_step.py", "--config.windows=1",
+  out = _run("experiments.studies.benchmark_step", "--config", "configs/studies/benchmark_step.py", "--config.windows=1",
              "--config.only=dense_256", "--results_dir", str(tmp_path))
   assert out.returncode == 0, out.stderr[-2000:]
   import json
 
   record = json.load(open(tmp_path / "benchmark_step.json"))
-  assert record["command"].startswith("python -m experiments.studies.benchmark_step --config configs/benchmark_step.py")
+  assert record["command"].startswith("python -m experiments.studies.benchmark_step --config configs/studies/benchmark_step.py")
   assert record["commit"] and record["versions"]["jax"] == jax.__version__
   result = record["models"]["dense_256"]
   assert list(record["models"]) == ["dense_256"]
@@ -136,7 +136,7 @@ def test_benchmark_takes_config_overrides_and_writes_its_results_file(tmp_path):
   # each variant in a pass of its own with SGD: its ratio is against SGD's step of that pass
   assert result["muon"]["sgd_median_ms"] > 0 and "sgd_median_ms" not in result["sgd"]
   # what a user waits for before the first step: each variant's lowering and compilation, against SGD's
-  out = _run("experiments.studies.benchmark_step", "--config", "configs/benchmark_step.py", "--config.compile_only=True",
+  out = _run("experiments.studies.benchmark_step", "--config", "configs/studies/benchmark_step.py", "--config.compile_only=True",
              "--config.only=dense_256", "--results_dir", str(tmp_path))
   assert out.returncode == 0, out.stderr[-2000:]
   compiled = json.load(open(tmp_path / "benchmark_compile.json"))["models"]["dense_256"]

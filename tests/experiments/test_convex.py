@@ -7,7 +7,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 import scsgd_jax as sk
-from configs import convex_smoke
+from configs.paper import convex_smoke
 from experiments.paper.convex import experiment as convex_experiment
 from experiments.paper.convex import problem as convex
 from experiments.paper.convex import report as convex_report
@@ -69,7 +69,7 @@ def test_command_runs_end_to_end_on_a_tiny_subset(tmp_path):
   config.download = False
   with tfds.testing.mock_data(num_examples=2000):
     result = convex_experiment.run_experiment(config)
-  path = convex_report.write_report(result, str(tmp_path), "python -m experiments.paper.convex --config configs/convex_smoke.py")
+  path = convex_report.write_report(result, str(tmp_path), "python -m experiments.paper.convex --config configs/paper/convex_smoke.py")
   text = open(path).read()
   assert "Lemma 3" in text and "tr(C^(1/2))" in text
   for f in ("results.json", "spectrum.png", "suboptimality_batch1.png", "suboptimality_batch16.png", "timing.png"):

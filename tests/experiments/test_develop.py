@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from configs import develop as develop_config
+from configs.studies import develop as develop_config
 from experiments.studies import develop
 from experiments.optim import registry
 

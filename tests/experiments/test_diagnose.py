@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from configs import diagnose as diagnose_config
+from configs.studies import diagnose as diagnose_config
 from experiments.studies import develop
 from experiments.studies import diagnose
 

@@ -53,7 +53,7 @@ def _summaries(state):
 
 
 def test_step_benchmark_variants_run_their_recipe_for_the_models_kind():
-  from configs import benchmark_step as config_module
+  from configs.studies import benchmark_step as config_module
 
   config = config_module.get_config()
   config.variants = {"scsgd_eigen_muon_polar3": {"name": "scsgd_eigen_muon_polar3"}}

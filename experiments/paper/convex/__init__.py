@@ -1,6 +1,6 @@
 """The convex case: multiclass logistic regression with SGD and every conditioner of the paper.
 
-  python -m experiments.paper.convex --config configs/convex_mnist.py \
+  python -m experiments.paper.convex --config configs/paper/convex.py \
       --results_dir experiments/results/convex --data_dir ../shared/tfds
 
 Runs the update of Equation (updateGeneric), ``W <- W - eta (A^{-1} x) delta^T`` (here in the

@@ -1,4 +1,4 @@
-"""``python -m experiments.paper.convex --config configs/convex_mnist.py --results_dir DIR [--data_dir DIR]``."""
+"""``python -m experiments.paper.convex --config configs/paper/convex.py --results_dir DIR [--data_dir DIR]``."""
 
 from absl import flags
 

@@ -2,10 +2,10 @@
 transformer, SCSGD and the eigenbasis in front of Muon (5 default and 3 Polar Express Newton-Schulz steps) against
 Nesterov SGD's step, interleaved: experiments/studies/benchmark_step.py with these variants.
 
-  OPENBLAS_NUM_THREADS=1 python -m experiments.studies.benchmark_step --config configs/benchmark_step_banks.py --results_dir experiments/results/step_banks
+  OPENBLAS_NUM_THREADS=1 python -m experiments.studies.benchmark_step --config configs/studies/benchmark_step_banks.py --results_dir experiments/results/step_banks
 """
 
-from configs import benchmark_step
+from configs.studies import benchmark_step
 
 
 def get_config():

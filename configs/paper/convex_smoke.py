@@ -1,10 +1,10 @@
 """A tiny convex run for the tests: 2000 examples, few steps."""
 
-from configs import convex_mnist
+from configs.paper import convex
 
 
 def get_config():
-  config = convex_mnist.get_config()
+  config = convex.get_config()
   config.max_train_examples = 2000
   config.ranks = (5, 10)
   config.step_sizes = (0.01, 0.1, 1.0)

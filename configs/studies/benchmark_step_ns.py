@@ -2,10 +2,10 @@
 coefficients, experiments/optim/peers.py), against the five default steps: experiments/studies/benchmark_step.py with these
 variants.
 
-  python -m experiments.studies.benchmark_step --config configs/benchmark_step_ns.py --results_dir experiments/results/step_ns
+  python -m experiments.studies.benchmark_step --config configs/studies/benchmark_step_ns.py --results_dir experiments/results/step_ns
 """
 
-from configs import benchmark_step
+from configs.studies import benchmark_step
 
 
 def get_config():

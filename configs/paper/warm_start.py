@@ -2,14 +2,14 @@
 
 import ml_collections
 
-from configs import convex_mnist
+from configs.paper import convex
 from configs import mnist
 
 
 def get_config():
   config = ml_collections.ConfigDict()
   config.data_dir = ""  # "" -> $TFDS_DATA_DIR or tfds' default
-  config.convex = convex_mnist.get_config()  # its features (logistic regression on MNIST pixels, n = 785)
+  config.convex = convex.get_config()  # its features (logistic regression on MNIST pixels, n = 785)
   config.convex_steps = 500
   config.convex_batch = 64
   config.lenet = mnist.get_config()  # LeNet/MNIST at the paper's recipe: test loss at 250 and 500

@@ -1,12 +1,12 @@
 """Where the step rule's row spends its step on the step benchmark's TransformerLM, by source line, beside
 Muon's with the same three Newton-Schulz steps and SGD's: experiments/studies/profile_step.py.
 
-  OPENBLAS_NUM_THREADS=1 python -m experiments.studies.profile_step --config configs/profile_step.py --results_dir experiments/results/step_profile
+  OPENBLAS_NUM_THREADS=1 python -m experiments.studies.profile_step --config configs/studies/profile_step.py --results_dir experiments/results/step_profile
 """
 
 import ml_collections
 
-from configs import benchmark_step
+from configs.studies import benchmark_step
 
 
 def get_config():

@@ -1,10 +1,10 @@
-"""Step cost on an accelerator: configs/benchmark_step.py on its two transformers, with the variants a user
+"""Step cost on an accelerator: configs/studies/benchmark_step.py on its two transformers, with the variants a user
 chooses among (SGD and its A/A control, AdamW, Muon, SCSGD, Adam in the sketched eigenbasis, that scaling in
 front of Muon's orthogonalization), small enough for a short loan of one GPU."""
 
 import ml_collections
 
-from configs import benchmark_step
+from configs.studies import benchmark_step
 
 VARIANTS = ("sgd", "sgd_again", "adamw", "muon", "scsgd", "scsgd_eigen", "scsgd_eigen_muon")
 

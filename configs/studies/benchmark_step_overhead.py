@@ -3,10 +3,10 @@ run it, beside itself at a quarter of the sketch's rank (the products' flops), w
 statistics' and the conditioner's upkeep), and the same blocks scanned (one nnx.scan over a stack of blocks: each
 kernel's statistics, factor, moments and conditionals held once per stack instead of once per layer).
 
-  OPENBLAS_NUM_THREADS=1 python -m experiments.studies.benchmark_step --config configs/benchmark_step_overhead.py --results_dir experiments/results/step_overhead
+  OPENBLAS_NUM_THREADS=1 python -m experiments.studies.benchmark_step --config configs/studies/benchmark_step_overhead.py --results_dir experiments/results/step_overhead
 """
 
-from configs import benchmark_step
+from configs.studies import benchmark_step
 
 
 def get_config():

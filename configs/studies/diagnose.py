@@ -2,7 +2,7 @@
 
 import ml_collections
 
-from configs import develop
+from configs.studies import develop
 
 
 def get_config():
