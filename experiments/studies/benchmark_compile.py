@@ -1,7 +1,7 @@
 """What a user waits for before the first step, and how it grows with depth: each optimizer's first training step
 and its update alone, lowered and compiled in fresh processes, and the update's compiled program counted.
 
-  python -m experiments.studies.benchmark_compile --config configs/benchmark_compile.py [--results_dir ...]
+  python -m experiments.studies.benchmark_compile --config configs/studies/benchmark_compile.py [--results_dir ...]
 
 For each model (the step benchmark's TransformerLM, unscanned, at 2 and 6 blocks) and optimizer (its registry
 recipe for a transformer, as the head to head runs it), ``repeats`` fresh Python processes each build the model

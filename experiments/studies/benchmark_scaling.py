@@ -1,6 +1,6 @@
 """Memory of the optimizer state by layer width, from shapes (nothing runs): SCSGD's statistics against Adam.
 
-  python -m experiments.studies.benchmark_scaling --config configs/benchmark_scaling.py [--results_dir experiments/results]
+  python -m experiments.studies.benchmark_scaling --config configs/studies/benchmark_scaling.py [--results_dir experiments/results]
 
 One Dense layer ``(n, 1024)`` for each ``n`` of ``config.dims``; each variant built through the experiments'
 optimizer factory: Nesterov SGD, Adam, and SCSGD with the paper's dense ``n x n`` statistics, the streaming

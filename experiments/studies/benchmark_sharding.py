@@ -1,7 +1,7 @@
 """The optimizer state sharded like the parameters, on 8 host CPU devices: per-device state and temporary memory
 against AdamW's and Muon's, and the sharded run against one device's.
 
-  python -m experiments.studies.benchmark_sharding --config configs/benchmark_sharding.py [--results_dir experiments/results]
+  python -m experiments.studies.benchmark_sharding --config configs/studies/benchmark_sharding.py [--results_dir experiments/results]
 
 A residual MLP of ``config.blocks`` blocks (Dense ``(d, hidden)`` then ``(hidden, d)``) and a head, its kernels
 sharded one of two ways: FSDP (every kernel on its input axis ``n`` over all 8 devices, the batch too) or tensor

@@ -1,7 +1,7 @@
 """Step cost: SCSGD against Nesterov SGD, AdamW and Muon on the models users train, and where SCSGD's
 extra time goes.
 
-  python -m experiments.studies.benchmark_step --config configs/benchmark_step.py [--results_dir experiments/results]
+  python -m experiments.studies.benchmark_step --config configs/studies/benchmark_step.py [--results_dir experiments/results]
 
 Per model, every variant's jitted training step (forward, backward, update; SCSGD's with the capture) is
 built through the experiments' optimizer factory and timed **in a pass of its own with Nesterov SGD's step,

@@ -1,6 +1,6 @@
 """Development runs (variants of SCSGD on transformers), on synthetic data only.
 
-  python -m experiments.studies.develop --config configs/develop.py --results_dir experiments/results/develop
+  python -m experiments.studies.develop --config configs/studies/develop.py --results_dir experiments/results/develop
 
 The head to head's char transformer learns a random order-2 Markov source over the vocabulary (each
 pair of previous symbols has its own next-symbol distribution, drawn from a Dirichlet); every window

@@ -1,6 +1,6 @@
 """Kernel-by-kernel diagnosis of plain SCSGD against Nesterov SGD on a transformer, on synthetic data only.
 
-  python -m experiments.studies.diagnose --config configs/diagnose.py --results_dir experiments/results/diagnose
+  python -m experiments.studies.diagnose --config configs/studies/diagnose.py --results_dir experiments/results/diagnose
 
 The development task's order-2 Markov source (``experiments.studies.develop``), learned by the Flax examples' layout of
 a transformer LM (``config.diagnose.model``: 3-D attention kernels, the step benchmark's TransformerLM). Each

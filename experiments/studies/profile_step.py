@@ -2,7 +2,7 @@
 built the same way) traced with JAX's profiler, every executed XLA kernel's time attributed to the line of
 Python that emitted it.
 
-  OPENBLAS_NUM_THREADS=1 python -m experiments.studies.profile_step --config configs/profile_step.py --results_dir experiments/results/step_profile
+  OPENBLAS_NUM_THREADS=1 python -m experiments.studies.profile_step --config configs/studies/profile_step.py --results_dir experiments/results/step_profile
 
 Per model and variant: the step's wall time untraced (``wall_ms``, the mean of ``steps`` steps after
 ``warmup``; steps are not interleaved with a baseline's here, so ratios of step time come from
