@@ -1,6 +1,6 @@
 """The warm start measured: bias-corrected statistics + doubling refreshes vs the paper's C_0 = I.
 
-  python -m experiments.paper.warm_start --config configs/paper/warm_start.py --workdir workdir/warm_start \
+  python -m experiments.paper.warm_start --config configs/warm_start.py --workdir workdir/warm_start \
       --results_dir experiments/results/warm_start --data_dir ../shared/tfds
 
 1. Convex: multinomial logistic regression on MNIST pixels (n = 785, the convex experiment's

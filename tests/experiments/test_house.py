@@ -9,7 +9,8 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# the pages that tell a user which command to run (the results folders' own READMEs record how they ran)
+# the pages that tell a user which command to run today (the results folders' own READMEs record the commands their
+# runs ran with, experiments/results/README.md today's command for each)
 PAGES = ("README.md", "experiments/README.md", "experiments/results/README.md", "docs/results.md")
 MAX_LINES = 350
 
@@ -87,7 +88,14 @@ def test_every_entry_point_the_pages_name_is_a_runnable_module():
       assert 'if __name__ == "__main__":' in open(base + ".py").read(), name
 
 
-@pytest.mark.parametrize("path", sorted(_named(r"configs/[A-Za-z0-9_/<>$]+\.py")))
+CONFIG_PATH = r"configs/[A-Za-z0-9_/<>$]+\.py"
+
+
+def test_the_pages_name_entry_points_and_configs():
+  assert len(_named(CONFIG_PATH)) > 10 and "configs/mnist.py" in _named(CONFIG_PATH)
+
+
+@pytest.mark.parametrize("path", sorted(_named(CONFIG_PATH)))
 def test_every_config_the_pages_name_exists(path):
   """A placeholder (``<task>``, ``$task``) stands for every config of its folder (its helpers aside)."""
   matches = glob.glob(os.path.join(ROOT, re.sub(r"<[a-z]+>|\$[a-z]+", "*", path)))
