@@ -15,8 +15,8 @@ from configs.head_to_head import shakespeare_large
 # Muon), the paper's method against SGD, and K-FAC; NAdamW and scsgd_eigen do not fit the bound (they run
 # when named on the command line)
 ROWS = ("adamw", "sgd", "muon", "scsgd_eigen_muon", "scsgd", "kfac")
-# the points its rows chose on the character transformer's tables (the finer one, configs/benchmark_fine/shakespeare.py;
-# K-FAC's on the coarse one, configs/benchmark/shakespeare.py, in the history)
+# the points its rows chose on the character transformer's earlier tables, in the history (the finer one,
+# configs/benchmark_fine/shakespeare.py; K-FAC's on the coarse one, configs/benchmark/shakespeare.py)
 CENTRES = {"adamw": 0.00316, "sgd": 0.316, "muon": 0.02, "scsgd_eigen_muon": 0.02, "scsgd": 0.316,
            "kfac": {"learning_rate": 1.0, "damping": 0.001}}
 

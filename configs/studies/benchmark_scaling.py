@@ -17,8 +17,8 @@ def get_config():
       "scsgd": {"name": "scsgd"},
   })
   # the benchmark tasks' models, and the rows whose state the memory rule bounds (beside Muon's, for scale)
-  config.tasks = ("configs.head_to_head.mnist", "configs.head_to_head.convex", "configs.benchmark_fine.shakespeare",
-                  "configs.benchmark_fine.shakespeare_large")
+  config.tasks = ("configs.head_to_head.mnist", "configs.head_to_head.convex", "configs.head_to_head.shakespeare",
+                  "configs.head_to_head.shakespeare_large")
   config.task_rows = ("muon", "scsgd", "scsgd_adamw", "scsgd_muon", "scsgd_two_sided_lean", "scsgd_eigen",
                       "scsgd_eigen_muon")
   return config

@@ -29,8 +29,10 @@ def final(record: dict, key_: str = "test_loss") -> float:
 
 
 def cpu(record: dict) -> str:
-  """The processor the run trained on (``unrecorded`` for a record without its machine)."""
-  return record.get("machine", {}).get("cpu", UNRECORDED)
+  """The machine the run trained on: its processor and, where recorded, its platform (the kernel build: VMs of one
+  processor name differ in speed between hosts); ``unrecorded`` for a record without its machine."""
+  m = record.get("machine", {})
+  return f"{m['cpu']} ({m['platform']})" if "cpu" in m and m.get("platform") else m.get("cpu", UNRECORDED)
 
 
 def median(values):
