@@ -6,7 +6,7 @@ from configs.head_to_head import common
 
 # The rates the kept rows chose on the task's earlier table (configs/benchmark_fine/shakespeare_state_rule.py, in the
 # history), and the centres of the other rows' grids: each row's choice there (the three-step row's on the step rule's
-# table, configs/benchmark_fine/shakespeare_step_rule.py), a new variant centred on the row it varies (Muon's for Muon at 3
+# table, configs/benchmark_fine/shakespeare_step_rule.py, in the history), a new variant centred on the row it varies (Muon's for Muon at 3
 # steps, the eigenbasis in front of Muon's for its two-sided form).
 POINTS = {"adamw": 0.00316, "sgd": 0.316, "nadamw": 0.00316, "muon": 0.02,
           "kfac": {"learning_rate": 1.0, "damping": 0.001}}

@@ -20,7 +20,7 @@ def _tasks(protocol):
   return sorted(os.path.basename(d) for d in glob.glob(os.path.join(RESULTS, protocol, "*")) if os.path.isdir(d))
 
 
-FINE_TASKS = _tasks("benchmark_fine")  # the transformers' tables (configs/benchmark_fine/) until their final ones
+FINE_TASKS = _tasks("benchmark_fine")  # the larger transformer's tables (configs/benchmark_fine/) until their final ones
 FINAL_TASKS = _tasks("head_to_head")  # the final protocol (configs/head_to_head/), committed run by run
 RUNNING = None  # the table whose runs are being committed one by one (("head_to_head", <task>)), if any
 
@@ -67,6 +67,11 @@ def test_the_harness_finds_no_committed_row_to_rerun(protocol, task, tmp_path, c
     assert sorted(found["seeds"]) == s["seeds"], (task, name)
 
 
+def _missing(table: str) -> list:
+  with open(table) as f:
+    return json.load(f).get("missing", [])
+
+
 def test_an_unfinished_final_table_can_be_finished_from_this_checkout():
   """A final table with rows still to run (named missing in its results, or none run yet) is frozen at one version
   of the library and training code: this checkout must be that version, or the harness refuses to train its rows
@@ -76,7 +81,7 @@ def test_an_unfinished_final_table_can_be_finished_from_this_checkout():
   unfinished = []
   for task in benchmark.task_names(os.path.join(RESULTS, "..", "..", "configs", "head_to_head", "common.py")):
     table = os.path.join(RESULTS, "head_to_head", task, "results.json")
-    if not os.path.exists(table) or json.load(open(table)).get("missing"):
+    if not os.path.exists(table) or _missing(table):
       unfinished.append(importlib.import_module(f"configs.head_to_head.{task}").get_config().benchmark.frozen_code)
   assert set(unfinished) <= {report.code_hash(os.path.join(RESULTS, "..", ".."))}, unfinished
 
