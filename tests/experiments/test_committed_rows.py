@@ -20,9 +20,15 @@ def _tasks(protocol):
   return sorted(os.path.basename(d) for d in glob.glob(os.path.join(RESULTS, protocol, "*")) if os.path.isdir(d))
 
 
-FINE_TASKS = _tasks("benchmark_fine")  # the larger transformer's tables (configs/benchmark_fine/) until their final ones
+def _table(results_dir: str) -> dict:
+  """A task's rendered table (the report's results.json)."""
+  with open(os.path.join(results_dir, "results.json")) as f:
+    return json.load(f)
+
+
+FINE_TASKS = _tasks("benchmark_fine")  # the larger transformer's tables (configs/benchmark_fine/) until its final one
 FINAL_TASKS = _tasks("head_to_head")  # the final protocol (configs/head_to_head/), committed run by run
-RUNNING = ("head_to_head", "shakespeare_large")  # the table whose runs are being committed one by one (("head_to_head", <task>)), if any
+RUNNING = ("head_to_head", "shakespeare_large")  # the table whose runs are being committed one by one, if any
 
 
 def test_every_task_has_committed_rows():
@@ -52,8 +58,7 @@ def test_the_harness_finds_no_committed_row_to_rerun(protocol, task, tmp_path, c
     if harness.committed(rec["optimizer"], point, rec["seed"]) is None:
       stale.append(rec["key"])
   assert not stale, f"{task}: rows the harness would run again: {stale}\n{capsys.readouterr().out}"
-  with open(os.path.join(results_dir, "results.json")) as f:
-    table = json.load(f)
+  table = _table(results_dir)
   # the config's points find every reported row's runs at the point its table reports; only the table still
   # running names rows as missing
   missing = set(table.get("missing", []))
@@ -67,19 +72,13 @@ def test_the_harness_finds_no_committed_row_to_rerun(protocol, task, tmp_path, c
     assert sorted(found["seeds"]) == s["seeds"], (task, name)
 
 
-def _missing(table: str) -> list:
-  with open(table) as f:
-    return json.load(f).get("missing", [])
-
-
 def test_an_unfinished_final_table_can_be_finished_from_this_checkout(tmp_path):
   """A final table with rows still to run (named missing in its results, or none run yet) is frozen at one version
   of the library and training code: the harness's own check must accept this checkout, or it refuses to train the
   table's rows (an edit to a file of ``report.TRAINING_CODE``, a docstring's too, moves the version)."""
   for task in benchmark.task_names(os.path.join(RESULTS, "..", "..", "configs", "head_to_head", "common.py")):
     results_dir = os.path.join(RESULTS, "head_to_head", task)
-    table = os.path.join(results_dir, "results.json")
-    if not os.path.exists(table) or _missing(table):
+    if not os.path.exists(os.path.join(results_dir, "results.json")) or _table(results_dir).get("missing"):
       config = importlib.import_module(f"configs.head_to_head.{task}").get_config()
       assert config.benchmark.frozen_code
       benchmark.Harness(config, str(tmp_path), results_dir, "").check_code_version(task)
