@@ -406,30 +406,26 @@ def test_given_points_or_results_dirs_that_name_nothing_or_a_retuned_row_are_ref
     benchmark.validate(config)
 
 
-def test_the_larger_transformers_current_tables_read_every_25_iterations_at_3_seeds():
-  """configs/benchmark_fine/: the larger transformer's tables until its final one (the character transformer's
-  final table replaced its own)."""
-  assert benchmark.task_names("configs/benchmark_fine/shakespeare_large.py") == [
-      "shakespeare_large", "shakespeare_large_state_rule", "shakespeare_large_step_rule"]
-  for task in ("shakespeare_large", "shakespeare_large_state_rule", "shakespeare_large_step_rule"):
-    config = importlib.import_module(f"configs.benchmark_fine.{task}").get_config()
-    assert config.eval_every == 25 and config.benchmark.seeds == (0, 1, 2), task
-    with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
-      benchmark.validate(config)  # every seed-0 grid config of every row, before any run
+def test_the_sizing_study_runs_the_larger_transformers_rows_at_the_points_its_committed_runs_record():
+  """configs/studies/benchmark_sizing.py rebuilds experiments/results/benchmark_sizing/shakespeare_large: the final
+  table's model and data, 60 iterations a row, each at the rate (and K-FAC's damping) its committed run holds."""
+  config = importlib.import_module("configs.studies.benchmark_sizing").get_config()
   task = importlib.import_module("configs.head_to_head.shakespeare_large").task()
-  large = importlib.import_module("configs.benchmark_fine.shakespeare_large").get_config()
-  assert large.num_steps == task.num_steps == 2000 and large.schedule == task.schedule  # so the chosen rates stand
-  assert benchmark.learning_rates(large, "muon") == [0.00632, 0.02, 0.0632]  # centred on the character's choice
-  # the state-rule table: the eigenbasis in front of Muon around its choice there, the others at their rates there
-  large_rule = importlib.import_module("configs.benchmark_fine.shakespeare_large_state_rule").get_config()
-  assert large_rule.num_steps == large.num_steps and large_rule.benchmark.seeds == large.benchmark.seeds
-  assert benchmark.learning_rates(large_rule, "scsgd_eigen_muon") == [0.002, 0.00632, 0.02]
-  assert benchmark.grid.given(large_rule, "points", "kfac") == benchmark.Point(0.316, (("damping", 0.001),))
-  assert large_rule.benchmark.frozen_code == "b298a2205499b59b"
-  # the step rule's table takes the state-rule table's rates from its committed seed-0 runs
-  step_rule = importlib.import_module("configs.benchmark_fine.shakespeare_large_step_rule").get_config()
-  assert benchmark.best_point(benchmark.earlier_grid(step_rule.benchmark.points_from, "muon")) == benchmark.Point(
-      0.00632)
+  assert (config.model, config.dataset, config.num_steps) == (task.model, task.dataset, 60)
+  with jax.numpy_rank_promotion("allow"):  # kfac-jax's own code promotes ranks
+    benchmark.validate(config)
+  runs = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "results", "benchmark_sizing",
+                      "shakespeare_large", benchmark.RUNS)
+  recorded = {}
+  for name in os.listdir(runs):
+    for file in os.listdir(os.path.join(runs, name)):
+      rec = benchmark.read_record(os.path.join(runs, name, file))
+      recorded[name] = benchmark.record_point(rec)
+      assert rec["config"]["num_steps"] == config.num_steps, file
+  assert sorted(recorded) == sorted(config.benchmark.all_optimizers)
+  for name, point in recorded.items():
+    assert benchmark.learning_rates(config, name) == [point.learning_rate], name
+  assert recorded["kfac"].joint == (("damping", 0.001),)
 
 
 _KEPT = ["adamw", "kfac", "muon", "nadamw", "sgd"]

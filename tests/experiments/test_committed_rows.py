@@ -16,8 +16,8 @@ from experiments.optim import optimizers
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "results")
 
 
-def _tasks(protocol):
-  return sorted(os.path.basename(d) for d in glob.glob(os.path.join(RESULTS, protocol, "*")) if os.path.isdir(d))
+def _tasks():
+  return sorted(os.path.basename(d) for d in glob.glob(os.path.join(RESULTS, "head_to_head", "*")) if os.path.isdir(d))
 
 
 def _table(results_dir: str) -> dict:
@@ -26,21 +26,18 @@ def _table(results_dir: str) -> dict:
     return json.load(f)
 
 
-FINE_TASKS = _tasks("benchmark_fine")  # the larger transformer's tables (configs/benchmark_fine/) until its final one
-FINAL_TASKS = _tasks("head_to_head")  # the final protocol (configs/head_to_head/), committed run by run
-RUNNING = ("head_to_head", "shakespeare_large")  # the table whose runs are being committed one by one, if any
+FINAL_TASKS = _tasks()  # the final protocol (configs/head_to_head/), committed run by run
+RUNNING = None  # the task whose final table's runs are being committed one by one, if any
 
 
 def test_every_task_has_committed_rows():
   assert FINAL_TASKS == ["convex", "mnist", "shakespeare", "shakespeare_large"]
-  assert FINE_TASKS == ["shakespeare_large_state_rule", "shakespeare_large_step_rule"]
 
 
-@pytest.mark.parametrize("protocol,task", [("benchmark_fine", t) for t in FINE_TASKS]
-                         + [("head_to_head", t) for t in FINAL_TASKS])
-def test_the_harness_finds_no_committed_row_to_rerun(protocol, task, tmp_path, capsys):
-  config = importlib.import_module(f"configs.{protocol}.{task}").get_config()
-  results_dir = os.path.join(RESULTS, protocol, task)
+@pytest.mark.parametrize("task", FINAL_TASKS)
+def test_the_harness_finds_no_committed_row_to_rerun(task, tmp_path, capsys):
+  config = importlib.import_module(f"configs.head_to_head.{task}").get_config()
+  results_dir = os.path.join(RESULTS, "head_to_head", task)
   harness = benchmark.Harness(config, str(tmp_path), results_dir, "")
 
   def never_train(*args, **kwargs):
@@ -48,7 +45,7 @@ def test_the_harness_finds_no_committed_row_to_rerun(protocol, task, tmp_path, c
 
   harness.run = lambda name, point, seed: harness.committed(name, point, seed) or never_train(name, point, seed)
   paths = sorted(glob.glob(os.path.join(results_dir, benchmark.RUNS, "*", "*.json")))
-  assert len(paths) > (0 if (protocol, task) == RUNNING else 10)
+  assert len(paths) > (0 if task == RUNNING else 10)
   stale = []
   for path in paths:
     with open(path) as f:
@@ -62,7 +59,7 @@ def test_the_harness_finds_no_committed_row_to_rerun(protocol, task, tmp_path, c
   # the config's points find every reported row's runs at the point its table reports; only the table still
   # running names rows as missing
   missing = set(table.get("missing", []))
-  assert not missing or (protocol, task) == RUNNING, missing
+  assert not missing or task == RUNNING, missing
   assert set(table["optimizers"]) | missing == set(config.benchmark.all_optimizers)
   for name in table["optimizers"]:
     found = benchmark.committed_results(harness, name)
@@ -93,7 +90,7 @@ def test_the_provenance_file_is_what_the_records_say(tmp_path):
   with open(os.path.join(RESULTS, provenance.OUT)) as f:
     committed = json.load(f)
   assert committed["tables"] == fresh["tables"] and committed["files"] == fresh["files"]
-  for protocol, task in [("benchmark_fine", t) for t in FINE_TASKS] + [("head_to_head", t) for t in FINAL_TASKS]:
-    rows = glob.glob(os.path.join(RESULTS, protocol, task, benchmark.RUNS, "*", "*.json"))
-    t = fresh["tables"][f"{protocol}/{task}"]
+  for task in FINAL_TASKS:
+    rows = glob.glob(os.path.join(RESULTS, "head_to_head", task, benchmark.RUNS, "*", "*.json"))
+    t = fresh["tables"][f"head_to_head/{task}"]
     assert t["rows"] == len(rows) == sum(t["commits"].values())
