@@ -27,7 +27,6 @@ def _table(results_dir: str) -> dict:
 
 
 FINAL_TASKS = _tasks()  # the final protocol (configs/head_to_head/), committed run by run
-RUNNING = None  # the task whose final table's runs are being committed one by one, if any
 
 
 def test_every_task_has_committed_rows():
@@ -45,7 +44,7 @@ def test_the_harness_finds_no_committed_row_to_rerun(task, tmp_path, capsys):
 
   harness.run = lambda name, point, seed: harness.committed(name, point, seed) or never_train(name, point, seed)
   paths = sorted(glob.glob(os.path.join(results_dir, benchmark.RUNS, "*", "*.json")))
-  assert len(paths) > (0 if task == RUNNING else 10)
+  assert len(paths) > 10
   stale = []
   for path in paths:
     with open(path) as f:
@@ -56,11 +55,9 @@ def test_the_harness_finds_no_committed_row_to_rerun(task, tmp_path, capsys):
       stale.append(rec["key"])
   assert not stale, f"{task}: rows the harness would run again: {stale}\n{capsys.readouterr().out}"
   table = _table(results_dir)
-  # the config's points find every reported row's runs at the point its table reports; only the table still
-  # running names rows as missing
-  missing = set(table.get("missing", []))
-  assert not missing or task == RUNNING, missing
-  assert set(table["optimizers"]) | missing == set(config.benchmark.all_optimizers)
+  # the config's points find every reported row's runs at the point its table reports, and no row is missing
+  assert not table.get("missing"), table.get("missing")
+  assert set(table["optimizers"]) == set(config.benchmark.all_optimizers)
   for name in table["optimizers"]:
     found = benchmark.committed_results(harness, name)
     assert found is not None, f"{task}: {name}: the config's point finds no committed runs"
