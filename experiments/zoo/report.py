@@ -1,0 +1,118 @@
+"""The zoo's results: ``results.json`` (per workload and row: the chosen rate, the seeds' final held-out losses,
+whether twice the rate still trains) and a README table beside it, from the cells' records."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import subprocess
+
+import jax
+
+ORDER = ("sgd", "scsgd", "scsgd_no_axes", "adamw", "scsgd_eigen", "muon", "scsgd_eigen_muon", "scsgd_muon")
+PAIRS = (("scsgd", "sgd"), ("scsgd_no_axes", "sgd"), ("scsgd_eigen", "adamw"), ("scsgd_eigen_muon", "muon"),
+         ("scsgd_muon", "muon"))
+
+
+def provenance() -> dict:
+  """The commit (and whether the tree had changes), the library versions and the machine of a record."""
+  import flax
+  import optax
+  git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
+  return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "scsgd_jax",
+                                                                  "experiments/zoo")),
+          "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
+          "machine": f"{platform.machine()} {platform.processor() or ''} {jax.devices()[0].device_kind}".strip(),
+          "date": datetime.date.today().isoformat()}
+
+
+def summarize(record: dict) -> dict:
+  if "refused" in record:
+    return {"learning_rate": None, "final_loss_median": None, "final_loss_range": None, "seeds": 0,
+            "double_rate_stable": False, "chosen_at_grid_edge": False, "median_curve": [], "refused": record["refused"]}
+  p = record["protocol"]
+  finals = [r["final_loss"] for r in p["seeds"]]
+  ok = [f for f in finals if f is not None]
+  double = p["double"]
+  return {"learning_rate": p["chosen_rate"], "final_loss_median": statistics.median(ok) if len(ok) == len(finals)
+          else None, "final_loss_range": [min(ok), max(ok)] if ok else None, "seeds": len(finals),
+          "double_rate_stable": bool(not double["diverged"] and double["final_loss"] is not None
+                                     and double["final_loss"] < double["first_loss"]),
+          "chosen_at_grid_edge": p["chosen_rate"] in (p["grid"][0]["rate"], p["grid"][-1]["rate"]),
+          "median_curve": _median_curve(p["seeds"])}
+
+
+def _median_curve(runs) -> list:
+  curves = [r["curve"] for r in runs if not r["diverged"]]
+  if len(curves) != len(runs):
+    return []
+  return [[c[0][0], statistics.median(x[1] for x in c)] for c in zip(*curves)]
+
+
+def iterations_to(curve: list, target: float):
+  return next((step for step, loss in curve if loss <= target), None)
+
+
+def write(workdir: pathlib.Path, results_dir: pathlib.Path) -> dict:
+  out = {"workloads": {}, "command": "python -m experiments.zoo.run --data_dir ../shared/tfds --workdir workdir/zoo "
+                                     "--results_dir experiments/results/zoo"}
+  records = [json.loads(p.read_text()) for p in sorted(workdir.glob("*/*.json"))]
+  for rec in records:
+    entry = out["workloads"].setdefault(rec["workload"], {"settings": rec["workload_settings"], "rows": {}})
+    entry["rows"][rec["row"]] = {**summarize(rec), "source": rec["source"], "commit": rec["commit"],
+                                 "dirty": rec["dirty"], "versions": rec["versions"], "machine": rec["machine"]}
+  results_dir.mkdir(parents=True, exist_ok=True)
+  (results_dir / "results.json").write_text(json.dumps(out, indent=1))
+  (results_dir / "README.md").write_text(table(out))
+  return out
+
+
+def _fmt(row: dict) -> str:
+  if row.get("refused"):
+    return "refused"
+  if row["final_loss_median"] is None:
+    return "diverged"
+  flag = "" if row["double_rate_stable"] else " (2x: no)"
+  return f"{row['final_loss_median']:.3f}{flag}"
+
+
+def table(out: dict) -> str:
+  lines = ["# The zoo", "", "Medians of 3 seeds' final held-out loss at each row's chosen rate (factor-2 grid, "
+           "warmup + cosine, the same batches for every row); `(2x: no)`: twice the chosen rate does not train. "
+           "Rebuild: `" + out["command"] + "`.", "",
+           "| workload | " + " | ".join(ORDER) + " |", "|---" * (len(ORDER) + 1) + "|"]
+  for name, entry in out["workloads"].items():
+    rows = entry["rows"]
+    lines.append(f"| {name} | " + " | ".join(_fmt(rows[r]) if r in rows else "" for r in ORDER) + " |")
+  lines += ["", "## Pairs (a row against its base: at or below is a win)", "",
+            "| workload | " + " | ".join(f"{a} vs {b}" for a, b in PAIRS) + " |", "|---" * (len(PAIRS) + 1) + "|"]
+  for name, entry in out["workloads"].items():
+    rows = entry["rows"]
+    cells = []
+    for a, b in PAIRS:
+      if a in rows and b in rows and rows[a]["final_loss_median"] is not None and rows[b]["final_loss_median"]:
+        d = rows[a]["final_loss_median"] - rows[b]["final_loss_median"]
+        cells.append(f"{d:+.3f} " + ("win" if d <= 0 else "loss"))
+      else:
+        cells.append("")
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  lines += ["", "## Iterations to Muon's final loss (median curves)", "", "| workload | muon | scsgd_eigen_muon | ratio |",
+            "|---|---|---|---|"]
+  for name, entry in out["workloads"].items():
+    rows = entry["rows"]
+    if "muon" in rows and "scsgd_eigen_muon" in rows and rows["muon"]["median_curve"]:
+      target = rows["muon"]["final_loss_median"]
+      a, b = (iterations_to(rows[r]["median_curve"], target) for r in ("muon", "scsgd_eigen_muon"))
+      lines.append(f"| {name} | {a} | {b if b else 'never'} | {b / a:.2f} |" if a and b else
+                   f"| {name} | {a} | {b if b else 'never'} | |")
+  rates = ["", "## Chosen rates", "", "| workload | " + " | ".join(ORDER) + " |", "|---" * (len(ORDER) + 1) + "|"]
+  for name, entry in out["workloads"].items():
+    rows = entry["rows"]
+    rates.append(f"| {name} | " + " | ".join(
+        (f"{rows[r]['learning_rate']:.3g}" + (" (edge)" if rows[r]["chosen_at_grid_edge"] else ""))
+        if r in rows and rows[r]["learning_rate"] else ""
+        for r in ORDER) + " |")
+  return "\n".join(lines + rates) + "\n"

@@ -1,0 +1,89 @@
+"""The zoo's rows: each optimizer as its authors run it, built for a workload at a peak rate schedule.
+
+Every row is linear in its rate (the rate multiplies the whole update, weight decay included), so a row is built
+once at peak rate 1 and scaled per run (:func:`scaled_by_rate`): one compiled step serves the whole rate grid and
+every seed. ``scsgd_no_axes`` is what a user gets who passes no ``input_axes`` (the README's recipe passes them).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import optax
+
+import scsgd_jax as sk
+from experiments.optim import peers
+from experiments.optim import registry
+from experiments.optim.sources import ADAM, MUON, NANOGPT, SCSGD
+from experiments.zoo.workloads import Workload
+
+NESTEROV = "Nesterov SGD, momentum 0.9 (Sutskever et al. 2013), the paper's baseline with momentum"
+
+
+class Row(NamedTuple):
+  """``build(schedule, workload, input_axes) -> tx``; ``centre``: the middle of its factor-2 rate grid."""
+
+  build: Callable[[optax.Schedule, Workload, dict], optax.GradientTransformation]
+  centre: float
+  source: str
+
+
+def _adam(w: Workload) -> dict:
+  return registry.adam_settings(w.kind)
+
+
+def _muon_args(w: Workload) -> dict:
+  """Muon's recipe: the output layer (and tables, vectors) on its AdamW part at the authors' betas."""
+  return {"output_layer": w.head, **{f"adam_{k}": v for k, v in _adam(w).items() if k != "decay_matrices_only"}}
+
+
+def _eigen(s, w, axes):
+  settings = dict(_adam(w))
+  if settings.pop("decay_matrices_only", False):
+    settings["mask"] = peers.decay_matrices
+  return sk.scsgd_eigen(s, input_axes=axes, **settings)
+
+
+def _eigen_muon(s, w, axes):
+  args = _muon_args(w)
+  own = {k: args.pop(k) for k in ("output_layer",)}
+  b2 = _adam(w).get("b2")
+  return sk.scsgd_eigen_muon(s, input_axes=axes, muon=args, **own, **({"b2": b2} if b2 else {}))
+
+
+ROWS: dict[str, Row] = {
+    "sgd": Row(lambda s, w, axes: optax.sgd(s, momentum=0.9, nesterov=True), 0.1, NESTEROV),
+    "scsgd": Row(lambda s, w, axes: sk.scsgd(s, input_axes=axes), 0.1, SCSGD + "; the README's recipe"),
+    "scsgd_no_axes": Row(lambda s, w, axes: sk.scsgd(s), 0.1, SCSGD + "; no input_axes (a new user's first try)"),
+    "adamw": Row(lambda s, w, axes: peers.adamw(s, **_adam(w)), 3e-3,
+                 f"transformers: {NANOGPT}; the other models: {ADAM}"),
+    "scsgd_eigen": Row(_eigen, 3e-3, "scsgd_jax.scsgd_eigen at AdamW's settings (SOAP's authors run SOAP so)"),
+    "muon": Row(lambda s, w, axes: peers.muon(s, **_muon_args(w)), 0.02, MUON),
+    "scsgd_eigen_muon": Row(_eigen_muon, 0.02, "scsgd_jax.scsgd_eigen_muon as Muon's recipe: " + MUON),
+    "scsgd_muon": Row(lambda s, w, axes: optax.chain(sk.scale_by_sketched_conditioning(input_axes=axes),
+                                                     peers.muon(s, **_muon_args(w))), 0.02,
+                      "scsgd_jax's conditioning in front of Muon as Muon's recipe: " + MUON),
+}
+
+
+def row(name: str) -> Row:
+  if name not in ROWS:
+    raise ValueError(f"unknown zoo row {name!r}; choose one of {sorted(ROWS)}")
+  return ROWS[name]
+
+
+def scaled_by_rate() -> optax.GradientTransformationExtraArgs:
+  """The updates times ``update``'s ``rate=`` argument (a traced scalar: one compiled step for every rate)."""
+
+  def update(updates, state, params=None, *, rate=1.0, **extra):
+    del params, extra
+    return jax.tree.map(lambda u: u * rate, updates), state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def build(name: str, w: Workload, axes: dict, warmup_fraction: float = 0.1) -> optax.GradientTransformationExtraArgs:
+  """Row ``name`` for ``w`` at peak rate 1 under warmup + cosine, then :func:`scaled_by_rate`."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 1.0, max(1, round(warmup_fraction * w.steps)), w.steps, 0.0)
+  return optax.chain(row(name).build(schedule, w, axes), scaled_by_rate())

@@ -1,0 +1,61 @@
+"""One zoo cell: a workload trained by one row, one compiled step for every rate and seed (:mod:`rows`)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from experiments.zoo import rows as rows_lib
+from experiments.zoo import workloads as wl
+
+EVAL_EVERY = 20  # held-out loss every this many steps (the curve that iterations-to-target reads)
+HELD_OUT = {"mnist": 1000, "tiny_shakespeare": 128}  # held-out examples (images, 64-character windows)
+
+
+class Cell:
+  """Workload ``name`` under row ``row``: :meth:`run` trains one (rate, seed)."""
+
+  def __init__(self, name: str, row: str, data_dir: str):
+    self.w = wl.workload(name)
+    self.data = wl.load(self.w.dataset, data_dir)
+    self.bound = wl.Bound(self.w, wl.example(self.w))
+    self.axes = self.bound.input_axes(wl.batch(self.data.train, self.w.batch, 0, 0)[0])
+    self.tx = rows_lib.build(row, self.w, self.axes)
+    self.capture = row.startswith("scsgd")
+    self.held_out = wl.held_out(self.data.validation, HELD_OUT[self.w.dataset])
+    self._step, self._eval = jax.jit(self._train_step), jax.jit(self.bound.evaluate)
+
+  def _train_step(self, params, extra, opt_state, x, y, key, rate):
+    (loss, (inputs, extra)), grads = jax.value_and_grad(self.bound.loss, has_aux=True)(
+        params, extra, x, y, key, self.capture)
+    kwargs = {"layer_inputs": inputs} if self.capture else {}
+    updates, opt_state = self.tx.update(grads, opt_state, params, rate=rate, **kwargs)
+    return optax.apply_updates(params, updates), extra, opt_state, loss
+
+  def run(self, rate: float, seed: int) -> dict:
+    """Trains ``steps`` steps at peak ``rate`` (batch order and init from ``seed``): the held-out curve, the final
+    held-out loss, and whether it diverged (a non-finite loss, or one a nat above where it started: stopped there)."""
+    params, extra = self.bound.start(seed)
+    opt_state = self.tx.init(params)
+    curve, first, diverged, start = [], None, False, time.time()
+    for step in range(self.w.steps):
+      x, y = wl.batch(self.data.train, self.w.batch, step, seed)
+      params, extra, opt_state, loss = self._step(params, extra, opt_state, x, y, jax.random.PRNGKey(step),
+                                                  jnp.float32(rate))
+      loss = float(loss)
+      first = loss if first is None else first
+      if not math.isfinite(loss) or loss > first + 1.0:
+        diverged = True
+        break
+      if (step + 1) % EVAL_EVERY == 0:
+        curve.append([step + 1, float(self._eval(params, extra, *self.held_out))])
+    final = curve[-1][1] if curve and not diverged else None
+    if final is not None and not math.isfinite(final):
+      final, diverged = None, True
+    return {"rate": rate, "seed": seed, "final_loss": final, "diverged": diverged, "first_loss": first,
+            "curve": curve, "seconds": round(time.time() - start, 2)}
