@@ -26,6 +26,9 @@ LINEN_COLLECTION = "layer_inputs"
 def _linen_interceptor(max_rows, counter, record, unconditioned, full_ndim, sow=True, outputs=None, reads=None):
   def interceptor(next_fun, a, k, context):
     mod = context.module
+    if context.method_name == "attend" and isinstance(mod, nn.Embed):  # a tied table: plain updates, said
+      unconditioned[captured_lib.param_path("/".join(map(str, mod.path)), "embedding")] = captured_lib.TIED
+      return next_fun(*a, **k)
     if context.method_name == "__call__" and isinstance(mod, LINEN_LAYERS) and a:
       name = "/".join(map(str, mod.path)) or type(mod).__name__
       try:
@@ -53,6 +56,12 @@ def _linen_interceptor(max_rows, counter, record, unconditioned, full_ndim, sow=
   return interceptor
 
 
+def _with_dropout(kwargs: dict, key) -> dict:
+  """``kwargs`` for ``module.apply`` with a ``'dropout'`` stream from ``key`` unless ``rngs`` is given (Dropout in
+  training mode needs one; a model without Dropout ignores it)."""
+  return kwargs if "rngs" in kwargs else {**kwargs, "rngs": {"dropout": key}}
+
+
 def _param_ndims(variables) -> dict[str, int]:
   """``{'layer/kernel': ndim}`` of the parameters (a stacked kernel has more axes than its layer declares)."""
   params = variables.get("params", {}) if hasattr(variables, "get") else {}
@@ -78,7 +87,8 @@ def capture_linen(
 
   Args:
     module, variables, *args, **kwargs: as for ``module.apply``.
-    rng, max_rows: as for :func:`capture_nnx`.
+    rng, max_rows: as for :func:`capture_nnx`; ``rng`` also seeds Dropout's ``'dropout'`` stream (a key folded
+      from it) unless ``rngs=`` is given.
     mutable: further mutable collections (e.g. ``['batch_stats']``); their new
       values are returned as a third output when given.
     output_perturbations: as for :func:`capture_nnx`, from :func:`output_perturbations_linen`.
@@ -96,7 +106,8 @@ def _capture_linen(module, variables, args, kwargs, rng, max_rows, mutable, outp
   axes, unconditioned = {}, {}
   with nn.intercept_methods(_linen_interceptor(max_rows, captured_lib.Counter(rng), axes, unconditioned,
                                                _param_ndims(variables), outputs=outputs)):
-    out, state = module.apply(variables, *args, mutable=[LINEN_COLLECTION, *mutable], **kwargs)
+    out, state = module.apply(variables, *args, mutable=[LINEN_COLLECTION, *mutable],
+                              **(kwargs if rng is None else _with_dropout(kwargs, jax.random.fold_in(rng, 1))))
   state = dict(state)
   captured = state.pop(LINEN_COLLECTION, {})
   captured = CapturedInputs(jax.tree.map(captured_lib.merge, dict(captured), is_leaf=lambda v: isinstance(v, tuple)),
@@ -124,7 +135,7 @@ def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str,
   def run(variables, *a):
     with nn.intercept_methods(_linen_interceptor(None, captured_lib.Counter(None), record, plain,
                                                  _param_ndims(variables), sow=False, reads=reads)):
-      return module.apply(variables, *a, mutable=True, **kwargs)  # e.g. BatchNorm in training mode
+      return module.apply(variables, *a, mutable=True, **_with_dropout(kwargs, jax.random.PRNGKey(0)))
 
   jax.eval_shape(run, variables, *args)
   return reads.marked({**record, **{path: Plain(why) for path, why in plain.items()}})

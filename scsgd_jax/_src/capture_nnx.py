@@ -65,13 +65,22 @@ def _patched_nnx(model, max_rows, counter, layouts, unconditioned, outputs=None,
 
     return call
 
+  attend = nnx.Embed.attend
+
+  def tied(self, query):  # the table is also the output projection: plain updates, said
+    path = _layer_path(self, "")
+    unconditioned[captured_lib.param_path(path if path in layers else "", "embedding")] = captured_lib.TIED
+    return attend(self, query)
+
   try:
     for node_name, node in layers.items():
       object.__setattr__(node, _PATH_ATTR, node_name)
     for cls, orig in originals.items():
       cls.__call__ = make(orig)
+    nnx.Embed.attend = tied
     yield
   finally:
+    nnx.Embed.attend = attend
     for cls, orig in originals.items():
       cls.__call__ = orig
     for node in layers.values():
@@ -191,12 +200,12 @@ def input_axes_nnx(model: nnx.Module, *args, **kwargs) -> dict[str, Layout]:
 
 def _marked_reads(model: nnx.Module, layouts: dict, args, kwargs) -> dict:
   """``layouts`` with the kernels that read another's rows in a call of ``model`` marked (:class:`Reads`)."""
-  reads, (graphdef, state) = captured_lib.Reads(), nnx.split(model)
+  reads, plain, (graphdef, state) = captured_lib.Reads(), {}, nnx.split(model)
 
   def run(state):
     copy = nnx.merge(graphdef, state)
-    with _patched_nnx(copy, None, captured_lib.Counter(None), {}, {}, reads=reads):
+    with _patched_nnx(copy, None, captured_lib.Counter(None), {}, plain, reads=reads):
       return nnx.capture(lambda m, *a, **k: m(*a, **k), LayerInput)(copy, *args, **kwargs)[0]
 
   jax.eval_shape(run, state)
-  return reads.marked(layouts)
+  return reads.marked({**layouts, **{path: Plain(why) for path, why in plain.items()}})

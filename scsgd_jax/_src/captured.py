@@ -18,6 +18,10 @@ from scsgd_jax._src.layers import own_ndim
 
 from scsgd_jax._src.inputs import CapturedInputs  # noqa: F401  (what a capture returns)
 
+# why a tied token table (an Embed whose attend gives the logits) gets plain updates
+TIED = ("a tied table: also the output projection (attend), whose gradient the token counts' conditioning does "
+        "not describe")
+
 
 
 def check_max_rows(max_rows) -> None:

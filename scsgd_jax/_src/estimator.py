@@ -35,6 +35,7 @@ class Settings(NamedTuple):
   input_axes: layout_lib.InputAxes
   axis_name: Optional[Hashable]
   seed: int
+  rank_asked: bool = False  # whether the user gave the rank (a plan that cuts it is then warned of)
 
 
 def settings(rank: Optional[int] = None,
@@ -46,11 +47,13 @@ def settings(rank: Optional[int] = None,
              axis_name: Optional[Hashable] = None,
              seed: int = 0) -> Settings:
   """:class:`Settings` from :func:`scale_by_sketched_conditioning`'s arguments, each checked (one place)."""
+  asked = rank is not None
   rank = defaults.RANK if rank is None else options.static_int("rank", rank, 1)
   statistics = options.checked_together(statistics, refresh, conditioner)
   if kernel_filter is not None and not callable(kernel_filter):
     raise TypeError(f"kernel_filter must be a callable (path, leaf) -> bool, got {kernel_filter!r}.")
-  return Settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed)
+  return Settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed,
+                  rank_asked=asked)
 
 
 def _flat_inputs(layer_inputs) -> dict[str, Any]:
@@ -104,9 +107,15 @@ class Estimator:
 
   def init(self, params) -> ScaleBySketchedConditioningState:
     """The plans of ``params``' kernels and their fresh statistics and factors."""
+    layout_lib.check_input_axes_keys(self.s.input_axes, params)
     kernel_plans = self.plans(params)
-    if not kernel_plans and self.default_axes is layout_lib.default_input_axes:  # the input side: say it, once
+    input_side = self.default_axes is layout_lib.default_input_axes
+    if not kernel_plans and input_side:  # the input side: say it, once
       warn_nothing_conditioned(params, self.plans.notes)
+    if self.s.rank_asked:
+      warn_rank_cut(kernel_plans, self.s.rank)
+    if self.s.input_axes is None and input_side:
+      warn_shared_inputs_unknown(kernel_plans)
     key, (statistics, factors, clipped) = state_lib.fresh_kernel_states(kernel_plans, self.s.seed)
     return ScaleBySketchedConditioningState(
         count=jnp.zeros([], jnp.int32),
@@ -153,8 +162,44 @@ class Estimator:
     factors, key = state.factors, state.key
     if not self.s.refresh.apart:  # else refresh_conditioners rebuilds them, apart from this step
       factors, key = self.refresh(statistics, state, own)
+    else:  # but for the first update's, which conditions it as in the step (no factors exist before it)
+      factors, key = jax.lax.cond(state.count == 0, lambda: self.refresh(statistics, state, own),
+                                  lambda: (factors, key))
     return state._replace(count=optax.safe_increment(state.count), key=key, statistics=statistics, factors=factors,
                           clipped_rows=clipped), kernel_plans
+
+
+def warn_rank_cut(kernel_plans, asked: int) -> None:
+  """A warning naming the kernels planned below the rank asked (beyond their ``n``, or cut by the memory rule)."""
+  cut = {p: plan for p, plan in kernel_plans.items() if plan.below(asked)}
+  if cut:
+    warnings.warn(f"scsgd_jax: rank={asked} was asked, but these kernels are planned at a lower rank: " + "; ".join(
+        f"{p} (rank {plan.rank}, n={plan.n}: {'a sketch is below n' if asked >= plan.n else 'the memory rule'})"
+        for p, plan in cut.items()) + ". Statistics(budget='kernel'|'model') and rank decide it; summary() shows "
+        "every plan.", stacklevel=4)
+
+
+def attention_siblings(paths) -> list[list[str]]:
+  """Groups of kernels named as one attention's query, key and value (Flax's names): one input array, as a rule."""
+  groups: dict[str, list[str]] = {}
+  for p in paths:
+    parts = p.split("/")
+    if len(parts) >= 3 and parts[-1] == "kernel" and parts[-2] in ("query", "key", "value"):
+      groups.setdefault("/".join(parts[:-2]), []).append(p)
+  return [g for g in groups.values() if len(g) > 1]
+
+
+def warn_shared_inputs_unknown(kernel_plans) -> None:
+  """Without ``input_axes`` the plans cannot know which kernels read one input array (an attention's query, key and
+  value): each is planned apart, with a third of the memory one shared statistic has. One line naming the fix."""
+  groups = [g for g in attention_siblings(kernel_plans)
+            if any((kernel_plans[p].kind, kernel_plans[p].rank) != ("dense", None) for p in g)]
+  if groups:
+    warnings.warn(
+        f"scsgd_jax: no input_axes given, so the query, key and value of {len(groups)} attention layer(s) are "
+        f"planned apart, each within a third of the memory one shared statistic of their one input has (e.g. "
+        + ", ".join(f"{p}: {kernel_plans[p].describe()}" for p in groups[0]) + "): pass input_axes=scsgd_jax.input_axes_nnx(model, x) (Linen: "
+        "scsgd_jax.input_axes_linen(module, variables, x)), which finds the shared inputs.", stacklevel=4)
 
 
 def warn_nothing_conditioned(params, notes: dict[str, str]) -> None:

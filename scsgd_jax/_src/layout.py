@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 import jax
 
 __all__ = ["InputAxes", "Layout", "Plain", "axes_of", "default_input_axes", "default_kernel_filter", "kernel_paths",
-           "kernels_of", "path_to_str", "plain_why"]
+           "kernels_of", "path_to_str", "plain_why", "check_input_axes_keys"]
 
 
 class Layout(NamedTuple):
@@ -117,6 +117,22 @@ def kernel_paths(tree, kernel_filter: Callable[[str, Any], bool] = default_kerne
   return {path_to_str(p): leaf for p, leaf in flat if kernel_filter(path_to_str(p), leaf)}
 
 
+def check_input_axes_keys(input_axes: InputAxes, tree) -> None:
+  """Refuses an ``input_axes`` mapping key that names no parameter of ``tree`` (a typo would leave the layer it
+  meant to the defaults, silently), naming the key and the closest parameter paths."""
+  if not isinstance(input_axes, Mapping):
+    return
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  paths = [path_to_str(p) for p, _ in flat]
+  unknown = sorted(set(input_axes) - set(paths))
+  if unknown:
+    import difflib
+    near = {k: difflib.get_close_matches(k, paths, n=3, cutoff=0.5) for k in unknown}
+    raise ValueError("input_axes names no parameter at " + "; ".join(
+        f"'{k}'" + (f" (closest: {', '.join(repr(m) for m in near[k])})" if near[k] else "") for k in unknown)
+        + ". Keys are parameter paths joined by '/', e.g. 'layers/0/kernel'.")
+
+
 def axes_of(path: str, leaf, input_axes: InputAxes, captured: Optional[Mapping[str, Any]] = None,
             default: Optional[Callable[[str, Any], tuple[int, ...]]] = None) -> Layout:
   """The checked :class:`Layout` of kernel ``path``: ``input_axes`` (callable or mapping; a tuple of axes or a
@@ -134,7 +150,12 @@ def axes_of(path: str, leaf, input_axes: InputAxes, captured: Optional[Mapping[s
   ndim = len(shape) - layout.stack
   if layout.stack < 0 or ndim < 2:
     raise ValueError(f"kernel '{path}' {shape}: {layout.stack} stack axes leave no matrix to condition.")
-  axes = tuple(int(a) % ndim for a in layout.input_axes)
+  given = tuple(int(a) for a in layout.input_axes)
+  if any(not -ndim <= a < ndim for a in given):
+    raise ValueError(
+        f"input axes {given} of kernel '{path}' {shape}: each must lie in [-{ndim}, {ndim}), the axes of "
+        + (f"one slice {shape[layout.stack:]} of its {layout.stack}-axis stack." if layout.stack else "the kernel."))
+  axes = tuple(a % ndim for a in given)
   if not axes or len(set(axes)) != len(axes) or len(axes) >= ndim:
     raise ValueError(
         f"input axes {axes} of kernel '{path}' {shape} must be distinct and leave at least one output axis"
