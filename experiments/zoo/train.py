@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -37,25 +38,27 @@ class Cell:
     updates, opt_state = self.tx.update(grads, opt_state, params, rate=rate, **kwargs)
     return optax.apply_updates(params, updates), extra, opt_state, loss
 
-  def run(self, rate: float, seed: int) -> dict:
-    """Trains ``steps`` steps at peak ``rate`` (batch order and init from ``seed``): the held-out curve, the final
+  def run(self, rate: float, seed: int, steps: Optional[int] = None) -> dict:
+    """Trains the workload's ``steps`` (or ``steps``) at peak ``rate`` (batch order and init from ``seed``): the held-out curve, the final
     held-out loss, and whether it diverged (a non-finite loss, or one a nat above where it started: stopped there)."""
     params, extra = self.bound.start(seed)
     opt_state = self.tx.init(params)
-    curve, first, diverged, start = [], None, False, time.time()
-    for step in range(self.w.steps):
+    curve, losses, first, diverged, start = [], [], None, False, time.time()
+    steps = self.w.steps if steps is None else steps
+    for step in range(steps):
       x, y = wl.batch(self.data.train, self.w.batch, step, seed)
       params, extra, opt_state, loss = self._step(params, extra, opt_state, x, y, jax.random.PRNGKey(step),
                                                   jnp.float32(rate))
       loss = float(loss)
       first = loss if first is None else first
+      losses.append(loss)
       if not math.isfinite(loss) or loss > first + 1.0:
         diverged = True
         break
-      if (step + 1) % EVAL_EVERY == 0:
+      if (step + 1) % EVAL_EVERY == 0 or step + 1 == steps:
         curve.append([step + 1, float(self._eval(params, extra, *self.held_out))])
     final = curve[-1][1] if curve and not diverged else None
     if final is not None and not math.isfinite(final):
       final, diverged = None, True
     return {"rate": rate, "seed": seed, "final_loss": final, "diverged": diverged, "first_loss": first,
-            "curve": curve, "seconds": round(time.time() - start, 2)}
+            "curve": curve, "train_losses": losses, "seconds": round(time.time() - start, 2)}

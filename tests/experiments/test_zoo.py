@@ -1,0 +1,100 @@
+"""The workload zoo: every workload trains a few steps under the library's row (finite, falling), every row is
+linear in its rate (the one-compile grid's premise, against the update at rate 1), and the protocol and the report
+do what the table says (a scripted cell as the oracle)."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.zoo import report, rows as rows_lib, run, workloads as wl
+
+SHARED_TFDS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "tfds")
+needs_data = pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_TFDS, "mnist")), reason="needs ../shared/tfds")
+
+
+@needs_data
+@pytest.mark.parametrize("name", sorted(wl.WORKLOADS))
+def test_every_workload_trains_a_few_steps_finite_and_falling(name):
+  from experiments.zoo import train
+  cell = train.Cell(name, "scsgd", SHARED_TFDS)
+  out = cell.run(rows_lib.row("scsgd").centre, seed=0, steps=12)
+  losses = out["train_losses"]
+  assert not out["diverged"] and len(losses) == 12 and all(math.isfinite(l) for l in losses)
+  assert np.mean(losses[-3:]) < losses[0], losses
+  assert math.isfinite(out["final_loss"])
+
+
+def _grads_and_inputs(bound, params, extra, x, y):
+  (_, (inputs, _)), grads = jax.value_and_grad(bound.loss, has_aux=True)(params, extra, x, y, jax.random.PRNGKey(0),
+                                                                          True)
+  return grads, inputs
+
+
+@pytest.mark.parametrize("name", sorted(rows_lib.ROWS))
+def test_every_row_is_linear_in_its_rate(name):
+  w = wl.workload("relu_mlp")._replace(make=lambda rngs: __import__("experiments.zoo.models_nnx").zoo.models_nnx
+                                       .ReluMLP(inputs=12, hidden=48, rngs=rngs))
+  bound = wl.Bound(w, jnp.zeros((4, 12)))
+  params, extra = bound.start(0)
+  rng = np.random.default_rng(0)
+  x, y = jnp.asarray(rng.standard_normal((16, 12)), jnp.float32), jnp.asarray(rng.integers(0, 10, 16))
+  tx = rows_lib.build(name, w, bound.input_axes(x))
+  grads, inputs = _grads_and_inputs(bound, params, extra, x, y)
+  kwargs = {"layer_inputs": inputs} if name.startswith("scsgd") else {}
+  state = tx.init(params)
+  for _ in range(25):  # past the warmup: the schedule is not zero
+    state = tx.update(grads, state, params, rate=1.0, **kwargs)[1]
+  one = tx.update(grads, state, params, rate=1.0, **kwargs)[0]
+  three = tx.update(grads, state, params, rate=3.0, **kwargs)[0]
+  for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(three), strict=True):
+    np.testing.assert_allclose(np.asarray(b), 3.0 * np.asarray(a), rtol=1e-5, atol=1e-8)
+  assert any(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(one))
+
+
+class ScriptedCell:
+  """A cell whose final loss is ``(log2(rate / best))^2`` (+ the seed / 100), diverging from ``edge`` up."""
+
+  def __init__(self, best, edge, row="scsgd"):
+    self.best, self.edge, self.row_name, self.calls = best, edge, row, []
+
+  def run(self, rate, seed):
+    self.calls.append((rate, seed))
+    diverged = rate >= self.edge
+    final = None if diverged else math.log2(rate / self.best) ** 2 + seed / 100
+    return {"rate": rate, "seed": seed, "final_loss": final, "diverged": diverged, "first_loss": 4.0,
+            "curve": [] if diverged else [[10, 5.0], [20, final]]}
+
+
+def test_the_grid_widens_while_the_best_rate_sits_on_its_edge_and_twice_the_rate_is_tried():
+  centre = rows_lib.row("scsgd").centre
+  cell = ScriptedCell(best=centre * 4, edge=centre * 16)
+  out = run.protocol(cell)
+  assert [g["rate"] for g in out["grid"]] == [centre * 2.0 ** e for e in (-1, 0, 1, 2, 3)]
+  assert out["chosen_rate"] == centre * 4
+  assert [s["seed"] for s in out["seeds"]] == [0, 1, 2] and out["double"]["rate"] == centre * 8
+  assert (centre * 8, 0) in cell.calls and cell.calls.count((centre * 8, 0)) == 1  # the grid's run, not again
+
+
+def test_the_grid_stops_at_a_diverged_edge_and_twice_a_fragile_rate_is_recorded_diverged():
+  centre = rows_lib.row("scsgd").centre
+  out = run.protocol(ScriptedCell(best=centre * 8, edge=centre * 2))
+  assert out["chosen_rate"] == centre and out["double"]["diverged"]
+
+
+def test_the_report_has_the_issue_schema_and_says_fragile_rows(tmp_path):
+  for row, (best, edge) in {"sgd": (0.1, 0.4), "scsgd": (0.1, 0.2)}.items():
+    record = {"workload": "relu_mlp", "row": row, "source": "s", "workload_settings": {}, "commit": "c",
+              "dirty": False, "versions": {}, "machine": "m", "protocol": run.protocol(ScriptedCell(best, edge, row))}
+    (tmp_path / "w" / "relu_mlp").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "w" / "relu_mlp" / f"{row}.json").write_text(json.dumps(record))
+  out = report.write(tmp_path / "w", tmp_path / "r")
+  rows = json.loads((tmp_path / "r" / "results.json").read_text())["workloads"]["relu_mlp"]["rows"]
+  assert set(rows["sgd"]) >= {"learning_rate", "final_loss_median", "final_loss_range", "seeds", "double_rate_stable"}
+  assert rows["sgd"]["double_rate_stable"] and not rows["scsgd"]["double_rate_stable"]
+  assert rows["sgd"]["final_loss_median"] == pytest.approx(0.01) and rows["sgd"]["seeds"] == 3
+  assert "(2x: no)" in (tmp_path / "r" / "README.md").read_text() and out["workloads"]
