@@ -26,6 +26,7 @@ from scsgd_jax._src.layout import Plain as Plain
 from scsgd_jax._src.layout import default_kernel_filter as default_kernel_filter
 from scsgd_jax._src.shardings import state_shardings as state_shardings
 from scsgd_jax._src.state import ScaleBySketchedConditioningState as ScaleBySketchedConditioningState
+from scsgd_jax._src.state import plans as plans
 from scsgd_jax._src.transform import STATIC_ARGS as STATIC_ARGS
 from scsgd_jax._src.transform import scale_by_sketched_conditioning as scale_by_sketched_conditioning
 
@@ -55,6 +56,7 @@ __all__ = sorted([
     "default_kernel_filter",
     "kernel_diagnostics",
     "muon_kernel_filter",
+    "plans",
     "refresh_conditioners",
     "scale_by_eigenbasis_adam",
     "scale_by_sketched_conditioning",

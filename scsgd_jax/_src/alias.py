@@ -19,6 +19,7 @@ from scsgd_jax._src import transform
 __all__ = ["scsgd", "scsgd_eigen", "scsgd_eigen_muon", "scsgd_two_sided"]
 
 
+@options.refuses_moved_keywords
 def scsgd(
     learning_rate: optax.ScalarOrSchedule,
     rank: Optional[int] = None,
@@ -72,6 +73,7 @@ def scsgd(
   )
 
 
+@options.refuses_moved_keywords
 def scsgd_two_sided(
     learning_rate: optax.ScalarOrSchedule,
     rank: Optional[int] = None,
@@ -145,6 +147,7 @@ def scsgd_two_sided(
       optax.sgd(learning_rate, momentum=momentum, nesterov=True))
 
 
+@options.refuses_moved_keywords
 def scsgd_eigen(
     learning_rate: optax.ScalarOrSchedule,
     rank: Optional[int] = None,
@@ -207,6 +210,7 @@ _MUON_OWN = ("learning_rate", "beta", "nesterov", "mu_dtype", "muon_weight_dimen
              "weight_decay")
 
 
+@options.refuses_moved_keywords
 def scsgd_eigen_muon(
     learning_rate: optax.ScalarOrSchedule,
     rank: Optional[int] = None,

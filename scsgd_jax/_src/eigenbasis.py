@@ -83,6 +83,7 @@ class ScaleByEigenbasisAdamState(NamedTuple):
     return self.conditioning.summary()
 
 
+@options.refuses_moved_keywords
 def scale_by_eigenbasis_adam(
     rank: Optional[int] = None,
     *,

@@ -174,9 +174,10 @@ def warn_rank_cut(kernel_plans, asked: int) -> None:
   cut = {p: plan for p, plan in kernel_plans.items() if plan.below(asked)}
   if cut:
     warnings.warn(f"scsgd_jax: rank={asked} was asked, but these kernels are planned at a lower rank: " + "; ".join(
-        f"{p} (rank {plan.rank}, n={plan.n}: {'a sketch is below n' if asked >= plan.n else 'the memory rule'})"
-        for p, plan in cut.items()) + ". Statistics(budget='kernel'|'model') and rank decide it; summary() shows "
-        "every plan.", stacklevel=4)
+        f"{p} (rank {plan.rank}, n={plan.n}: "
+        f"{'a sketch is below n' if plan.rank == plan.n - 1 and asked >= plan.n else 'the memory rule'})"
+        for p, plan in cut.items()) + ". The memory rule (Statistics(budget=...)) and n decide it; "
+        "scsgd_jax.plans(state) shows every plan.", stacklevel=4)
 
 
 def attention_siblings(paths) -> list[list[str]]:

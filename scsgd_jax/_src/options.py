@@ -10,6 +10,7 @@ takes the library's default (:meth:`resolved` says which), so that a default is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal, Optional, Union
 
 import jax
@@ -242,3 +243,29 @@ def checked_together(statistics: StatisticsOption, refresh: Refresh, conditioner
     _refuse(f"Conditioner on Statistics(kind={kind!r}) (the size rule picks the full C^(1/2) where the dense C is "
             "kept)", {"Conditioner.full_max_dim": conditioner.full_max_dim})
   return statistics
+
+
+# the flat keywords of earlier releases and where each setting went
+MOVED = {
+    "ema_rate": "Statistics(ema_rate=...)", "statistics_every": "Statistics(every=...)",
+    "outlier_threshold": "Statistics(outlier_threshold=...)", "oversample": "Statistics(oversample=...)",
+    "power_iterations": "Statistics(power_iterations=...)", "budget": "Statistics(budget=...)",
+    "update_every": "Refresh(every=...)", "stagger": "Refresh(stagger=...)", "warm_start": "Refresh(warm_start=...)",
+    "full_max_dim": "Conditioner(full_max_dim=...)", "eigenvalue_floor": "Conditioner(eigenvalue_floor=...)",
+    "normalize": "Conditioner(normalize=...)",
+}
+
+
+def refuses_moved_keywords(fn):
+  """``fn``, refusing in one line a keyword of :data:`MOVED` (Python's own error would not say where it went)."""
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    moved = [k for k in kwargs if k in MOVED]
+    if moved:
+      option = lambda k: MOVED[k].split("(")[0].lower()
+      raise TypeError(f"{fn.__name__}() takes no {', '.join(moved)}: " + "; ".join(
+          f"{k} is now scsgd_jax.{MOVED[k]}, passed as {option(k)}=" for k in moved) + ".")
+    return fn(*args, **kwargs)
+
+  return wrapper

@@ -57,6 +57,7 @@ def output_kernel_filter_from(kernel_filter, input_axes: layout_lib.InputAxes):
   return lambda path, leaf: base(path, leaf) and layout_lib.plain_why(input_axes, path) is None
 
 
+@options.refuses_moved_keywords
 def scale_by_output_conditioning(
     rank: Optional[int] = None,
     *,

@@ -39,13 +39,36 @@ def state_shardings(tx, params, param_shardings):
     opt_state = jax.jit(tx.init, out_shardings=shardings)(params)
   """
   state = jax.eval_shape(tx.init, params)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  leaves = treedef.flatten_up_to(param_shardings)
+  flat, leaves = _matched(params, param_shardings)
   by_path = {_keys(p): (tuple(leaf.shape), s) for (p, leaf), s in zip(flat, leaves)}
   kernels = {layout_lib.path_to_str(p): (tuple(leaf.shape), s) for (p, leaf), s in zip(flat, leaves)}
   kind = next(iter(leaves), None)
   replicated = (NamedSharding(kind.mesh, PartitionSpec()) if isinstance(kind, NamedSharding) else PartitionSpec())
   return _walk(state, (), None, kernels, by_path, replicated)
+
+
+def _is_sharding(x) -> bool:
+  return x is None or isinstance(x, (NamedSharding, PartitionSpec))
+
+
+def _matched(params, param_shardings):
+  """``params``' leaves with paths, and each one's sharding: ``param_shardings`` a tree like ``params``, or any tree
+  whose paths name the same parameters (a dict for an ``nnx.State``, ``nnx.get_named_sharding``'s state)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  try:
+    return flat, treedef.flatten_up_to(param_shardings)
+  except (ValueError, TypeError):
+    pass
+  given = {layout_lib.path_to_str(p): s
+           for p, s in jax.tree_util.tree_flatten_with_path(param_shardings, is_leaf=_is_sharding)[0]}
+  missing = [layout_lib.path_to_str(p) for p, _ in flat if layout_lib.path_to_str(p) not in given]
+  if missing or not all(_is_sharding(s) for s in given.values()):
+    raise ValueError(
+        "state_shardings: param_shardings must hold a NamedSharding or PartitionSpec for every parameter, as a tree "
+        f"like params or by the same paths; {len(missing)} parameter(s) have none (e.g. {missing[:3]}). Pass "
+        "jax.tree.map(lambda p: p.sharding, params), or for NNX nnx.get_named_sharding(nnx.state(model, nnx.Param), "
+        "mesh).")
+  return flat, [given[layout_lib.path_to_str(p)] for p, _ in flat]
 
 
 def _keys(path) -> tuple:

@@ -204,3 +204,25 @@ def noted(state: ScaleBySketchedConditioningState, kernel_plans, skipped=(), ask
           "comes from another plan or an earlier version of the state. Restore checkpoints into the state of "
           "tx.init(params) of the same optimizer and scsgd_jax version (see the changelog for format changes).")
   return state._replace(plan=summary_of(kernel_plans, notes, asked_rank, state.plan.refresher))
+
+
+def plans(opt_state) -> dict[str, str]:
+  """How each kernel is conditioned, or why it is not, read from any optimizer state holding this library's
+  conditioning: ``tx.init(params)`` or ``jax.eval_shape(tx.init, params)`` of a chain, ``optax.masked``,
+  ``optax.inject_hyperparams``, ``optax.MultiSteps``, an alias, or an ``nnx.Optimizer``'s ``opt_state``. Several
+  conditionings (both sides of :func:`scsgd_jax.contrib.scsgd_two_sided`) join their lines per kernel with ``' | '``.
+
+  Example::
+
+    scsgd_jax.plans(jax.eval_shape(tx.init, params))  # {'conv1/kernel': 'dense C, full C^(1/2), n=25', ...}
+  """
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleBySketchedConditioningState))
+           if isinstance(x, ScaleBySketchedConditioningState)]
+  if not found:
+    raise ValueError("plans: opt_state holds no scsgd_jax conditioning state; pass the state an scsgd_jax "
+                     "transformation's init returned (or jax.eval_shape of it), or an nnx.Optimizer's opt_state.")
+  out: dict[str, str] = {}
+  for state in found:
+    for path, line in state.summary().items():
+      out[path] = line if path not in out else f"{out[path]} | {line}"
+  return out

@@ -33,6 +33,7 @@ __all__ = [
 STATIC_ARGS = ("rank",)
 
 
+@options.refuses_moved_keywords
 def scale_by_sketched_conditioning(
     rank: Optional[int] = None,
     *,
