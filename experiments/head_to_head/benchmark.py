@@ -106,7 +106,13 @@ class Harness:
     rec = read_record(path)
     if rec is None:
       return None
-    now = train.record(run_config(self.config, name, point, seed, self.extra(name)))
+    cfg = run_config(self.config, name, point, seed, self.extra(name))
+    missing = [] if rec["diverged"] else missing_evaluations(cfg, rec["rows"])
+    if missing:  # a record cut short (by hand or a tool): its final loss is not the run's
+      print(f"{path}: incomplete record (no evaluation at steps {missing[:3]}{' ...' if len(missing) > 3 else ''}"
+            "): run again", file=sys.stderr, flush=True)
+      return None
+    now = train.record(cfg)
     diff = workdir_lib.config_differences(rec["config"], now)
     frozen = self.config.benchmark.get("frozen_code")
     defaults_only = all(k.endswith(workdir_lib.LIBRARY_DEFAULT) for k, _, _ in diff)
@@ -183,6 +189,14 @@ def missing_evaluations(cfg, rows: list[dict]) -> list[int]:
   return sorted(due - {r["step"] for r in rows if "test_loss" in r})
 
 
+def exploded(rows: list[dict]) -> Optional[float]:
+  """The last evaluation's loss if it lies above the run's start (its first training or evaluation loss): a run
+  whose loss grew without leaving the floats (finite, yet diverged); else ``None``."""
+  evals = [r["test_loss"] for r in rows if "test_loss" in r]
+  start = [r[k] for r in rows for k in ("train_loss", "test_loss") if k in r][:1]
+  return evals[-1] if evals and start and evals[-1] > start[0] else None
+
+
 def train_one(cfg, workdir: str, report_split: str) -> dict:
   """Trains one run (resuming its workdir, or starting it over if it holds another config: the committed
   records are the benchmark's state, a workdir only a cache) and returns its record (without its key).
@@ -211,6 +225,10 @@ def train_one(cfg, workdir: str, report_split: str) -> dict:
       raise errors.WorkdirError(f"{message}, again after training it from scratch")
     print(f"starting over: {message}", file=sys.stderr, flush=True)
     shutil.rmtree(workdir)
+  if not diverged and exploded(rows):
+    print(f"warning: {workdir}: its final loss {exploded(rows):.4g} is above where it started: marked diverged",
+          file=sys.stderr, flush=True)
+    diverged = True
   out = {"config": train.record(cfg), "diverged": diverged, "rows": rows, "state_bytes": state_bytes(cfg),
          "load_average_1min": [load_before[0], os.getloadavg()[0]]}
   if report_split and not diverged:
@@ -222,6 +240,15 @@ def validate(config) -> None:
   """Every seed-0 grid run's config, before any run (a bad override is one line, nothing trained)."""
   if config.benchmark.kind not in registry.KINDS:
     raise errors.ConfigError(f"config.benchmark.kind: {config.benchmark.kind!r}; choose one of {registry.KINDS}.")
+  if not len(config.benchmark.grid) and not config.benchmark.get("points"):
+    raise errors.ConfigError("config.benchmark.grid is empty: each row's rate is chosen on it; give multiples of "
+                             "its authors' rate, e.g. (0.316, 1.0, 3.16).")
+  if not len(config.benchmark.seeds):
+    raise errors.ConfigError("config.benchmark.seeds is empty: a table needs at least one seed, e.g. (0, 1, 2).")
+  if config.eval_every > config.num_steps:
+    raise errors.ConfigError(f"config.eval_every={config.eval_every} is beyond the budget num_steps="
+                             f"{config.num_steps}: iterations to the target would read the budget itself; "
+                             "evaluate at least once before the end.")
   grid.check_given(config)
   for name in names(config):
     kept = grid.given(config, "points", name)
@@ -231,6 +258,20 @@ def validate(config) -> None:
     for joint in joint_points(config, name):
       for lr in learning_rates(config, name):
         validate_lib.validate_config(run_config(config, name, Point(lr, joint), 0))
+
+
+def check_writable(folder: str) -> None:
+  """``folder`` made if missing and written to once (a file created and removed), before any run trains: a folder
+  the harness cannot write is one line, not a run's work lost at its end."""
+  try:
+    os.makedirs(folder, exist_ok=True)
+    probe = os.path.join(folder, f".write_check.{os.getpid()}")
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise errors.ConfigError(f"cannot write to {folder} ({e.strerror}): the harness writes its records and "
+                             "reports there; make it writable or give another --results_dir.") from None
 
 
 def task_names(config_file: str) -> list[str]:
@@ -266,7 +307,8 @@ def benchmark(config, workdir: str, results_dir: str, command: str, tasks: Seque
   """Runs what is missing for ``config.benchmark.optimizers`` and rebuilds the report after each optimizer
   from every optimizer of the task's protocol whose runs are committed (``tasks``: the summary's list)."""
   validate(config)
-  os.makedirs(results_dir, exist_ok=True)
+  for folder in (results_dir, os.path.join(results_dir, RUNS), os.path.dirname(os.path.abspath(results_dir))):
+    check_writable(folder)
   with workdir_lib.lock(results_dir, HARNESS_LOCK, "harness",
                         "give this one another --results_dir (the records of one task have one writer)"):
     harness = Harness(config, workdir, results_dir, command)

@@ -71,7 +71,7 @@ def message(e: BaseException) -> tuple[str, int]:
   if isinstance(e, errors.ExperimentError):
     return f"error: {e}", e.exit_code
   if isinstance(e, KeyboardInterrupt):
-    return "interrupted before training began; rerun the same command to start", 130
+    return "interrupted; what finished is kept (records, checkpoints): rerun the same command to resume", 130
   os_error = errors.disk_error(e)
   if os_error is not None:
     return f"error: cannot write {os_error.filename or 'to disk'}: {os_error.strerror}", 1

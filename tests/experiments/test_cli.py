@@ -99,7 +99,7 @@ def _exit(main):
      "error: sgd diverged at step 40 (train_loss=nan)", 1),
     (OSError(errno.ENOSPC, "No space left on device", "/w/metrics.jsonl"),
      "error: cannot write /w/metrics.jsonl: No space left on device", 1),
-    (KeyboardInterrupt(), "interrupted before training began; rerun the same command to start", 130),
+    (KeyboardInterrupt(), "interrupted; what finished is kept (records, checkpoints): rerun the same command to resume", 130),
 ])
 def test_guarded_main_turns_what_stops_a_run_into_one_line(capsys, raised, line, code):
   def main(argv):

@@ -28,7 +28,7 @@ def _config():
   config.download = False
   config.max_train_examples, config.max_test_examples = 64, 32
   config.train_split, config.eval_split = "train", "test"
-  config.num_steps = 20
+  config.num_steps, config.eval_every = 20, 10  # the stand-in's records evaluate at steps 10 and 20
   config.benchmark.all_optimizers = ("sgd", "scsgd")
   config.benchmark.optimizers = ("sgd", "scsgd")
   config.benchmark.grid = (1.0, 3.16)
@@ -166,3 +166,68 @@ def test_a_read_only_results_directory_is_one_line_before_anything_trains(task, 
   line, _ = cli.message(info.value)
   assert line == f"error: cannot write {os.path.join(results, benchmark.HARNESS_LOCK)}: Read-only file system"
   assert fake.calls == []
+
+
+def test_a_record_cut_short_is_named_and_run_again(task, monkeypatch, capsys):
+  results, work = task
+  fake = FakeTraining()
+  monkeypatch.setattr(benchmark, "train_one", fake)
+  benchmark.benchmark(_config(), work, results, "cmd")
+  path = os.path.join(results, benchmark.RUNS, "sgd", "lr0.01_seed0.json")
+  rec = json.load(open(path))
+  rec["rows"] = rec["rows"][:1]  # parses, every key there: its metrics cut to half the budget
+  json.dump(rec, open(path, "w"))
+  fake.calls.clear()
+  capsys.readouterr()
+  benchmark.benchmark(_config(), work, results, "cmd")
+  assert f"{path}: incomplete record (no evaluation at steps [20]): run again" in capsys.readouterr().err
+  assert fake.calls == ["sgd/lr0.01_seed0"] and len(json.load(open(path))["rows"]) == 2
+
+
+def test_a_finite_explosion_is_marked_diverged():
+  rows = [{"step": 1, "train_loss": 2.30}, {"step": 10, "test_loss": 1.9}, {"step": 20, "test_loss": 1e29}]
+  assert benchmark.exploded(rows) == 1e29
+  assert benchmark.exploded(rows[:2]) is None
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("seeds", (), "config.benchmark.seeds is empty"), ("grid", (), "config.benchmark.grid is empty"),
+    ("eval_every", 40, "config.eval_every=40 is beyond the budget num_steps=20")])
+def test_a_config_that_cannot_make_a_table_is_refused_before_anything_trains(task, monkeypatch, field, value, said):
+  results, work = task
+  fake = FakeTraining()
+  monkeypatch.setattr(benchmark, "train_one", fake)
+  config = _config()
+  if field == "eval_every":
+    config.eval_every = value
+  else:
+    config.benchmark[field] = value
+  with pytest.raises(errors.ConfigError) as info:
+    benchmark.benchmark(config, work, results, "cmd")
+  line, code = cli.message(info.value)
+  assert said in line and code != 0 and fake.calls == []
+
+
+def test_a_read_only_results_parent_is_one_line_before_anything_trains(task, monkeypatch):
+  results, work = task
+  fake = FakeTraining()
+  monkeypatch.setattr(benchmark, "train_one", fake)
+  parent = os.path.dirname(results)
+  os.makedirs(os.path.join(results, benchmark.RUNS))
+  real_open = open
+
+  def read_only_parent(path, *args, **kwargs):  # the summary's folder cannot be written (a mount, a permission)
+    if os.path.dirname(os.path.abspath(path)) == parent and "w" in (args[0] if args else kwargs.get("mode", "r")):
+      raise OSError(errno.EACCES, "Permission denied", path)
+    return real_open(path, *args, **kwargs)
+
+  monkeypatch.setattr("builtins.open", read_only_parent)
+  with pytest.raises(errors.ConfigError) as info:
+    benchmark.benchmark(_config(), work, results, "cmd")
+  line, _ = cli.message(info.value)
+  assert line.startswith(f"error: cannot write to {parent} (Permission denied)") and fake.calls == []
+
+
+def test_an_interrupt_between_runs_says_what_is_kept():
+  line, code = cli.message(KeyboardInterrupt())
+  assert "interrupted before training began" not in line and "what finished is kept" in line and code == 130
