@@ -192,15 +192,24 @@ def attention_siblings(paths) -> list[list[str]]:
 
 def warn_shared_inputs_unknown(kernel_plans) -> None:
   """Without ``input_axes`` the plans cannot know which kernels read one input array (an attention's query, key and
-  value): each is planned apart, with a third of the memory one shared statistic has. One line naming the fix."""
+  value: each is planned apart, with a third of the memory one shared statistic has), nor an Einsum's equation
+  (its kernel is read by name). One line each, naming the fix."""
+  einsums = [p for p in kernel_plans if p.count("/") and "einsum" in p.rsplit("/", 2)[-2].lower()]
+  if einsums:
+    warnings.warn(
+        f"scsgd_jax: no input_axes given, so {len(einsums)} Einsum kernel(s) (e.g. '{einsums[0]}') are planned by "
+        "Flax's name-based axes, which an Einsum's equation may contradict (the first update then refuses them): "
+        "pass input_axes=scsgd_jax.input_axes_nnx(model, x) (Linen: scsgd_jax.input_axes_linen(module, variables, "
+        "x)), which reads each equation.", stacklevel=4)
   groups = [g for g in attention_siblings(kernel_plans)
             if any((kernel_plans[p].kind, kernel_plans[p].rank) != ("dense", None) for p in g)]
   if groups:
     warnings.warn(
         f"scsgd_jax: no input_axes given, so the query, key and value of {len(groups)} attention layer(s) are "
         f"planned apart, each within a third of the memory one shared statistic of their one input has (e.g. "
-        + ", ".join(f"{p}: {kernel_plans[p].describe()}" for p in groups[0]) + "): pass input_axes=scsgd_jax.input_axes_nnx(model, x) (Linen: "
-        "scsgd_jax.input_axes_linen(module, variables, x)), which finds the shared inputs.", stacklevel=4)
+        + ", ".join(f"{p}: {kernel_plans[p].describe()}" for p in groups[0])
+        + "): pass input_axes=scsgd_jax.input_axes_nnx(model, x) (Linen: scsgd_jax.input_axes_linen(module, "
+        "variables, x)), which finds the shared inputs.", stacklevel=4)
 
 
 def warn_nothing_conditioned(params, notes: dict[str, str]) -> None:

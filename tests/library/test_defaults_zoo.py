@@ -101,3 +101,23 @@ def test_without_input_axes_init_says_in_one_line_that_query_key_value_are_plann
     plans = scsgd_jax.plans(scsgd_jax.scsgd(0.1, input_axes=scsgd_jax.input_axes_nnx(
         model, jnp.ones((2, 5, 128)))).init(params))
   assert plans["attn/key/kernel"].startswith("dense C, full C^(1/2), n=128, statistics shared with")
+
+
+class EinsumAttention(nnx.Module):
+  def __init__(self, rngs):
+    self.q_einsum = nnx.Einsum("BTD,NDH->BTNH", (2, 8, 4), rngs=rngs)
+
+  def __call__(self, x):
+    return self.q_einsum(x)
+
+
+def test_without_input_axes_init_says_einsum_kernels_are_read_by_name():
+  model = EinsumAttention(nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  with pytest.warns(UserWarning, match=r"1 Einsum kernel\(s\) \(e.g. 'q_einsum/kernel'\) are planned by Flax's "
+                                       r"name-based axes.*input_axes_nnx\(model, x\)"):
+    scsgd_jax.scsgd(0.1).init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    axes = scsgd_jax.input_axes_nnx(model, jnp.ones((2, 3, 8)))
+    assert scsgd_jax.plans(scsgd_jax.scsgd(0.1, input_axes=axes).init(params))["q_einsum/kernel"].endswith("n=8")
