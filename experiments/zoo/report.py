@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import pathlib
 import platform
 import statistics
 import subprocess
 
 import jax
+
+from experiments.zoo import rows as rows_lib
 
 ORDER = ("sgd", "scsgd", "scsgd_no_axes", "adamw", "scsgd_eigen", "muon", "scsgd_eigen_muon", "scsgd_muon")
 PAIRS = (("scsgd", "sgd"), ("scsgd_no_axes", "sgd"), ("scsgd_eigen", "adamw"), ("scsgd_eigen_muon", "muon"),
@@ -31,14 +34,16 @@ def provenance() -> dict:
 
 def summarize(record: dict) -> dict:
   if "refused" in record:
-    return {"learning_rate": None, "final_loss_median": None, "final_loss_range": None, "seeds": 0,
+    return {"learning_rate": None, "final_loss_median": None, "final_loss_range": None, "seeds": 0, "seeds_diverged": 0,
             "double_rate_stable": False, "chosen_at_grid_edge": False, "median_curve": [], "refused": record["refused"]}
   p = record["protocol"]
-  finals = [r["final_loss"] for r in p["seeds"]]
-  ok = [f for f in finals if f is not None]
+  finals = [math.inf if r["diverged"] or r["final_loss"] is None else r["final_loss"] for r in p["seeds"]]
+  ok = [f for f in finals if math.isfinite(f)]
+  middle = statistics.median(finals)  # a diverged seed counts as an infinite loss
   double = p["double"]
-  return {"learning_rate": p["chosen_rate"], "final_loss_median": statistics.median(ok) if len(ok) == len(finals)
-          else None, "final_loss_range": [min(ok), max(ok)] if ok else None, "seeds": len(finals),
+  return {"learning_rate": p["chosen_rate"], "final_loss_median": middle if math.isfinite(middle) else None,
+          "final_loss_range": [min(ok), max(ok)] if ok else None, "seeds": len(finals),
+          "seeds_diverged": len(finals) - len(ok),
           "double_rate_stable": bool(not double["diverged"] and double["final_loss"] is not None
                                      and double["final_loss"] < double["first_loss"]),
           "chosen_at_grid_edge": p["chosen_rate"] in (p["grid"][0]["rate"], p["grid"][-1]["rate"]),
@@ -47,7 +52,7 @@ def summarize(record: dict) -> dict:
 
 def _median_curve(runs) -> list:
   curves = [r["curve"] for r in runs if not r["diverged"]]
-  if len(curves) != len(runs):
+  if len(curves) < len(runs) / 2:
     return []
   return [[c[0][0], statistics.median(x[1] for x in c)] for c in zip(*curves)]
 
@@ -76,7 +81,8 @@ def _fmt(row: dict) -> str:
   if row["final_loss_median"] is None:
     return "diverged"
   flag = "" if row["double_rate_stable"] else " (2x: no)"
-  return f"{row['final_loss_median']:.3f}{flag}"
+  lost = f" ({row['seeds_diverged']}/{row['seeds']} diverged)" if row.get("seeds_diverged") else ""
+  return f"{row['final_loss_median']:.3f}{lost}{flag}"
 
 
 def table(out: dict) -> str:
@@ -93,11 +99,13 @@ def table(out: dict) -> str:
     rows = entry["rows"]
     cells = []
     for a, b in PAIRS:
-      if a in rows and b in rows and rows[a]["final_loss_median"] is not None and rows[b]["final_loss_median"]:
+      if a not in rows or b not in rows or rows[a].get("refused"):
+        cells.append("refused" if a in rows else "")
+      elif rows[a]["final_loss_median"] is None or rows[b]["final_loss_median"] is None:
+        cells.append("loss (diverged)" if rows[a]["final_loss_median"] is None else "win (base diverged)")
+      else:
         d = rows[a]["final_loss_median"] - rows[b]["final_loss_median"]
         cells.append(f"{d:+.3f} " + ("win" if d <= 0 else "loss"))
-      else:
-        cells.append("")
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
   lines += ["", "## Iterations to Muon's final loss (median curves)", "", "| workload | muon | scsgd_eigen_muon | ratio |",
             "|---|---|---|---|"]
@@ -115,4 +123,14 @@ def table(out: dict) -> str:
         (f"{rows[r]['learning_rate']:.3g}" + (" (edge)" if rows[r]["chosen_at_grid_edge"] else ""))
         if r in rows and rows[r]["learning_rate"] else ""
         for r in ORDER) + " |")
-  return "\n".join(lines + rates) + "\n"
+  about = ["", "## Workloads", ""] + [f"- `{name}`: {entry['settings'].get('what', '')}; {entry['settings'].get('steps')} "
+                                      f"steps, batch {entry['settings'].get('batch')}, {entry['settings'].get('dataset')}"
+                                      for name, entry in out["workloads"].items()]
+  sources = {r: rows_lib.ROWS[r].source for entry in out["workloads"].values() for r in entry["rows"]
+             if r in rows_lib.ROWS}
+  about += ["", "## Rows, as their authors run them", ""] + [f"- `{r}`: {sources[r]}" for r in ORDER if r in sources]
+  refused = [f"- `{name}` / `{r}`: {row['refused']}" for name, entry in out["workloads"].items()
+             for r, row in entry["rows"].items() if row.get("refused")]
+  if refused:
+    about += ["", "## Refused (the library's one line, at the first update)", ""] + refused
+  return "\n".join(lines + rates + about) + "\n"

@@ -15,7 +15,7 @@ import optax
 import scsgd_jax as sk
 from experiments.optim import peers
 from experiments.optim import registry
-from experiments.optim.sources import ADAM, MUON, NANOGPT, SCSGD
+from experiments.optim.sources import ADAM, MUON, NANOGPT
 from experiments.zoo.workloads import Workload
 
 NESTEROV = "Nesterov SGD, momentum 0.9 (Sutskever et al. 2013), the paper's baseline with momentum"
@@ -54,8 +54,11 @@ def _eigen_muon(s, w, axes):
 
 ROWS: dict[str, Row] = {
     "sgd": Row(lambda s, w, axes: optax.sgd(s, momentum=0.9, nesterov=True), 0.1, NESTEROV),
-    "scsgd": Row(lambda s, w, axes: sk.scsgd(s, input_axes=axes), 0.1, SCSGD + "; the README's recipe"),
-    "scsgd_no_axes": Row(lambda s, w, axes: sk.scsgd(s), 0.1, SCSGD + "; no input_axes (a new user's first try)"),
+    "scsgd": Row(lambda s, w, axes: sk.scsgd(s, input_axes=axes), 0.1,
+                 "scsgd_jax.scsgd at its defaults, the README's recipe (input_axes read from the model); rate centre "
+                 "SGD's"),
+    "scsgd_no_axes": Row(lambda s, w, axes: sk.scsgd(s), 0.1,
+                         "scsgd_jax.scsgd at its defaults without input_axes (a new user's first try)"),
     "adamw": Row(lambda s, w, axes: peers.adamw(s, **_adam(w)), 3e-3,
                  f"transformers: {NANOGPT}; the other models: {ADAM}"),
     "scsgd_eigen": Row(_eigen, 3e-3, "scsgd_jax.scsgd_eigen at AdamW's settings (SOAP's authors run SOAP so)"),
