@@ -1,0 +1,63 @@
+"""Probes of a zoo cell's edge of stability: the library's ``scsgd`` with one default changed at a time, at one rate,
+on the zoo's seeds, each run as the zoo runs it (:class:`experiments.zoo.train.Cell`).
+
+  python -m experiments.zoo.probe --workload lm1b_transformer --rate 0.8 --data_dir ../shared/tfds \\
+      --out experiments/results/zoo/probes_lm1b_transformer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import jax
+
+import scsgd_jax as sk
+from experiments.zoo import report, rows as rows_lib, run, train
+
+NOT_EMBEDDINGS = lambda path, leaf: sk.default_kernel_filter(path, leaf) and not path.endswith("embedding")
+VARIANTS = {
+    "defaults": {},
+    "dense_everywhere": {"statistics": sk.Statistics(kind="dense")},  # every kernel the full C^(1/2): no sketch
+    "floor_0.1": {"conditioner": sk.Conditioner(eigenvalue_floor=0.1)},  # at most ~3x amplification, not 10x
+    "embeddings_plain": {"kernel_filter": NOT_EMBEDDINGS},
+    "normalize_all": {"conditioner": sk.Conditioner(normalize="all")},
+    "no_warm_start": {"refresh": sk.Refresh(warm_start=False)},
+    "refresh_every_10": {"refresh": sk.Refresh(every=10)},
+}
+
+
+def probe(workload: str, rate: float, variant: str, data_dir: str) -> list[dict]:
+  cell = train.Cell(workload, "scsgd", data_dir)
+  options = VARIANTS[variant]
+  rows_lib.ROWS["_probe"] = rows_lib.Row(lambda s, w, axes: sk.scsgd(s, input_axes=axes, **options), rate, variant)
+  cell.tx = rows_lib.build("_probe", cell.w, cell.axes)
+  cell._step = jax.jit(cell._train_step)
+  out = []
+  for seed in run.SEEDS:
+    r = cell.run(rate, seed)
+    out.append({"seed": seed, "diverged": r["diverged"], "final_loss": r["final_loss"],
+                "steps_trained": len(r["train_losses"])})
+    print(variant, out[-1], flush=True)
+  return out
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workload", required=True)
+  parser.add_argument("--rate", type=float, required=True)
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--data_dir", default="../shared/tfds")
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args(argv)
+  results = {v: probe(args.workload, args.rate, v, args.data_dir) for v in args.variants.split(",")}
+  record = {"command": "python -m experiments.zoo.probe " + " ".join(
+      f"--{k} {v}" for k, v in vars(args).items()), "workload": args.workload, "rate": args.rate,
+      "variants": results, **report.provenance()}
+  pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+  pathlib.Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+  main()
