@@ -3,6 +3,10 @@ on the zoo's seeds, each run as the zoo runs it (:class:`experiments.zoo.train.C
 
   python -m experiments.zoo.probe --workload lm1b_transformer --rate 0.8 --data_dir ../shared/tfds \\
       --out experiments/results/zoo/probes_lm1b_transformer.json
+
+``--trace ROW:RATE:SEED`` (repeatable) instead follows one run's first ``--steps`` steps kernel by kernel: the loss and
+the three kernels of largest relative step ``|U| / |W|`` (:func:`scsgd_jax.update_diagnostics`): the layer a too-high
+rate blows up first runs far above the others.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import pathlib
 
 import jax
+import optax
 
 import scsgd_jax as sk
 from experiments.zoo import report, rows as rows_lib, run, train
@@ -43,6 +48,29 @@ def probe(workload: str, rate: float, variant: str, data_dir: str) -> list[dict]
   return out
 
 
+def trace(workload: str, row: str, rate: float, seed: int, steps: int, data_dir: str) -> list[dict]:
+  """The first ``steps`` steps of one zoo run: the loss and the kernels of largest relative step."""
+  from experiments.zoo import workloads as wl
+  cell = train.Cell(workload, row, data_dir)
+
+  @jax.jit
+  def step(params, extra, state, x, y, key):
+    (loss, (inputs, extra)), grads = jax.value_and_grad(cell.bound.loss, has_aux=True)(params, extra, x, y, key,
+                                                                                        cell.capture)
+    updates, state = cell.tx.update(grads, state, params, rate=rate,
+                                    **({"layer_inputs": inputs} if cell.capture else {}))
+    return optax.apply_updates(params, updates), extra, state, loss, sk.update_diagnostics(grads, updates, params)
+
+  params, extra = cell.bound.start(seed)
+  state, out = cell.tx.init(params), []
+  for i in range(steps):
+    x, y = wl.batch(cell.data.train, cell.w.batch, i, seed)
+    params, extra, state, loss, diagnostics = step(params, extra, state, x, y, jax.random.PRNGKey(i))
+    top = sorted(((float(d["relative_step"]), k) for k, d in diagnostics.items()), reverse=True)[:3]
+    out.append({"step": i, "loss": float(loss), "largest_relative_steps": [[k, r] for r, k in top]})
+  return out
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workload", required=True)
@@ -50,11 +78,17 @@ def main(argv=None) -> None:
   parser.add_argument("--variants", default=",".join(VARIANTS))
   parser.add_argument("--data_dir", default="../shared/tfds")
   parser.add_argument("--out", required=True)
+  parser.add_argument("--trace", action="append", default=[], help="ROW:RATE:SEED, a run followed kernel by kernel")
+  parser.add_argument("--steps", type=int, default=30)
   args = parser.parse_args(argv)
-  results = {v: probe(args.workload, args.rate, v, args.data_dir) for v in args.variants.split(",")}
+  if args.trace:
+    results = {t: trace(args.workload, t.split(":")[0], float(t.split(":")[1]), int(t.split(":")[2]), args.steps,
+                        args.data_dir) for t in args.trace}
+  else:
+    results = {v: probe(args.workload, args.rate, v, args.data_dir) for v in args.variants.split(",")}
   record = {"command": "python -m experiments.zoo.probe " + " ".join(
       f"--{k} {v}" for k, v in vars(args).items()), "workload": args.workload, "rate": args.rate,
-      "variants": results, **report.provenance()}
+      ("traces" if args.trace else "variants"): results, **report.provenance()}
   pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   pathlib.Path(args.out).write_text(json.dumps(record, indent=1))
 
