@@ -134,7 +134,9 @@ def scsgd_two_sided(
   if not isinstance(split_budget, bool):
     raise ValueError(f"split_budget must be a bool, got {split_budget!r}.")
   share = 0.5 if split_budget else 1.0
-  s = transform.settings(rank, statistics, refresh, conditioner, kernel_filter, None, axis_name, seed)
+  s = transform.settings(
+      rank=rank, statistics=statistics, refresh=refresh, conditioner=conditioner, kernel_filter=kernel_filter,
+      input_axes=None, axis_name=axis_name, seed=seed)
   inputs = transform.conditioning(s._replace(input_axes=input_axes), budget_share=share)
   outputs = output.output_conditioning(
       s._replace(seed=seed + 1, kernel_filter=output.output_kernel_filter_from(kernel_filter, input_axes)),

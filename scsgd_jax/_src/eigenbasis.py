@@ -174,7 +174,9 @@ def scale_by_eigenbasis_adam(
     Gonen & Shalev-Shwartz, Faster SGD Using Sketched Conditioning, 2015.
   """
   _check_arguments(b1, b2, eps, nesterov, tail, basis, sides, others)
-  s = transform.settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed)
+  s = transform.settings(
+      rank=rank, statistics=statistics, refresh=refresh, conditioner=conditioner, kernel_filter=kernel_filter,
+      input_axes=input_axes, axis_name=axis_name, seed=seed)
   s.refresh.refuse_apart("the eigenbasis (scale_by_eigenbasis_adam, scsgd_eigen, scsgd_eigen_muon)",
                          "rotates its moments into each rebuilt basis inside its update")
   _check_eigenvectors_only(s.conditioner)

@@ -38,7 +38,8 @@ class Settings(NamedTuple):
   rank_asked: bool = False  # whether the user gave the rank (a plan that cuts it is then warned of)
 
 
-def settings(rank: Optional[int] = None,
+def settings(*,
+             rank: Optional[int] = None,
              statistics: options.StatisticsOption = options.Statistics(),
              refresh: options.Refresh = options.Refresh(),
              conditioner: options.Conditioner = options.Conditioner(),

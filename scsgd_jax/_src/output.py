@@ -96,7 +96,9 @@ def scale_by_output_conditioning(
       the capture's default for the input side.
     seed: seed of the state's PRNG key (the sketches and the row sampling).
   """
-  s = transform.settings(rank, statistics, refresh, conditioner, kernel_filter, None, axis_name, seed)
+  s = transform.settings(
+      rank=rank, statistics=statistics, refresh=refresh, conditioner=conditioner, kernel_filter=kernel_filter,
+      input_axes=None, axis_name=axis_name, seed=seed)
   return output_conditioning(s, output_axes=output_axes, max_rows=max_rows)
 
 

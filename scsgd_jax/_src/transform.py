@@ -90,7 +90,9 @@ def scale_by_sketched_conditioning(
     Tropp, Yurtsever, Udell & Cevher, Fixed-rank approximation of a positive-semidefinite
     matrix from streaming data, NeurIPS 2017.
   """
-  return conditioning(settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed))
+  return conditioning(settings(
+      rank=rank, statistics=statistics, refresh=refresh, conditioner=conditioner, kernel_filter=kernel_filter,
+      input_axes=input_axes, axis_name=axis_name, seed=seed))
 
 
 def conditioning(s: Settings,

@@ -57,7 +57,7 @@ def test_the_estimator_keeps_the_statistics_and_factors_the_conditioning_reads()
   params = _params(rng)
   x, g = rng.standard_normal((16, 6)), rng.standard_normal((6, 3))
   options = grouped(dict(conditioner="full", ema_rate=NU, update_every=1, **PAPER))
-  est = estimator_lib.Estimator(estimator_lib.settings(None, **options))
+  est = estimator_lib.Estimator(estimator_lib.settings(**options))
   tx = sk.scale_by_sketched_conditioning(**options)
   grads = {"dense": {"kernel": jnp.asarray(g, jnp.float32), "bias": jnp.ones(3, jnp.float32)}}
   rows = {"dense": {"kernel": jnp.asarray(x, jnp.float32)}}
