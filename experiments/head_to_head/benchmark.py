@@ -53,6 +53,7 @@ from experiments.optim import registry
 from experiments.head_to_head import baselines
 from experiments.head_to_head import benchmark_report
 from experiments.head_to_head import grid
+from experiments.head_to_head.checks import check_writable, exploded, missing_evaluations  # noqa: F401
 from experiments.head_to_head.grid import (RUNS, Point, best_point, earlier_grid, joint_points, key,  # noqa: F401
                                            learning_rates, names, read_record, record_point, tune)
 from experiments.run import report
@@ -183,20 +184,6 @@ class Harness:
     return {"point": best, "tried": tried, "seeds": records}
 
 
-def missing_evaluations(cfg, rows: list[dict]) -> list[int]:
-  """The steps at which a finished run of ``cfg`` evaluates (every ``eval_every`` and the last) that ``rows`` lack."""
-  due = set(range(cfg.eval_every, cfg.num_steps + 1, cfg.eval_every)) | {cfg.num_steps}
-  return sorted(due - {r["step"] for r in rows if "test_loss" in r})
-
-
-def exploded(rows: list[dict]) -> Optional[float]:
-  """The last evaluation's loss if it lies above the run's start (its first training or evaluation loss): a run
-  whose loss grew without leaving the floats (finite, yet diverged); else ``None``."""
-  evals = [r["test_loss"] for r in rows if "test_loss" in r]
-  start = [r[k] for r in rows for k in ("train_loss", "test_loss") if k in r][:1]
-  return evals[-1] if evals and start and evals[-1] > start[0] else None
-
-
 def train_one(cfg, workdir: str, report_split: str) -> dict:
   """Trains one run (resuming its workdir, or starting it over if it holds another config: the committed
   records are the benchmark's state, a workdir only a cache) and returns its record (without its key).
@@ -258,20 +245,6 @@ def validate(config) -> None:
     for joint in joint_points(config, name):
       for lr in learning_rates(config, name):
         validate_lib.validate_config(run_config(config, name, Point(lr, joint), 0))
-
-
-def check_writable(folder: str) -> None:
-  """``folder`` made if missing and written to once (a file created and removed), before any run trains: a folder
-  the harness cannot write is one line, not a run's work lost at its end."""
-  try:
-    os.makedirs(folder, exist_ok=True)
-    probe = os.path.join(folder, f".write_check.{os.getpid()}")
-    with open(probe, "w"):
-      pass
-    os.remove(probe)
-  except OSError as e:
-    raise errors.ConfigError(f"cannot write to {folder} ({e.strerror}): the harness writes its records and "
-                             "reports there; make it writable or give another --results_dir.") from None
 
 
 def task_names(config_file: str) -> list[str]:
