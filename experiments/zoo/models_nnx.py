@@ -20,7 +20,7 @@ def causal_attention(q, k, v):
   """Softmax attention of ``(B, T, H, d)`` queries over keys and values, causal."""
   logits = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
   mask = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
-  weights = jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(logits.dtype).min), axis=-1)
+  weights = jax.nn.softmax(jnp.where(mask[None, None], logits, jnp.finfo(logits.dtype).min), axis=-1)
   return jnp.einsum("bhts,bshd->bthd", weights, v)
 
 
@@ -52,7 +52,7 @@ class GPT2(nnx.Module):
     self.ln_f = nnx.LayerNorm(dim, rngs=rngs)
 
   def __call__(self, ids):
-    x = self.wte(ids) + self.wpe(jnp.arange(ids.shape[1]))
+    x = self.wte(ids) + self.wpe(jnp.arange(ids.shape[1]))[None]
     for block in self.h:
       x = block(x)
     return self.wte.attend(self.ln_f(x))
@@ -75,7 +75,7 @@ class Embedder(nnx.Module):
 def rope(x, positions, base: float = 10_000.0):
   """Rotary positions on ``(B, T, H, d)``, the two halves of ``d`` rotated."""
   half = x.shape[-1] // 2
-  angles = positions[:, None] / base ** (jnp.arange(half) / half)
+  angles = positions[:, None] / (base ** (jnp.arange(half) / half))[None, :]
   sin, cos = jnp.sin(angles)[None, :, None], jnp.cos(angles)[None, :, None]
   first, second = x[..., :half], x[..., half:]
   return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)

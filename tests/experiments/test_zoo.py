@@ -98,3 +98,25 @@ def test_the_report_has_the_issue_schema_and_says_fragile_rows(tmp_path):
   assert rows["sgd"]["double_rate_stable"] and not rows["scsgd"]["double_rate_stable"]
   assert rows["sgd"]["final_loss_median"] == pytest.approx(0.01) and rows["sgd"]["seeds"] == 3
   assert "(2x: no)" in (tmp_path / "r" / "README.md").read_text() and out["workloads"]
+
+
+@pytest.mark.parametrize("name", sorted(wl.WORKLOADS))
+def test_without_input_axes_a_zoo_model_is_planned_as_the_recipe_plans_it_or_init_says_so(name):
+  import warnings
+  import scsgd_jax as sk
+  w = wl.workload(name)
+  bound = wl.Bound(w, wl.example(w))
+  params = bound.start(0)[0]
+  recipe = sk.plans(sk.scsgd(0.1, input_axes=bound.input_axes(wl.example(w))).init(params))
+  with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    plain = sk.plans(sk.scsgd(0.1).init(params))
+  ours = [str(s.message) for s in said if str(s.message).startswith("scsgd_jax: no input_axes given")]
+  # a tied table the recipe marks plain at init is left plain by the capture at the first update without it
+  tied = [p for p, line in recipe.items() if "tied table" in line]
+  plain = {p: line for p, line in plain.items() if p not in tied}
+  recipe = {p: line for p, line in recipe.items() if p not in tied}
+  if plain != recipe:
+    assert len(ours) >= 1 and all("input_axes_nnx(model, x)" in m for m in ours)
+  else:
+    assert ours == []
