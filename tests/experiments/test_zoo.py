@@ -120,3 +120,21 @@ def test_without_input_axes_a_zoo_model_is_planned_as_the_recipe_plans_it_or_ini
     assert len(ours) >= 1 and all("input_axes_nnx(model, x)" in m for m in ours)
   else:
     assert ours == []
+
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "results", "zoo")
+
+
+def test_the_committed_zoo_holds_every_workload_and_row_and_its_table_is_the_records():
+  with open(os.path.join(RESULTS, "results.json")) as f:
+    out = json.load(f)
+  assert set(out["workloads"]) == set(wl.WORKLOADS)
+  for name, entry in out["workloads"].items():
+    assert set(entry["rows"]) == set(rows_lib.ROWS), name
+    for row in entry["rows"].values():
+      assert set(row) >= {"learning_rate", "final_loss_median", "final_loss_range", "seeds", "double_rate_stable",
+                          "commit", "versions", "machine"}
+      assert row.get("refused") or row["seeds"] == 3
+  assert len({row["commit"] for e in out["workloads"].values() for row in e["rows"].values()}) == 1  # one version
+  with open(os.path.join(RESULTS, "README.md")) as f:
+    assert f.read() == report.table(out)
