@@ -116,7 +116,10 @@ class Checkpoints:
 
   def _open(self) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=KEEP, create=True),
+        # saved in this thread (each save is waited for anyway): a failed write is one exception here, not tracebacks
+        # from orbax's background threads
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=KEEP, create=True,
+                                                             enable_async_checkpointing=False),
         # registered up front so that a stored checkpoint's layout can be read before restoring it
         item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 

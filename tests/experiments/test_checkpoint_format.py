@@ -2,6 +2,8 @@
 format before banked counts) is refused in one line that says so, never called damaged nor listed array by array; a
 checkpoint of the banked state restores."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -57,3 +59,29 @@ def test_the_format_check_reads_array_names():
   counts_apart = {**banked, "opt_state/0/clipped_rows/a/kernel": ()}  # banked but for its clipped-row counts
   assert ckpt.per_kernel_format(counts_apart, {**banked, "opt_state/0/clipped_rows/bank0": (2,)})
   assert not ckpt.per_kernel_format({"params/a/kernel": (6, 5)}, banked)  # no conditioning stored: another matter
+
+
+def test_a_full_disk_during_a_save_is_one_exception_and_no_thread_prints_a_traceback(tmp_path):
+  """The save runs in the caller's thread: a write that fails (ENOSPC, injected into orbax's metadata writer) is one
+  OSError where ``save`` is called, which the entry points print as one line; nothing else is printed, not at the
+  failure nor when the interpreter exits (orbax's background threads printed up to six tracebacks)."""
+  import subprocess
+  import sys
+  code = f"""
+import errno, os
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from experiments.run import checkpoints as ckpt, cli
+def full(*a, **k):
+  raise OSError(errno.ENOSPC, "No space left on device", "meta")
+ocp.JsonCheckpointHandler.save = ocp.JsonCheckpointHandler.async_save = full
+c = ckpt.Checkpoints({str(tmp_path / 'ckpt')!r}, {str(tmp_path / 'damaged')!r})
+try:
+  c.save(1, {{"w": jnp.ones(3)}}, ckpt.Progress(0.0, (0.0, 0.0, 0)))
+except OSError as e:
+  print(cli.message(e)[0])
+"""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+  assert out.stdout.strip() == "error: cannot write meta: No space left on device", out.stdout + out.stderr
+  assert "Traceback" not in out.stderr, out.stderr
