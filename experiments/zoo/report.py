@@ -61,11 +61,26 @@ def iterations_to(curve: list, target: float):
   return next((step for step, loss in curve if loss <= target), None)
 
 
+def check_rule(record: dict) -> None:
+  """Refuses a record whose runs today's divergence rule (:func:`experiments.zoo.train.diverged_by`) would have
+  decided otherwise from their own training losses and held-out curve: a table reads every run under one rule."""
+  from experiments.zoo.train import diverged_by
+  p = record.get("protocol")
+  for run in [] if p is None else p["grid"] + p["seeds"] + [p["double"]]:
+    losses, curve = run["train_losses"], run["curve"]
+    stops = [k for k in range(1, len(losses)) if diverged_by(losses[:k], [])]
+    ends = diverged_by(losses, curve) if not run["diverged"] else diverged_by(losses, [])
+    if stops or ends != run["diverged"]:
+      raise ValueError(f"{record['workload']}/{record['row']}: the run at rate {run['rate']:g}, seed {run['seed']} "
+                       "was decided by another divergence rule than today's: run the cell again.")
+
+
 def write(workdir: pathlib.Path, results_dir: pathlib.Path) -> dict:
   out = {"workloads": {}, "command": "python -m experiments.zoo.run --data_dir ../shared/tfds --workdir workdir/zoo "
                                      "--results_dir experiments/results/zoo"}
   records = [json.loads(p.read_text()) for p in sorted(workdir.glob("*/*.json"))]
   for rec in records:
+    check_rule(rec)
     entry = out["workloads"].setdefault(rec["workload"], {"settings": rec["workload_settings"], "rows": {}})
     entry["rows"][rec["row"]] = {**summarize(rec), "source": rec["source"], "commit": rec["commit"],
                                  "dirty": rec["dirty"], "versions": rec["versions"], "machine": rec["machine"]}

@@ -18,6 +18,20 @@ EVAL_EVERY = 20  # held-out loss every this many steps (the curve that iteration
 HELD_OUT = {"mnist": 1000, "tiny_shakespeare": 128}  # held-out examples (images, 64-character windows)
 
 
+SMOOTH = 10  # training losses averaged before the divergence rule reads them
+
+
+def diverged_by(losses: list[float], final_curve: list) -> bool:
+  """The zoo's divergence rule: a non-finite training loss, the mean of the last ``SMOOTH`` training losses a nat
+  above the first, or (``final_curve``: the run's held-out curve at its end) a final held-out loss a nat above the
+  first training loss or not finite. One batch's spike is noise; a held-out loss early in training is not read
+  (BatchNorm's running averages lag there)."""
+  start, recent = losses[0], losses[-SMOOTH:]
+  if not all(math.isfinite(l) for l in recent) or sum(recent) / len(recent) > start + 1.0:
+    return True
+  return bool(final_curve) and not final_curve[-1][1] <= start + 1.0
+
+
 class Cell:
   """Workload ``name`` under row ``row``: :meth:`run` trains one (rate, seed)."""
 
@@ -40,9 +54,7 @@ class Cell:
 
   def run(self, rate: float, seed: int, steps: Optional[int] = None) -> dict:
     """Trains the workload's ``steps`` (or ``steps``) at peak ``rate`` (batch order and init from ``seed``): the
-    held-out curve, the final held-out loss, and whether it diverged: a non-finite training loss, or a held-out loss
-    a nat above the first training loss (stopped there; one batch's spike that the held-out loss does not show is
-    noise, not divergence)."""
+    held-out curve, the final held-out loss, and whether it diverged (:func:`diverged_by`, stopped there)."""
     params, extra = self.bound.start(seed)
     opt_state = self.tx.init(params)
     curve, losses, first, diverged, start = [], [], None, False, time.time()
@@ -54,16 +66,11 @@ class Cell:
       loss = float(loss)
       first = loss if first is None else first
       losses.append(loss)
-      if not math.isfinite(loss):
-        diverged = True
-        break
       if (step + 1) % EVAL_EVERY == 0 or step + 1 == steps:
         curve.append([step + 1, float(self._eval(params, extra, *self.held_out))])
-        if not curve[-1][1] <= first + 1.0:  # held out, a nat above the start (or not finite): stopped there
-          diverged = True
-          break
+      diverged = diverged_by(losses, curve if step + 1 == steps else [])
+      if diverged:
+        break
     final = curve[-1][1] if curve and not diverged else None
-    if final is not None and not math.isfinite(final):
-      final, diverged = None, True
     return {"rate": rate, "seed": seed, "final_loss": final, "diverged": diverged, "first_loss": first,
             "curve": curve, "train_losses": losses, "seconds": round(time.time() - start, 2)}
