@@ -67,7 +67,8 @@ class ScriptedCell:
     diverged = rate >= self.edge
     final = None if diverged else math.log2(rate / self.best) ** 2 + seed / 100
     return {"rate": rate, "seed": seed, "final_loss": final, "diverged": diverged, "first_loss": 4.0,
-            "curve": [] if diverged else [[10, 5.0], [20, final]]}
+            "curve": [] if diverged else [[10, 5.0], [20, final]],
+            "train_losses": [4.0, math.nan] if diverged else [4.0, 3.0]}
 
 
 def test_the_grid_widens_while_the_best_rate_sits_on_its_edge_and_twice_the_rate_is_tried():
@@ -84,6 +85,22 @@ def test_the_grid_stops_at_a_diverged_edge_and_twice_a_fragile_rate_is_recorded_
   centre = rows_lib.row("scsgd").centre
   out = run.protocol(ScriptedCell(best=centre * 8, edge=centre * 2))
   assert out["chosen_rate"] == centre and out["double"]["diverged"]
+
+
+def test_the_divergence_rule_reads_a_smoothed_training_loss_and_the_final_held_out_loss():
+  from experiments.zoo.train import diverged_by
+  calm = [4.0] * 5 + [2.0] * 20
+  assert not diverged_by(calm + [9.0] + [2.0] * 3, [])  # one batch's spike: noise
+  assert diverged_by(calm + [9.0] * 10, [])  # ten steps a nat above the start
+  assert diverged_by(calm + [math.inf], [])
+  assert not diverged_by(calm, [[20, 4.5]]) and diverged_by(calm, [[20, 5.5]])  # the final held-out loss
+
+
+def test_the_report_refuses_a_run_another_rule_decided(tmp_path):
+  record = {"workload": "w", "row": "r", "protocol": run.protocol(ScriptedCell(0.1, 0.4))}
+  record["protocol"]["grid"][0]["diverged"] = True  # a finished, falling run marked diverged
+  with pytest.raises(ValueError, match="decided by another divergence rule"):
+    report.check_rule(record)
 
 
 def test_the_report_has_the_issue_schema_and_says_fragile_rows(tmp_path):
