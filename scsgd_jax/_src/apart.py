@@ -37,15 +37,12 @@ class Refresher(NamedTuple):
 
   def refreshed(self, state: ScaleBySketchedConditioningState) -> ScaleBySketchedConditioningState:
     """``state`` after its last update (number ``state.count - 1``) with the factors due then rebuilt, as the
-    update would have rebuilt them in the step (the first update's were, in the step itself)."""
+    update would have rebuilt them in the step."""
     return _compiled(self)(state)
 
   def _refresh(self, state):
-    def rebuilt(state):
-      factors, key = self.rebuild(state.statistics, state.factors, state.key, state.count - 1)
-      return state._replace(factors=factors, key=key)
-    # the first update rebuilt its own factors in the step (Estimator.update): nothing is due after it
-    return jax.lax.cond(state.count == 1, lambda s: s, rebuilt, state)
+    factors, key = self.rebuild(state.statistics, state.factors, state.key, state.count - 1)
+    return state._replace(factors=factors, key=key)
 
 
 def refresher(kernel_plans, refresh, fold_every: int, normalize: str) -> Refresher:

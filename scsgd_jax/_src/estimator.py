@@ -163,9 +163,6 @@ class Estimator:
     factors, key = state.factors, state.key
     if not self.s.refresh.apart:  # else refresh_conditioners rebuilds them, apart from this step
       factors, key = self.refresh(statistics, state, own)
-    else:  # but for the first update's, which conditions it as in the step (no factors exist before it)
-      factors, key = jax.lax.cond(state.count == 0, lambda: self.refresh(statistics, state, own),
-                                  lambda: (factors, key))
     return state._replace(count=optax.safe_increment(state.count), key=key, statistics=statistics, factors=factors,
                           clipped_rows=clipped), kernel_plans
 

@@ -142,9 +142,9 @@ class Refresh:
     apart: the refreshes leave the training step for a program of their own,
       :func:`scsgd_jax.refresh_conditioners`, which the training loop calls after every update: it rebuilds the
       factors due then (on the schedule above), so the step only folds and conditions and compiles without the
-      factorizations but for the first update's (no factors exist before it: the step builds them once, so
-      that the first update is conditioned as the default's). A factor rebuilt after update ``t > 0`` conditions
-      from update ``t + 1`` on (in the step, from update ``t``). The input side's conditioning only (:func:`scsgd_jax.scsgd`,
+      factorizations. A factor rebuilt after update ``t`` conditions from update ``t + 1`` on (in the step, from
+      update ``t``), so the first update, before any factor exists, takes the identity conditioner: plain SGD at
+      this rate for one step. The input side's conditioning only (:func:`scsgd_jax.scsgd`,
       :func:`scsgd_jax.scale_by_sketched_conditioning`); the eigenbasis and the output side refuse it.
   """
 
