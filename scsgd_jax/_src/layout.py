@@ -122,7 +122,8 @@ def check_input_axes_keys(input_axes: InputAxes, tree) -> None:
   meant to the defaults, silently), naming the key and the closest parameter paths."""
   if not isinstance(input_axes, Mapping):
     return
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  import optax  # a leaf optax.masked / partition hid is still a parameter: its path counts
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
   paths = [path_to_str(p) for p, _ in flat]
   unknown = sorted(set(input_axes) - set(paths))
   if unknown:

@@ -22,10 +22,11 @@ needs_data = pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_TFDS, "mni
 def test_every_workload_trains_a_few_steps_finite_and_falling(name):
   from experiments.zoo import train
   cell = train.Cell(name, "scsgd", SHARED_TFDS)
-  out = cell.run(rows_lib.row("scsgd").centre, seed=0, steps=12)
+  # a quarter of the centre, below every edge; 40 steps: the ViT's zero-initialized head spikes its loss first
+  out = cell.run(rows_lib.row("scsgd").centre / 4, seed=0, steps=40)
   losses = out["train_losses"]
-  assert not out["diverged"] and len(losses) == 12 and all(math.isfinite(l) for l in losses)
-  assert np.mean(losses[-3:]) < losses[0], losses
+  assert not out["diverged"] and len(losses) == 40 and all(math.isfinite(l) for l in losses)
+  assert np.mean(losses[-5:]) < losses[0], losses
   assert math.isfinite(out["final_loss"])
 
 

@@ -243,16 +243,14 @@ def test_both_sides_keep_output_statistics_only_for_the_kernels_they_rotate_on_b
   it alone (SOAP at full rank, tested against numpy above)."""
   rng = np.random.default_rng(12)
   n, p = 6, 3
-  make = lambda: sk.scale_by_eigenbasis_adam(**grouped(dict(conditioner="full", **EXACT)),
-                                             basis="gradients",
-                                             sides="both",
-                                             input_axes={"stack/kernel": sk.Layout((0,), stack=1)},
+  make = lambda axes={"stack/kernel": sk.Layout((0,), stack=1)}: sk.scale_by_eigenbasis_adam(
+      **grouped(dict(conditioner="full", **EXACT)), basis="gradients", sides="both", input_axes=axes,
                                              kernel_filter=lambda path, leaf: path.endswith("kernel") and not path.
                                              startswith("head"))
   params = {"plain": {"kernel": jnp.zeros((n, p))}, "stack": {"kernel": jnp.zeros((2, n, p))},
             "head": {"kernel": jnp.zeros((p, n))}}
   alone = {"plain": params["plain"]}
-  tx, tx_alone = make(), make()
+  tx, tx_alone = make(), make({})  # input_axes names only the parameters of its tree
   state, state_alone = tx.init(params), tx_alone.init(alone)
   assert set(state.output.statistics) == set(state.output.factors) == {"plain/kernel"}
   assert set(state.conditioning.factors) == {"plain/kernel", "stack/kernel"}
@@ -268,13 +266,11 @@ def test_both_sides_keep_output_statistics_only_for_the_kernels_they_rotate_on_b
 def test_both_sides_memory_rule_pools_only_the_kernels_rotated_on_both_sides():
   """Under the memory rule pooled over the model, a stacked kernel (rotated on its input side alone) lends the
   output side no memory: the plain kernel's output plan is the one it gets alone, and the stack has none."""
-  make = lambda: sk.scale_by_eigenbasis_adam(basis="gradients",
-                                             sides="both",
-                                             statistics=sk.Statistics(budget="model"),
-                                             input_axes={"stack/kernel": sk.Layout((0,), stack=1)})
+  make = lambda axes={"stack/kernel": sk.Layout((0,), stack=1)}: sk.scale_by_eigenbasis_adam(
+      basis="gradients", sides="both", statistics=sk.Statistics(budget="model"), input_axes=axes)
   mixed = {"plain": {"kernel": jnp.zeros((96, 64))}, "stack": {"kernel": jnp.zeros((4, 96, 64))}}
   got = dict(make().init(mixed).output.plan.items)
-  alone = dict(make().init({"plain": mixed["plain"]}).output.plan.items)
+  alone = dict(make({}).init({"plain": mixed["plain"]}).output.plan.items)  # input_axes names its tree's parameters
   assert got["plain/kernel"] == alone["plain/kernel"], (got, alone)
   assert "input side alone" in got["stack/kernel"]
 

@@ -127,3 +127,9 @@ def test_the_readme_linen_recipe_runs_as_written_with_batchnorm_and_dropout_and_
     losses.append(float(loss))
   assert all(np.isfinite(losses)) and np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
   assert set(scsgd_jax.plans(state.opt_state)) == {"Conv_0/kernel", "Dense_0/kernel"}
+
+
+def test_input_axes_may_name_a_parameter_that_optax_masked_hides():
+  params = {"a": {"kernel": jnp.ones((8, 4))}, "b": {"kernel": jnp.ones((4, 2))}}
+  tx = optax.masked(scsgd_jax.scsgd(0.1, input_axes={"b/kernel": (0,)}), {"a": {"kernel": True}, "b": {"kernel": False}})
+  assert set(scsgd_jax.plans(tx.init(params))) == {"a/kernel"}
