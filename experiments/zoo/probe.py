@@ -36,8 +36,8 @@ VARIANTS = {
 def probe(workload: str, rate: float, variant: str, data_dir: str) -> list[dict]:
   cell = train.Cell(workload, "scsgd", data_dir)
   options = VARIANTS[variant]
-  rows_lib.ROWS["_probe"] = rows_lib.Row(lambda s, w, axes: sk.scsgd(s, input_axes=axes, **options), rate, variant)
-  cell.tx = rows_lib.build("_probe", cell.w, cell.axes)
+  variant_row = rows_lib.Row(lambda s, w, axes: sk.scsgd(s, input_axes=axes, **options), rate, variant)
+  cell.tx = rows_lib.build_row(variant_row, cell.w, cell.axes)
   cell._step = jax.jit(cell._train_step)
   out = []
   for seed in run.SEEDS:

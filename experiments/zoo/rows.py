@@ -86,7 +86,13 @@ def scaled_by_rate() -> optax.GradientTransformationExtraArgs:
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
-def build(name: str, w: Workload, axes: dict, warmup_fraction: float = 0.1) -> optax.GradientTransformationExtraArgs:
-  """Row ``name`` for ``w`` at peak rate 1 under warmup + cosine, then :func:`scaled_by_rate`."""
+def build(name: str, w: Workload, axes: dict) -> optax.GradientTransformationExtraArgs:
+  """Row ``name`` for ``w`` (:func:`build_row`)."""
+  return build_row(row(name), w, axes)
+
+
+def build_row(r: Row, w: Workload, axes: dict, warmup_fraction: float = 0.1) -> optax.GradientTransformationExtraArgs:
+  """Row ``r`` (a registry's or any other) for ``w`` at peak rate 1 under warmup + cosine, then
+  :func:`scaled_by_rate`."""
   schedule = optax.warmup_cosine_decay_schedule(0.0, 1.0, max(1, round(warmup_fraction * w.steps)), w.steps, 0.0)
-  return optax.chain(row(name).build(schedule, w, axes), scaled_by_rate())
+  return optax.chain(r.build(schedule, w, axes), scaled_by_rate())

@@ -29,7 +29,7 @@ def _loss(run: dict) -> float:
 
 def protocol(cell) -> dict:
   """The grid, the seeds and the doubled rate of one cell (:class:`experiments.zoo.train.Cell`)."""
-  centre = rows_lib.row(cell_row(cell)).centre
+  centre = rows_lib.row(cell.row).centre
   grid = {e: cell.run(centre * 2.0 ** e, SEEDS[0]) for e in (-1, 0, 1)}
   for _ in range(MAX_EXTENSIONS):
     best = min(grid, key=lambda e: _loss(grid[e]))
@@ -45,10 +45,6 @@ def protocol(cell) -> dict:
           "double": double}
 
 
-def cell_row(cell) -> str:
-  return cell.row_name
-
-
 def run_cell(workload: str, row: str, data_dir: str, out: pathlib.Path) -> None:
   from experiments.zoo import train
   record = {"workload": workload, "row": row, "source": rows_lib.row(row).source,
@@ -56,7 +52,6 @@ def run_cell(workload: str, row: str, data_dir: str, out: pathlib.Path) -> None:
             **report.provenance()}
   try:
     cell = train.Cell(workload, row, data_dir)
-    cell.row_name = row
     record["protocol"] = protocol(cell)
   except ValueError as e:  # the library refused the model as this row builds it: the table says so
     record["refused"] = str(e).splitlines()[0]

@@ -36,7 +36,7 @@ class Cell:
   """Workload ``name`` under row ``row``: :meth:`run` trains one (rate, seed)."""
 
   def __init__(self, name: str, row: str, data_dir: str):
-    self.w = wl.workload(name)
+    self.w, self.row = wl.workload(name), row
     self.data = wl.load(self.w.dataset, data_dir)
     self.bound = wl.Bound(self.w, wl.example(self.w))
     self.axes = self.bound.input_axes(wl.batch(self.data.train, self.w.batch, 0, 0)[0])

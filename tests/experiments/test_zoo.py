@@ -61,7 +61,7 @@ class ScriptedCell:
   """A cell whose final loss is ``(log2(rate / best))^2`` (+ the seed / 100), diverging from ``edge`` up."""
 
   def __init__(self, best, edge, row="scsgd"):
-    self.best, self.edge, self.row_name, self.calls = best, edge, row, []
+    self.best, self.edge, self.row, self.calls = best, edge, row, []
 
   def run(self, rate, seed):
     self.calls.append((rate, seed))
