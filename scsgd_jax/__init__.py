@@ -41,6 +41,7 @@ _LAZY = {
     "input_axes_linen": "scsgd_jax._src.capture_linen",
     "input_axes_nnx": "scsgd_jax._src.capture_nnx",
     "sketch": "scsgd_jax.sketch",
+    "sow_rows": "scsgd_jax._src.captured",
 }
 
 __all__ = sorted([

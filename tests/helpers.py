@@ -188,3 +188,8 @@ def capped(x, limit):
   """x scaled down to Frobenius norm limit where it is longer."""
   norm = np.linalg.norm(x)
   return x if norm <= limit else x * (limit / norm)
+
+
+def kernel_lines(summary: dict) -> dict:
+  """A plans summary less its vectors' lines (biases, norms' scales: plain in every plan)."""
+  return {p: why for p, why in summary.items() if not why.startswith("not conditioned: a bias")}

@@ -7,6 +7,10 @@
 - :class:`ViT`: a Vision Transformer on image patches (a patch ``Conv``, a class token, learned positions,
   ``nnx.MultiHeadAttention``).
 - :class:`ReluMLP`: a plain ReLU MLP on flattened images.
+- :class:`LSTMLM`: a character LSTM language model with Flax's stock recurrent layers (``nnx.RNN`` over
+  ``nnx.OptimizedLSTMCell``), an untied ``head``.
+- :class:`MoELM`: a small mixture-of-experts language model (``nnx.MultiHeadAttention`` blocks whose MLP is
+  :class:`MoE`: raw stacked expert weights, a ``Linear`` router, top-2 routing computed densely with ``jnp.einsum``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+import scsgd_jax as sk
 
 
 def causal_attention(q, k, v):
@@ -157,3 +163,88 @@ class ReluMLP(nnx.Module):
     for layer in self.hidden:
       x = nnx.relu(layer(x))
     return self.head(x)
+
+
+class LSTMLM(nnx.Module):
+  """Embed, ``layers`` stacked ``nnx.RNN(nnx.OptimizedLSTMCell)`` of ``hidden`` units, an untied ``nnx.Linear``
+  head: the next character's logits at every position."""
+
+  def __init__(self, vocab: int, *, dim: int = 64, hidden: int = 128, layers: int = 2, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+    sizes = [dim] + [hidden] * layers
+    self.lstm = nnx.List([nnx.RNN(nnx.OptimizedLSTMCell(a, b, rngs=rngs), rngs=rngs)
+                          for a, b in zip(sizes, sizes[1:])])
+    self.head = nnx.Linear(hidden, vocab, rngs=rngs)
+
+  def __call__(self, ids):
+    x = self.embed(ids)
+    for layer in self.lstm:
+      x = layer(x)
+    return self.head(x)
+
+
+class MoE(nnx.Module):
+  """A mixture-of-experts MLP: ``experts`` GELU MLPs held as raw stacked parameters ``w_in`` ``(E, D, hidden)`` and
+  ``w_out`` ``(E, hidden, D)``, a ``Linear`` router, each token sent to its ``top_k`` experts (softmax over their
+  router logits). Dispatch is dense: every expert runs on every token (``jnp.einsum``) and the router's weights,
+  zero off a token's top ``k``, combine them.
+
+  Each expert's kernels are handed to the capture with :func:`scsgd_jax.sow_rows` (a no-op outside one): the rows
+  its gradient reads, i.e. the tokens routed to it (the others' rows zeroed: their gradient rows are zero too),
+  stacked ``(E, tokens, features)``; ``Layout((0,), stack=1)``: axis 0 of the parameter indexes the experts, and
+  each expert's ``(in, out)`` matrix takes its input on its axis 0."""
+
+  def __init__(self, dim: int, hidden: int, experts: int, top_k: int = 2, *, rngs: nnx.Rngs):
+    self.top_k = top_k
+    self.router = nnx.Linear(dim, experts, use_bias=False, rngs=rngs)
+    init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    self.w_in = nnx.Param(init(rngs.params(), (experts, dim, hidden)))
+    self.w_out = nnx.Param(init(rngs.params(), (experts, hidden, dim)))
+
+  def gates(self, tokens):
+    """``(tokens, E)``: each token's softmax over its top-``k`` router logits, zero elsewhere."""
+    logits = self.router(tokens)
+    top, index = jax.lax.top_k(logits, self.top_k)
+    return jnp.einsum("tk,tke->te", jax.nn.softmax(top, axis=-1), jax.nn.one_hot(index, logits.shape[-1]))
+
+  def __call__(self, x):
+    tokens = x.reshape(-1, x.shape[-1])
+    gates = self.gates(tokens)
+    routed = (gates > 0).T[..., None]  # (E, tokens, 1)
+    layout = sk.Layout((0,), stack=1)
+    sk.sow_rows(self, "w_in", jnp.where(routed, tokens[None], 0.0), layout)
+    h = nnx.gelu(jnp.einsum("td,edh->eth", tokens, self.w_in[...]))
+    sk.sow_rows(self, "w_out", jnp.where(routed, h, 0.0), layout)
+    y = jnp.einsum("eth,ehd->etd", h, self.w_out[...])
+    return jnp.einsum("etd,te->td", y, gates).reshape(x.shape)
+
+
+class MoEBlock(nnx.Module):
+  def __init__(self, dim: int, heads: int, hidden: int, experts: int, *, rngs: nnx.Rngs):
+    self.attn_norm, self.mlp_norm = nnx.RMSNorm(dim, rngs=rngs), nnx.RMSNorm(dim, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(heads, dim, use_bias=False, decode=False, rngs=rngs)
+    self.moe = MoE(dim, hidden, experts, rngs=rngs)
+
+  def __call__(self, x, mask):
+    x = x + self.attn(self.attn_norm(x), mask=mask)
+    return x + self.moe(self.mlp_norm(x))
+
+
+class MoELM(nnx.Module):
+  """Token and learned position embeddings, ``layers`` pre-RMSNorm blocks (:class:`MoEBlock`: causal attention, a
+  :class:`MoE` MLP), a final RMSNorm and an untied ``head``."""
+
+  def __init__(self, vocab: int, *, dim: int = 64, heads: int = 4, layers: int = 2, hidden: int = 128,
+               experts: int = 4, context: int = 64, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+    self.pos_embed = nnx.Embed(context, dim, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.blocks = nnx.List([MoEBlock(dim, heads, hidden, experts, rngs=rngs) for _ in range(layers)])
+    self.final_norm = nnx.RMSNorm(dim, rngs=rngs)
+    self.head = nnx.Linear(dim, vocab, rngs=rngs)
+
+  def __call__(self, ids):
+    x = self.embed(ids) + self.pos_embed(jnp.arange(ids.shape[1]))[None]
+    mask = nnx.make_causal_mask(ids)
+    for block in self.blocks:
+      x = block(x, mask)
+    return self.head(self.final_norm(x))

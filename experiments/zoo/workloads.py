@@ -77,6 +77,15 @@ WORKLOADS: dict[str, Workload] = {
     "relu_mlp": Workload(
         "nnx", "mnist", lambda rngs: models_nnx.ReluMLP(rngs=rngs), "head", "cnn", STEPS, 64,
         "ReLU MLP (NNX): 784-256-256-10"),
+    "lstm_lm": Workload(
+        "nnx", "tiny_shakespeare", lambda rngs: models_nnx.LSTMLM(VOCAB, rngs=rngs), "head", "transformer", STEPS, 16,
+        "Character LSTM LM (NNX, nnx.RNN(nnx.OptimizedLSTMCell)): 64-d embedding, 2 layers of 128, untied head; "
+        "AdamW at the transformer (language-model) settings"),
+    "moe": Workload(
+        "nnx", "tiny_shakespeare", lambda rngs: models_nnx.MoELM(VOCAB, rngs=rngs), "head", "transformer", STEPS, 16,
+        "Mixture of experts LM (NNX): D=64, 2 blocks of RMSNorm, causal nnx.MultiHeadAttention, RMSNorm, MoE MLP "
+        "(4 experts of hidden 128 as raw stacked weights sown with scsgd_jax.sow_rows, Linear router, top-2, dense "
+        "einsum dispatch), learned positions, untied head"),
 }
 
 
@@ -151,7 +160,9 @@ class Bound:
   def loss(self, params, extra, x, y, key, capture: bool, train: bool = True):
     """``(loss, (layer_inputs or None, new extra))`` of one batch, as the README's step computes it."""
     if self.w.framework == "nnx":
-      model = nnx.merge(self.graphdef, params, extra)
+      # copy: Variables of this trace (under jax.grad, ``extra``'s own are the caller's; nnx.RNN's carry RngStream
+      # mutates its count and Flax refuses that from another trace level)
+      model = nnx.merge(self.graphdef, params, extra, copy=True)
       logits, inputs = sk.capture_nnx(model, x, rng=key) if capture else (model(x), None)
       return cross_entropy(logits, y), (inputs, extra)
     variables, mutable = self._variables(params, extra), list(extra)

@@ -282,7 +282,7 @@ def scsgd_eigen_muon(
     if name in _MUON_OWN:
       raise TypeError(f"scsgd_eigen_muon sets optax.contrib.muon's {name}= itself; pass it as scsgd_eigen_muon's "
                       f"argument where it has one ({', '.join(_MUON_OWN)}).")
-  chosen = kernel_filter or muon_lib.muon_kernel_filter(output_layer)
+  chosen = kernel_filter or muon_lib.muon_kernel_filter(output_layer, input_axes)
   hidden = muon_lib.muon_kernels(chosen, input_axes)
   return muon_lib.checked_output_layer(
       output_layer,

@@ -8,12 +8,12 @@ from typing import Optional
 import jax
 import optax
 from flax import linen as nn
+from flax.linen.recurrent import DenseParams
 
 from scsgd_jax._src import captured as captured_lib
 from scsgd_jax._src import defaults
 from scsgd_jax._src.captured import CapturedInputs
 from scsgd_jax._src.layers import LINEN_LAYERS
-from scsgd_jax._src.layers import einsum_arg
 from scsgd_jax._src.layers import layer_spec
 from scsgd_jax._src.layout import Layout
 from scsgd_jax._src.layout import Plain
@@ -23,37 +23,68 @@ __all__ = ["apply_gradients", "capture_linen", "input_axes_linen", "output_pertu
 LINEN_COLLECTION = "layer_inputs"
 
 
-def _linen_interceptor(max_rows, counter, record, unconditioned, full_ndim, sow=True, outputs=None, reads=None):
+# why a layer inside a lifted transform that does not pass the captured collection through is left plain
+LIFTED = ("it runs inside a Linen lifted transform (nn.scan, nn.vmap, ...) that does not pass the collection "
+          f"'{LINEN_COLLECTION}' through: list it next to 'params', nn.scan(..., variable_axes={{'params': 0, "
+          f"'{LINEN_COLLECTION}': 0}}) (the rows are then stacked like the kernels), as Flax asks for any collection "
+          "sown inside a scan")
+
+
+def _read(cap: captured_lib.Capture, mod, x, einsum_str, full_ndim) -> Optional[tuple]:
+  """Sows what layer ``mod``'s kernel needs from its input ``x``: ``(param path, spec, layout)``, or ``None`` for a
+  layer the conditioning cannot read, or whose rows cannot leave the transform it runs in (planned plain, said)."""
+  name = "/".join(map(str, mod.path)) or type(mod).__name__
+  if x is None:
+    cap.plain(captured_lib.param_path("/".join(map(str, mod.path)), "kernel"), f"layer '{name}': {captured_lib.NO_INPUT}")
+    return None
+  try:
+    spec = layer_spec(mod, name, einsum_str)
+    rows = spec.rows(jax.lax.stop_gradient(x), cap.max_rows, cap.counter.key())
+  except NotImplementedError as e:  # a layer kind the conditioning cannot read: plain updates, said
+    cap.plain(captured_lib.param_path("/".join(map(str, mod.path)), "kernel"), str(e))
+    return None
+  path = "/".join((*map(str, mod.path), spec.param))
+  if not mod.sow(LINEN_COLLECTION, spec.param, rows):
+    cap.plain(path, f"layer '{name}': {LIFTED}")
+    return None
+  layout = cap.layouts[path] = captured_lib.layout(spec, mod, full_ndim.get(path))
+  if cap.reads is not None:
+    cap.reads(path, spec, x)
+  return path, spec, layout
+
+
+def _linen_interceptor(cap: captured_lib.Capture, full_ndim):
   def interceptor(next_fun, a, k, context):
-    mod = context.module
-    if context.method_name == "attend" and isinstance(mod, nn.Embed):  # a tied table: plain updates, said
-      unconditioned[captured_lib.param_path("/".join(map(str, mod.path)), "embedding")] = captured_lib.TIED
-      return next_fun(*a, **k)
-    if context.method_name == "__call__" and isinstance(mod, LINEN_LAYERS) and a:
-      name = "/".join(map(str, mod.path)) or type(mod).__name__
-      try:
-        spec = layer_spec(mod, name, einsum_arg(mod, a[1:], k))
-        rows = spec.rows(jax.lax.stop_gradient(a[0]), max_rows, counter.key()) if sow else None
-      except NotImplementedError as e:  # a layer kind the conditioning cannot read: plain updates, said
-        for where in (unconditioned, outputs.unconditioned if outputs is not None else {}):
-          where[captured_lib.param_path("/".join(map(str, mod.path)), "kernel")] = str(e)
-        return next_fun(*a, **k)
-      param_path = "/".join((*map(str, mod.path), spec.param))
-      layout = captured_lib.layout(spec, mod, full_ndim.get(param_path))
-      record[param_path] = layout
-      if reads is not None:
-        reads(param_path, spec, a[0])
-      if sow and not mod.sow(LINEN_COLLECTION, spec.param, rows):
-        raise ValueError(
-            f"layer '{name}' runs inside a Linen lifted transform (nn.scan, nn.vmap, ...) that does not pass "
-            f"the collection '{LINEN_COLLECTION}' through, so its inputs cannot be captured. List it next to "
-            f"'params': nn.scan(..., variable_axes={{'params': 0, '{LINEN_COLLECTION}': 0}}) (the rows are then "
-            "stacked like the kernels), as Flax asks for any collection sown inside a scan.")
-      if outputs is not None:
-        return outputs(param_path, spec, next_fun(*a, **k), layout)
+    mod, method = context.module, context.method_name
+    if method == "attend" and isinstance(mod, nn.Embed):  # a tied table: plain updates, said
+      cap.unconditioned[captured_lib.param_path("/".join(map(str, mod.path)), "embedding")] = captured_lib.TIED
+    elif method == "__call__" and isinstance(mod, nn.RNN):
+      return _recurrent(cap, mod, next_fun, a, k)
+    elif method == "__call__" and isinstance(mod, LINEN_LAYERS):
+      x, equation = captured_lib.layer_input(a, k)
+      read = _read(cap, mod, x, equation, full_ndim)
+      if read is not None and cap.outputs is not None:
+        y = next_fun(*a, **k)
+        if cap.recurrent or isinstance(mod, DenseParams):  # a recurrent cell's kernel
+          cap.outputs.unconditioned[read[0]] = captured_lib.RECURRENT_OUTPUT
+          return y
+        return cap.outputs(read[0], read[1], y, read[2])
     return next_fun(*a, **k)
 
   return interceptor
+
+
+def _recurrent(cap: captured_lib.Capture, mod, next_fun, a, k):
+  """``nn.RNN``'s call with its scan also passing the captured collection out, one set of rows per time step
+  (stacked along the scan, folded into the kernel's rows by the capture)."""
+  saved = mod.variable_axes
+  object.__setattr__(mod, "variable_axes", {**saved, LINEN_COLLECTION: 0})
+  cap.recurrent += 1
+  try:
+    return next_fun(*a, **k)
+  finally:
+    cap.recurrent -= 1
+    object.__setattr__(mod, "variable_axes", saved)
 
 
 def _with_dropout(kwargs: dict, key) -> dict:
@@ -101,17 +132,21 @@ def capture_linen(
   return _capture_linen(module, variables, args, kwargs, rng, max_rows, mutable, outputs)
 
 
+def _apply(module, variables, args, kwargs, cap: captured_lib.Capture, mutable, dropout_key):
+  """``module.apply`` under ``cap``: ``(output, state)``, the state holding the captured collection."""
+  cap.sow = lambda mod, param, rows: mod.sow(LINEN_COLLECTION, param, rows)
+  cap.path_of = lambda mod: "/".join(map(str, mod.path))
+  kwargs = kwargs if dropout_key is None else _with_dropout(kwargs, dropout_key)
+  with nn.intercept_methods(_linen_interceptor(cap, _param_ndims(variables))), cap.active():
+    return module.apply(variables, *args, mutable=mutable, **kwargs)
+
+
 def _capture_linen(module, variables, args, kwargs, rng, max_rows, mutable, outputs):
-  captured_lib.check_max_rows(max_rows)
-  axes, unconditioned = {}, {}
-  with nn.intercept_methods(_linen_interceptor(max_rows, captured_lib.Counter(rng), axes, unconditioned,
-                                               _param_ndims(variables), outputs=outputs)):
-    out, state = module.apply(variables, *args, mutable=[LINEN_COLLECTION, *mutable],
-                              **(kwargs if rng is None else _with_dropout(kwargs, jax.random.fold_in(rng, 1))))
+  cap = captured_lib.Capture(captured_lib.LINEN_HELPER, rng, max_rows, outputs)
+  out, state = _apply(module, variables, args, kwargs, cap, [LINEN_COLLECTION, *mutable],
+                      None if rng is None else jax.random.fold_in(rng, 1))
   state = dict(state)
-  captured = state.pop(LINEN_COLLECTION, {})
-  captured = CapturedInputs(jax.tree.map(captured_lib.merge, dict(captured), is_leaf=lambda v: isinstance(v, tuple)),
-                            axes, unconditioned)
+  captured = cap.captured(dict(state.pop(LINEN_COLLECTION, {})))
   if mutable:
     return out, captured, state
   return out, captured
@@ -130,15 +165,9 @@ def input_axes_linen(module: nn.Module, variables, *args, **kwargs) -> dict[str,
   once (no compute) on ``args``: pass it as ``input_axes=`` to fix every plan at ``init``. The kernels whose
   layers read the same rows (an attention's query, key and value) are marked as :func:`input_axes_nnx` marks
   them given inputs."""
-  record, plain, reads = {}, {}, captured_lib.Reads()
-
-  def run(variables, *a):
-    with nn.intercept_methods(_linen_interceptor(None, captured_lib.Counter(None), record, plain,
-                                                 _param_ndims(variables), sow=False, reads=reads)):
-      return module.apply(variables, *a, mutable=True, **_with_dropout(kwargs, jax.random.PRNGKey(0)))
-
-  jax.eval_shape(run, variables, *args)
-  return reads.marked({**record, **{path: Plain(why) for path, why in plain.items()}})
+  cap = captured_lib.Capture(captured_lib.LINEN_HELPER, reads=captured_lib.Reads())
+  jax.eval_shape(lambda v, *a: _apply(module, v, a, kwargs, cap, True, jax.random.PRNGKey(0))[0], variables, *args)
+  return cap.reads.marked({**cap.layouts, **{path: Plain(why) for path, why in cap.unconditioned.items()}})
 
 
 def apply_gradients(state, *, grads, layer_inputs, **kwargs):

@@ -7,6 +7,7 @@ each sows its :class:`~scsgd_jax._src.layers.LayerSpec` rows into a :class:`Laye
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Optional
 
 import jax
@@ -16,7 +17,6 @@ from scsgd_jax._src import captured as captured_lib
 from scsgd_jax._src import defaults
 from scsgd_jax._src.captured import CapturedInputs
 from scsgd_jax._src.layers import NNX_LAYERS
-from scsgd_jax._src.layers import einsum_arg
 from scsgd_jax._src.layers import layer_spec
 from scsgd_jax._src.layout import Layout
 from scsgd_jax._src.layout import Plain
@@ -29,63 +29,121 @@ class LayerInput(nnx.Intermediate):
   """NNX variable type of the captured input rows (a subtype of ``nnx.Intermediate``)."""
 
 
-_PATH_ATTR = "_scsgd_jax_path"  # set on each captured layer for one call: its path, inside nnx.scan/vmap too
-
+_PATH_ATTR = "_scsgd_jax_path"  # set on each module for one call: its path, inside nnx.scan/vmap too
 
 def _layer_path(layer, default: str) -> str:
   return getattr(layer, _PATH_ATTR, None) or default
 
 
+def _read(cap: captured_lib.Capture, layer, name: str, inputs, einsum_str, full) -> Optional[tuple]:
+  """Sows what ``layer``'s kernel needs from ``inputs`` (``name``: its path, ``full``: the model's own copy of the
+  layer, whose parameter says its stack axes): ``(param path, spec, layout)``, or ``None`` for a layer the
+  conditioning cannot read (planned plain, said)."""
+  try:
+    spec = layer_spec(layer, name, einsum_str if isinstance(layer, nnx.Einsum) else None)
+    rows = spec.rows(jax.lax.stop_gradient(inputs), cap.max_rows, cap.counter.key())
+  except NotImplementedError as e:
+    cap.plain(captured_lib.param_path(name, "kernel"), str(e))
+    return None
+  path = captured_lib.param_path(name, spec.param)
+  layout = cap.layouts[path] = captured_lib.layout(spec, layer, getattr(getattr(full, spec.param, None), "ndim", None))
+  if cap.reads is not None:
+    cap.reads(path, spec, inputs)
+  layer.sow(LayerInput, spec.param, rows)
+  return path, spec, layout
+
+
+def _layer_stand_in(orig, cap: captured_lib.Capture, nodes: dict):
+  """``orig`` (a layer's ``__call__``) that first reads the layer's input for ``cap``; every argument forwarded."""
+
+  @functools.wraps(orig)
+  def call(self, *args, **kwargs):
+    inputs, equation = captured_lib.layer_input(args, kwargs)
+    path = _layer_path(self, type(self).__name__)
+    name = path if path in nodes else ""  # a layer outside the model's graph: the model itself
+    read = _read(cap, self, name, inputs, equation, nodes.get(path))
+    y = orig(self, *args, **kwargs)
+    if read is None or cap.outputs is None:
+      return y
+    if cap.recurrent:
+      cap.outputs.unconditioned[read[0]] = captured_lib.RECURRENT_OUTPUT
+      return y
+    return cap.outputs(*read[:2], y, read[2])
+
+  return call
+
+
+def _rnn_stand_in(orig, cap: captured_lib.Capture):
+  """``nnx.RNN.__call__`` whose scan also carries the sown rows out, one set per time step (stacked along the scan,
+  folded into the kernel's rows by the capture); every argument forwarded."""
+
+  @functools.wraps(orig)
+  def call(self, *args, **kwargs):
+    saved = self.state_axes
+    object.__setattr__(self, "state_axes", nnx.StateAxes({LayerInput: 0, **saved}))
+    cap.recurrent += 1
+    try:
+      return orig(self, *args, **kwargs)
+    finally:
+      cap.recurrent -= 1
+      object.__setattr__(self, "state_axes", saved)
+
+  return call
+
+
+def _tied_stand_in(orig, cap: captured_lib.Capture, nodes: dict):
+  """``nnx.Embed.attend`` that notes the table as tied (plain updates, said); every argument forwarded."""
+
+  @functools.wraps(orig)
+  def attend(self, *args, **kwargs):
+    path = _layer_path(self, "")
+    cap.unconditioned[captured_lib.param_path(path if path in nodes else "", "embedding")] = captured_lib.TIED
+    return orig(self, *args, **kwargs)
+
+  return attend
+
+
+def stand_ins(cap: captured_lib.Capture, nodes: dict) -> dict:
+  """``{(class, method name): stand-in}``: every method the NNX capture stands in for, from the originals of now."""
+  out = {(cls, "__call__"): _layer_stand_in(cls.__call__, cap, nodes) for cls in NNX_LAYERS}
+  out[nnx.RNN, "__call__"] = _rnn_stand_in(nnx.RNN.__call__, cap)
+  out[nnx.Embed, "attend"] = _tied_stand_in(nnx.Embed.attend, cap, nodes)
+  return out
+
+
 @contextlib.contextmanager
-def _patched_nnx(model, max_rows, counter, layouts, unconditioned, outputs=None, reads=None):
-  originals = {cls: cls.__call__ for cls in NNX_LAYERS}
+def _patched_nnx(model, cap: captured_lib.Capture):
   # a layer inside nnx.scan/nnx.vmap runs as a copy holding one slice of each parameter: it finds its path in
   # an attribute (kept by the transforms' graph copy), and its stack axes from its original's full parameter
-  layers = {"/".join(map(str, path)): node for path, node in nnx.iter_graph(model) if isinstance(node, NNX_LAYERS)}
-
-  def make(orig):
-    def call(self, inputs, *args, **kwargs):
-      path = _layer_path(self, type(self).__name__)
-      name = path if path in layers else ""  # a layer outside the model's graph: the model itself
-      try:
-        spec = layer_spec(self, path, einsum_arg(self, args, kwargs))
-        rows = spec.rows(jax.lax.stop_gradient(inputs), max_rows, counter.key())
-      except NotImplementedError as e:  # a layer kind the conditioning cannot read: plain updates, said
-        for where in (unconditioned, outputs.unconditioned if outputs is not None else {}):
-          where[captured_lib.param_path(name, "kernel")] = str(e)
-        return orig(self, inputs, *args, **kwargs)
-      param_path = captured_lib.param_path(name, spec.param)
-      layout = captured_lib.layout(spec, self, getattr(getattr(layers.get(path), spec.param, None), "ndim", None))
-      layouts[param_path] = layout
-      if reads is not None:
-        reads(param_path, spec, inputs)
-      self.sow(LayerInput, spec.param, rows)
-      y = orig(self, inputs, *args, **kwargs)
-      return y if outputs is None else outputs(param_path, spec, y, layout)
-
-    return call
-
-  attend = nnx.Embed.attend
-
-  def tied(self, query):  # the table is also the output projection: plain updates, said
-    path = _layer_path(self, "")
-    unconditioned[captured_lib.param_path(path if path in layers else "", "embedding")] = captured_lib.TIED
-    return attend(self, query)
-
+  nodes = {"/".join(map(str, path)): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
+  cap.sow = lambda module, param, rows: module.sow(LayerInput, param, rows)
+  cap.path_of = lambda module: (lambda p: p if p in nodes else "")(_layer_path(module, ""))
   try:
-    for node_name, node in layers.items():
+    for node_name, node in nodes.items():
       object.__setattr__(node, _PATH_ATTR, node_name)
-    for cls, orig in originals.items():
-      cls.__call__ = make(orig)
-    nnx.Embed.attend = tied
-    yield
+    with captured_lib.patched(stand_ins(cap, nodes)), cap.active():
+      yield
   finally:
-    nnx.Embed.attend = attend
-    for cls, orig in originals.items():
-      cls.__call__ = orig
-    for node in layers.values():
+    for node in nodes.values():
       if _PATH_ATTR in vars(node):
         object.__delattr__(node, _PATH_ATTR)
+
+
+def _run(model, cap: captured_lib.Capture, args, kwargs):
+  """``(output, sown rows)`` of ``model(*args, **kwargs)`` under ``cap``; a layer that runs inside a transform that
+  drops what it sows (a user's ``nnx.scan`` carrying the module) is refused, naming the fix."""
+  try:
+    with _patched_nnx(model, cap):
+      return nnx.capture(lambda m, *a, **k: m(*a, **k), LayerInput)(model, *args, **kwargs)
+  except TypeError as e:
+    if "__captures__" not in str(e):
+      raise
+    raise ValueError(
+        "a conditioned layer runs inside an nnx.scan (or another transform) that carries the module's state, so "
+        "what the capture sows there cannot leave it. Scan the captured rows out along the loop: pass "
+        "nnx.StateAxes({nnx.Intermediate: 0, ...: nnx.Carry}) (or your state axes with nnx.Intermediate: 0 "
+        "first) as the module's in_axes; nnx.RNN and nnx.Bidirectional need nothing. Or exclude the kernels "
+        f"with kernel_filter. ({str(e).splitlines()[0]})") from None
 
 
 def capture_nnx(
@@ -133,13 +191,9 @@ def capture_nnx(
 
 
 def _capture_nnx(model, args, kwargs, rng, max_rows, outputs):
-  captured_lib.check_max_rows(max_rows)
-  counter, axes, unconditioned = captured_lib.Counter(rng), {}, {}
-  with _patched_nnx(model, max_rows, counter, axes, unconditioned, outputs):
-    out, captured = nnx.capture(lambda m, *a, **k: m(*a, **k), LayerInput)(model, *args, **kwargs)
-  pure = nnx.to_pure_dict(captured)
-  return out, CapturedInputs(jax.tree.map(captured_lib.merge, pure, is_leaf=lambda v: isinstance(v, tuple)), axes,
-                             unconditioned)
+  cap = captured_lib.Capture(captured_lib.NNX_HELPER, rng, max_rows, outputs)
+  out, captured = _run(model, cap, args, kwargs)
+  return out, cap.captured(nnx.to_pure_dict(captured))
 
 
 def output_perturbations_nnx(model: nnx.Module, *args, **kwargs) -> CapturedInputs:
@@ -200,12 +254,8 @@ def input_axes_nnx(model: nnx.Module, *args, **kwargs) -> dict[str, Layout]:
 
 def _marked_reads(model: nnx.Module, layouts: dict, args, kwargs) -> dict:
   """``layouts`` with the kernels that read another's rows in a call of ``model`` marked (:class:`Reads`)."""
-  reads, plain, (graphdef, state) = captured_lib.Reads(), {}, nnx.split(model)
+  graphdef, state = nnx.split(model)
 
-  def run(state):
-    copy = nnx.merge(graphdef, state)
-    with _patched_nnx(copy, None, captured_lib.Counter(None), {}, plain, reads=reads):
-      return nnx.capture(lambda m, *a, **k: m(*a, **k), LayerInput)(copy, *args, **kwargs)[0]
-
-  jax.eval_shape(run, state)
-  return reads.marked({**layouts, **{path: Plain(why) for path, why in plain.items()}})
+  cap = captured_lib.Capture(captured_lib.NNX_HELPER, reads=captured_lib.Reads())
+  jax.eval_shape(lambda state: _run(nnx.merge(graphdef, state), cap, args, kwargs)[0], state)
+  return cap.reads.marked({**layouts, **cap.layouts, **{path: Plain(why) for path, why in cap.unconditioned.items()}})

@@ -150,7 +150,10 @@ class Kernels:
 
   def __init__(self, s: estimator_lib.Settings, tail: Tail, sides: str, others: str, share: float):
     self.s, self.tail, self.sides, self.others, self.share = s, tail, sides, others, share
-    self.estimator = estimator_lib.Estimator(s, budget_share=share, extra=kept_beside(tail))
+    self.estimator = estimator_lib.Estimator(s, budget_share=share, extra=kept_beside(tail), plain_step=(
+        "they get Adam itself, in the coordinate basis (under scsgd_eigen: AdamW)" if others == "adam" else
+        "their gradients pass on as they are to the rest of the chain (under scsgd_eigen_muon: Muon's AdamW part; "
+        "a hidden kernel left plain by the memory rule is orthogonalized by Muon without a basis)"))
     self.plans = self.estimator.plans
     self.keep = layout_lib.kernels_of(s.kernel_filter, s.input_axes)
     self.output_side = functools.lru_cache(maxsize=None)(self._output_side)

@@ -30,6 +30,7 @@ from scsgd_jax._src import eigen_math as em
 from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import transform
 from scsgd_jax._src.eigen_math import EigenMoments
+from scsgd_jax._src.inputs import HELPERS
 from scsgd_jax._src.eigen_math import Tail
 from scsgd_jax._src.state import ScaleBySketchedConditioningState
 
@@ -201,7 +202,7 @@ def scale_by_eigenbasis_adam(
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, output_grads=None, **extra_args):
     del params, extra_args  # optax's; the estimator reads the captured rows (layer_inputs) alone
-    kernel_plans = k.plans(updates, getattr(layer_inputs, "input_axes", None))
+    kernel_plans = k.plans(updates, getattr(layer_inputs, "input_axes", None), getattr(layer_inputs, "helper", HELPERS))
     if basis == "gradients":  # the statistics of the gradient's own rows (SOAP's left factor), no capture read
       layer_inputs = ek.gradient_rows(updates, kernel_plans, getattr(layer_inputs, "input_axes", None))
     conditioning_state, _ = k.estimator.update(updates, state.conditioning, layer_inputs)

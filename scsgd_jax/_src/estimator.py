@@ -21,6 +21,7 @@ from scsgd_jax._src import options
 from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import state as state_lib
+from scsgd_jax._src.inputs import HELPERS
 from scsgd_jax._src.state import ScaleBySketchedConditioningState
 
 class Settings(NamedTuple):
@@ -82,6 +83,11 @@ def _spec(s: Settings, default_axes, budget_share: float, extra) -> tuple[plan_l
   return spec, got["every"]
 
 
+# what the leaves the conditioning leaves plain get, as its warnings say it (the eigenbasis says its own)
+PLAIN_STEP = ("their gradients pass on unconditioned to the rest of the chain (under scsgd: Nesterov SGD; in front of "
+              "AdamW or Muon: theirs)")
+
+
 class Estimator:
   """Every conditioned kernel's statistics, fold, refresh schedule and factors under settings ``s``: ``init``
   plans the kernels (fixed there) and builds their fresh state; ``update`` checks the captured rows against the
@@ -95,8 +101,8 @@ class Estimator:
   """
 
   def __init__(self, s: Settings, *, default_axes=layout_lib.default_input_axes, budget_share: float = 1.0,
-               extra=None):
-    self.s, self.default_axes = s, default_axes
+               extra=None, plain_step: str = PLAIN_STEP):
+    self.s, self.default_axes, self.plain_step = s, default_axes, plain_step
     spec, self.fold_every = _spec(s, default_axes, budget_share, extra)
     self.plans = state_lib.PlanCache(spec)
 
@@ -111,8 +117,12 @@ class Estimator:
     layout_lib.check_input_axes_keys(self.s.input_axes, params)
     kernel_plans = self.plans(params)
     input_side = self.default_axes is layout_lib.default_input_axes
+    kernels = {}
     if not kernel_plans and input_side:  # the input side: say it, once
-      warn_nothing_conditioned(params, self.plans.notes)
+      kernels = {p: why for p, why in state_lib.said(self.plans.notes).items() if why != state_lib.RAW}
+      warn_nothing_conditioned(params, kernels, self.plain_step)
+    if input_side and (kernel_plans or kernels):  # else the warning above named every matrix and input_axes
+      warn_raw_parameters(self.plans.notes, self.plain_step)
     if self.s.rank_asked:
       warn_rank_cut(kernel_plans, self.s.rank)
     if self.s.input_axes is None and input_side:
@@ -146,7 +156,8 @@ class Estimator:
   def update(self, updates, state: ScaleBySketchedConditioningState, layer_inputs):
     """``(state, plans)``: ``state`` after this update's fold and refresh, and the plans of the kernels conditioned
     in it (``updates``' kernels, less those the capture could not condition in this update)."""
-    kernel_plans = self.plans(updates, getattr(layer_inputs, "input_axes", None))
+    helper = getattr(layer_inputs, "helper", HELPERS)
+    kernel_plans = self.plans(updates, getattr(layer_inputs, "input_axes", None), helper)
     if set(kernel_plans) != set(state.factors):
       raise ValueError(
           f"the conditioned kernels of `updates` {sorted(kernel_plans)} do not match those the state "
@@ -155,8 +166,10 @@ class Estimator:
     skipped = {p: f"not conditioned: {why}" for p, why in getattr(layer_inputs, "unconditioned", {}).items()
                if p in kernel_plans}
     state = state_lib.noted(state, kernel_plans, skipped, self.s.rank)
-    if skipped:
-      state_lib.log_unconditioned(skipped)  # once per trace
+    if skipped:  # planned at init, unread by the capture: said once per trace
+      warnings.warn("scsgd_jax: the capture could not read these kernels init planned, so they get plain updates: "
+                    + "; ".join(f"{p} ({why})" for p, why in skipped.items())
+                    + f". Pass input_axes={helper} to plan them plain at init.", stacklevel=4)
       kernel_plans = {p: plan for p, plan in kernel_plans.items() if p not in skipped}
     own = plan_lib.own_statistics(kernel_plans)  # a kernel reading another's statistics folds no rows of its own
     statistics, clipped = self.fold(state, own, checked_rows(own, layer_inputs))
@@ -210,21 +223,35 @@ def warn_shared_inputs_unknown(kernel_plans) -> None:
         "variables, x)), which finds the shared inputs.", stacklevel=4)
 
 
-def warn_nothing_conditioned(params, notes: dict[str, str]) -> None:
+def warn_nothing_conditioned(params, notes: dict[str, str], plain_step: str) -> None:
   """A warning (once per model) that no leaf of ``params`` is conditioned: why for each kernel the filter took
-  (``notes``), or, when it took none, the matrices it saw."""
+  (``notes``), or, when it took none, the matrices it saw; ``plain_step``: what the leaves get instead."""
   if notes:
-    warnings.warn("scsgd_jax: no leaf is conditioned, so every leaf gets plain updates: "
+    warnings.warn(f"scsgd_jax: no leaf is conditioned, so {plain_step}: "
                   + "; ".join(f"{p} ({why})" for p, why in notes.items()), stacklevel=3)
     return
   matrices = [layout_lib.path_to_str(p) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
               if np.ndim(leaf) >= 2]
   warnings.warn(
-      f"scsgd_jax: no leaf is conditioned, so every leaf gets plain updates: the kernel filter took none of the "
+      f"scsgd_jax: no leaf is conditioned, so {plain_step}: the kernel filter took none of the "
       f"parameters' matrices {matrices[:8]}{' ...' if len(matrices) > 8 else ''}. Flax names kernels 'kernel' and "
       "'embedding'; for other names (Equinox's 'weight', a plain dict) say each kernel's input axes, e.g. "
       "input_axes={'layers/0/weight': scsgd_jax.Layout(input_axes=(1,))} for an (out, in) weight, (0,) for "
       "(in, out).", stacklevel=3)
+
+
+def warn_raw_parameters(notes: dict[str, str], plain_step: str) -> None:
+  """One line naming the raw matrices no filter takes (a mixture of experts' weights used with ``jnp.einsum``) and
+  the route that conditions them."""
+  raw = [p for p, why in notes.items() if why == state_lib.RAW]
+  if raw:
+    warnings.warn(
+        f"scsgd_jax: {len(raw)} raw parameter(s) with two or more axes are no layer's kernel, so {plain_step}: "
+        f"{', '.join(raw[:8])}{' ...' if len(raw) > 8 else ''}. To condition one a model multiplies by (a mixture of "
+        "experts' weights used with jnp.einsum), name its layout in input_axes "
+        f"(e.g. input_axes={{..., '{raw[0]}': scsgd_jax.Layout((0,), stack=1)}} for (experts, d, hidden) read along "
+        "d) and hand the capture its rows in the model: scsgd_jax.sow_rows(self, name, rows, layout); "
+        "scsgd_jax.plans(state) lists every leaf.", stacklevel=4)
 
 
 def checked_rows(kernel_plans: dict[str, plan_lib.KernelPlan], layer_inputs) -> dict[str, jax.Array]:

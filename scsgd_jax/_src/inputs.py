@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["CapturedInputs"]
+__all__ = ["CapturedInputs", "HELPERS", "NNX_HELPER", "LINEN_HELPER"]
+
+# the call that reads every layer's layout, per framework: what messages name as the fix
+NNX_HELPER = "scsgd_jax.input_axes_nnx(model, x)"
+LINEN_HELPER = "scsgd_jax.input_axes_linen(module, variables, x)"
+HELPERS = f"{NNX_HELPER} (Linen: {LINEN_HELPER})"  # the framework unknown: both
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -22,18 +27,20 @@ class CapturedInputs(dict):
   ``unconditioned`` (``{param path: why}``, static too) names the kernels of layers the capture cannot
   condition (a grouped or transposed convolution, ...): the transformation gives them plain updates and
   says so in its ``summary()``, so no model fails to train because of one layer kind.
+  ``helper`` (static too): the ``input_axes_*`` call of the model's framework, which messages name as the fix.
   Converted to a plain ``dict``, the rows stay valid and the kernels fall back to the name-based default axes.
   """
 
-  def __init__(self, rows=(), input_axes=None, unconditioned=None):
+  def __init__(self, rows=(), input_axes=None, unconditioned=None, helper=HELPERS):
     super().__init__(rows)
     self.input_axes = dict(input_axes or {})
     self.unconditioned = dict(unconditioned or {})
+    self.helper = helper
 
   def tree_flatten_with_keys(self):
     keys = tuple(sorted(self))
     return ([(jax.tree_util.DictKey(k), self[k]) for k in keys],
-            (keys, tuple(sorted(self.input_axes.items())), tuple(sorted(self.unconditioned.items()))))
+            (keys, tuple(sorted(self.input_axes.items())), tuple(sorted(self.unconditioned.items())), self.helper))
 
   def tree_flatten(self):
     children, aux = self.tree_flatten_with_keys()
@@ -41,8 +48,8 @@ class CapturedInputs(dict):
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    keys, axes, unconditioned = aux
-    return cls(zip(keys, children), dict(axes), dict(unconditioned))
+    keys, axes, unconditioned, helper = aux
+    return cls(zip(keys, children), dict(axes), dict(unconditioned), helper)
 
   def __repr__(self):
     return (f"CapturedInputs({dict.__repr__(self)}, input_axes={self.input_axes}"

@@ -22,6 +22,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.linen.recurrent import DenseParams
 from flax import nnx
 
 from scsgd_jax._src import patches
@@ -29,7 +30,8 @@ from scsgd_jax._src import patches
 __all__ = ["LayerSpec", "layer_rows", "layer_spec"]
 
 NNX_LAYERS = (nnx.Linear, nnx.Conv, nnx.ConvTranspose, nnx.LinearGeneral, nnx.Einsum, nnx.Embed)
-LINEN_LAYERS = (nn.Dense, nn.Conv, nn.ConvTranspose, nn.DenseGeneral, nn.Einsum, nn.Embed)
+# DenseParams: the gate kernels of Linen's OptimizedLSTMCell, each read as a Dense (the cell multiplies by them itself)
+LINEN_LAYERS = (nn.Dense, DenseParams, nn.Conv, nn.ConvTranspose, nn.DenseGeneral, nn.Einsum, nn.Embed)
 
 
 class LayerSpec(NamedTuple):
@@ -189,7 +191,7 @@ def layer_spec(layer: Any, name: str, einsum_str: Optional[str] = None) -> Layer
     raise NotImplementedError(f"layer '{name}' is a transposed convolution (its inputs are dilated)")
   if isinstance(layer, (nnx.Conv, nn.Conv)):
     return _conv_spec(layer, name)
-  if isinstance(layer, (nnx.Linear, nn.Dense)):
+  if isinstance(layer, (nnx.Linear, nn.Dense, DenseParams)):
     return LayerSpec("kernel", (0,), lambda x, m, k: patches.dense_rows(x, m, k), _last_axes(1), contracts=(-1,))
   if isinstance(layer, nnx.LinearGeneral):
     return _general_spec(layer, name, dict(layer.batch_axis))
@@ -218,9 +220,3 @@ def layer_rows(
   """
   spec = layer_spec(layer, name, einsum_str)
   return spec.rows(jax.lax.stop_gradient(x), max_rows, key)
-
-
-def einsum_arg(layer, args, kwargs) -> Optional[str]:
-  if isinstance(layer, (nnx.Einsum, nn.Einsum)):
-    return kwargs.get("einsum_str") or (args[0] if args and isinstance(args[0], str) else None)
-  return None

@@ -11,12 +11,14 @@ import optax.contrib
 from scsgd_jax._src import layout as layout_lib
 
 
-def muon_kernel_filter(output_layer: str = "") -> Callable[[str, Any], bool]:
-  """The kernels Muon's authors give Muon: :func:`default_kernel_filter`'s kernels but the embedding tables and
-  the output layer (a path containing ``output_layer``; ``""``: none is)."""
+def muon_kernel_filter(output_layer: str = "", input_axes: layout_lib.InputAxes = None) -> Callable[[str, Any], bool]:
+  """The kernels Muon's authors give Muon: the kernels the conditioning takes by default (:func:`default_kernel_filter`'s
+  and every matrix an ``input_axes`` mapping names, :func:`kernels_of`) but the embedding tables and the output
+  layer (a path containing ``output_layer``; ``""``: none is)."""
+  kernels = layout_lib.kernels_of(None, input_axes)
 
   def hidden(path: str, leaf) -> bool:
-    return (layout_lib.default_kernel_filter(path, leaf) and path.rsplit("/", 1)[-1] != "embedding"
+    return (kernels(path, leaf) and path.rsplit("/", 1)[-1] != "embedding"
             and not (output_layer and output_layer in path))
 
   return hidden

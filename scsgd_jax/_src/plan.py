@@ -299,25 +299,7 @@ def slice_phases(kernel_plans: Mapping[str, KernelPlan], update_every: int, stag
   return out
 
 
-def unconditioned(tree, spec: Spec, plans: Mapping[str, KernelPlan]) -> dict[str, str]:
-  """``{path: why}`` of every Flax kernel or embedding of ``tree`` (:func:`default_kernel_filter`'s) that
-  gets no conditioning: excluded by ``kernel_filter``, a layer ``input_axes`` says is :class:`Plain`, or left
-  plain by the memory rule (no statistics fit its budget under ``Statistics(kind='auto')``; with ``spec.extra``, none
-  of use: an embedding, or a kernel that fits only diagonal statistics)."""
-  out = {}
-  for path, leaf in kernel_paths(tree).items():
-    if path not in plans:
-      why = plain_why(spec.input_axes, path)
-      out[path] = ("not conditioned: excluded by kernel_filter" if not spec.kernel_filter(path, leaf) else
-                   f"not conditioned: {why}" if why is not None else
-                   "not conditioned: its basis is the coordinate one (token frequencies)"
-                   if spec.extra is not None and path.rsplit("/", 1)[-1] == "embedding" else
-                   "not conditioned: no statistics fit its memory budget (Statistics(kind='auto'))"
-                   + (", none of use beside its moments" if spec.extra is not None else ""))
-  return out
-
-
-def check_layouts(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[str, Any]) -> None:
+def check_layouts(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[str, Any], helper: str) -> None:
   """Refuses a kernel whose layer reads it by another layout (input axes, a stack, feature groups) than ``init``
   planned from the parameters alone: the plans, and so the state's shapes, are fixed at ``init``. The fix, named
   in the error: ``input_axes``, which ``init`` reads."""
@@ -333,5 +315,4 @@ def check_layouts(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Ma
         "the state's shapes, are fixed at init): " + "; ".join(
             f"'{p}' {shape} read as {layout} (n={n}), planned as {plan.layout()} (n={plan.n})"
             for p, (shape, layout, n, plan) in wrong.items())
-        + ". Pass input_axes=scsgd_jax.input_axes_nnx(model) (Linen: scsgd_jax.input_axes_linen(module, variables, *inputs)) "
-        "to the optimizer, so that init plans each kernel by its layer's layout.")
+        + f". Pass input_axes={helper} to the optimizer, so that init plans each kernel by its layer's layout.")

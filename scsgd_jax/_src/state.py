@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from scsgd_jax._src import banks as banks_lib
+from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
+from scsgd_jax._src.inputs import HELPERS
 
 __all__ = ["ScaleBySketchedConditioningState"]
 
@@ -114,14 +116,14 @@ class PlanCache:
     self._spec, self._plans, self._notes = spec, {}, {}
     self.notes: dict[str, str] = {}  # the kernels of the last tree planned left unconditioned, and why
 
-  def __call__(self, tree, captured=None) -> dict[str, plan_lib.KernelPlan]:
+  def __call__(self, tree, captured=None, helper: str = HELPERS) -> dict[str, plan_lib.KernelPlan]:
     flat, treedef = jax.tree_util.tree_flatten(tree)
     key = (treedef, tuple(tuple(np.shape(leaf)) for leaf in flat))
     if key not in self._plans:
       self._plans[key] = plan_lib.make_plans(tree, self._spec)
-      notes = self._notes[key] = plan_lib.unconditioned(tree, self._spec, self._plans[key])
-      if notes:  # once per tree of shapes
-        log_unconditioned(notes)
+      notes = self._notes[key] = unconditioned(tree, self._spec, self._plans[key])
+      if said(notes):  # once per tree of shapes
+        log_unconditioned(said(notes))
       cut = {p: plan.describe(self._spec.rank) for p, plan in self._plans[key].items()
              if plan.below(self._spec.rank)}
       if cut:
@@ -132,9 +134,50 @@ class PlanCache:
       return self._plans[key]
     key_captured = key + (tuple(sorted(captured.items())),)
     if key_captured not in self._plans:  # once per tree of shapes and layouts
-      plan_lib.check_layouts(self._plans[key], tree, self._spec, captured)
+      plan_lib.check_layouts(self._plans[key], tree, self._spec, captured, helper)
       self._plans[key_captured] = self._plans[key]
     return self._plans[key_captured]
+
+
+# why a float leaf that is no kernel is left plain: a raw matrix (named by the route that conditions it), a vector
+RAW = ("not conditioned: a raw parameter no kernel filter takes (to condition it, name its layout in input_axes and "
+       "hand the capture its rows with scsgd_jax.sow_rows)")
+VECTOR = "not conditioned: a bias, a norm's scale or another vector"
+
+
+def unconditioned(tree, spec: plan_lib.Spec, plans: Mapping[str, plan_lib.KernelPlan]) -> dict[str, str]:
+  """``{path: why}`` of every float leaf of ``tree`` that gets no conditioning: a Flax kernel or embedding
+  (:func:`~scsgd_jax.default_kernel_filter`'s) excluded by ``kernel_filter``, a layer ``input_axes`` says is :class:`~scsgd_jax.Plain`, or
+  left plain by the memory rule (no statistics fit its budget under ``Statistics(kind='auto')``; with ``spec.extra``,
+  none of use: an embedding, or a kernel that fits only diagonal statistics); a raw matrix no filter takes
+  (:data:`RAW`); a vector (:data:`VECTOR`)."""
+  out = {}
+  kernels = layout_lib.kernel_paths(tree)
+  for path, leaf in layout_lib.kernel_paths(tree, lambda p, x: _is_float(x)).items():
+    if path in plans:
+      continue
+    if path not in kernels and not spec.kernel_filter(path, leaf):
+      raw = np.ndim(leaf) >= 2 and path.rsplit("/", 1)[-1] not in ("bias", "scale")  # Flax's names of vectors
+      out[path] = RAW if raw else VECTOR
+      continue
+    why = layout_lib.plain_why(spec.input_axes, path)
+    out[path] = ("not conditioned: excluded by kernel_filter" if not spec.kernel_filter(path, leaf) else
+                 f"not conditioned: {why}" if why is not None else
+                 "not conditioned: its basis is the coordinate one (token frequencies)"
+                 if spec.extra is not None and path.rsplit("/", 1)[-1] == "embedding" else
+                 "not conditioned: no statistics fit its memory budget (Statistics(kind='auto'))"
+                 + (", none of use beside its moments" if spec.extra is not None else ""))
+  return out
+
+
+def _is_float(leaf) -> bool:
+  dtype = getattr(leaf, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def said(notes: Mapping[str, str]) -> dict[str, str]:
+  """The ``notes`` worth a line at ``init`` (kernels and raw matrices left plain; not the vectors)."""
+  return {p: why for p, why in notes.items() if why != VECTOR}
 
 
 def log_unconditioned(notes: dict[str, str]) -> None:

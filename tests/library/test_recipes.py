@@ -14,6 +14,7 @@ from flax.training import train_state
 
 import scsgd_jax
 from experiments.optim.options import grouped
+from tests.helpers import kernel_lines
 
 
 class ResBlock(nn.Module):
@@ -64,7 +65,7 @@ def test_linen_resnet_with_batchnorm_trains_with_the_readme_recipe():
                                       batch_stats=updates["batch_stats"])
     return state, loss, grads, layer_inputs
 
-  kernels = jax.eval_shape(state.tx.init, state.params)[0].summary()
+  kernels = kernel_lines(jax.eval_shape(state.tx.init, state.params)[0].summary())
   assert len(kernels) == 4  # three convs and the head, all conditioned
   first = state
   state, loss0, grads, rows = train_step(state, *_data(0), jax.random.PRNGKey(1))

@@ -2,6 +2,9 @@
 layer unstacked would be, with its own statistics and factor (exact, same seed)."""
 
 
+import re
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -309,8 +312,34 @@ def test_linen_scan_transformer_each_slice_updated_as_the_unrolled_model():
   assert state[0].summary()["blocks/up/kernel"] == "dense C, full C^(1/2), n=8, per layer of a stack (3,)"
 
 
-def test_linen_scan_without_the_collection_is_a_clear_error():
+def test_linen_scan_without_the_collection_is_planned_plain_naming_the_fix_and_trains_zero_config_too():
+  """A stack whose nn.scan drops the captured collection: input_axes_linen and capture_linen agree that its kernels
+  are plain (the fix named), the recipe plans them plain, and zero-config (which planned them) steps them plainly
+  with a warning at the first update: never a crash."""
   model = LinenScanned(collections=("params",))
   params = model.init(jax.random.PRNGKey(0), IDS)["params"]
-  with pytest.raises(ValueError, match=r"layer 'blocks/.*nn.scan.*'layer_inputs': 0"):
-    sk.capture_linen(model, {"params": params}, IDS)
+  axes = sk.input_axes_linen(model, {"params": params}, IDS)
+  _, li = sk.capture_linen(model, {"params": params}, IDS)
+  fix = r"nn.scan.*'layer_inputs': 0"
+  for path in ("blocks/up/kernel", "blocks/down/kernel"):
+    assert isinstance(axes[path], sk.Plain) and re.search(fix, axes[path].why), axes[path]
+    assert re.search(fix, li.unconditioned[path]) and "up" not in li.get("blocks", {})
+  assert isinstance(axes["head/kernel"], sk.Layout)
+  recipe = sk.plans(jax.eval_shape(_tx(axes).init, params))
+  assert "not conditioned" in recipe["blocks/up/kernel"] and "n=" in recipe["head/kernel"]
+  for given in (axes, None):
+    tx = _tx(given)
+    state = tx.init(params)
+    (loss, li), grads = jax.value_and_grad(
+        lambda p: (lambda out: (_loss(out[0]), out[1]))(sk.capture_linen(model, {"params": p}, IDS)),
+        has_aux=True)(params)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      updates, state = tx.update(grads, state, params, layer_inputs=li)
+    assert all(np.isfinite(u).all() for u in jax.tree.leaves(updates))
+    # plain Nesterov SGD's first step: -lr (1 + momentum) g
+    np.testing.assert_allclose(updates["blocks"]["up"]["kernel"], -0.19 * grads["blocks"]["up"]["kernel"], rtol=1e-5)
+    said = [str(w.message) for w in caught if "blocks/up/kernel" in str(w.message)]
+    assert len(said) == (1 if given is None else 0), said  # zero-config planned it: the first update says so
+
+
