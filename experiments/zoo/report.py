@@ -76,9 +76,14 @@ def check_rule(record: dict) -> None:
 
 
 def write(workdir: pathlib.Path, results_dir: pathlib.Path) -> dict:
+  """``results.json`` and ``README.md`` in ``results_dir``: the committed cells, each cell of ``workdir`` added or put
+  in its place."""
   out = {"workloads": {}, "command": "python -m experiments.zoo.run --data_dir ../shared/tfds --workdir workdir/zoo "
                                      "--results_dir experiments/results/zoo"}
   records = [json.loads(p.read_text()) for p in sorted(workdir.glob("*/*.json"))]
+  committed = results_dir / "results.json"
+  if committed.exists():  # the cells recorded before (their records' summaries) stay; the workdir's replace theirs
+    out["workloads"] = json.loads(committed.read_text())["workloads"]
   for rec in records:
     check_rule(rec)
     entry = out["workloads"].setdefault(rec["workload"], {"settings": rec["workload_settings"], "rows": {}})

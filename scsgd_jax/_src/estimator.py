@@ -122,7 +122,7 @@ class Estimator:
       kernels = {p: why for p, why in state_lib.said(self.plans.notes).items() if why != state_lib.RAW}
       warn_nothing_conditioned(params, kernels, self.plain_step)
     if input_side and (kernel_plans or kernels):  # else the warning above named every matrix and input_axes
-      warn_raw_parameters(self.plans.notes, self.plain_step)
+      warn_raw_parameters(self.plans.notes, self.plain_step, self.s.input_axes is not None)
     if self.s.rank_asked:
       warn_rank_cut(kernel_plans, self.s.rank)
     if self.s.input_axes is None and input_side:
@@ -240,18 +240,27 @@ def warn_nothing_conditioned(params, notes: dict[str, str], plain_step: str) -> 
       "(in, out).", stacklevel=3)
 
 
-def warn_raw_parameters(notes: dict[str, str], plain_step: str) -> None:
+def warn_raw_parameters(notes: dict[str, str], plain_step: str, input_axes_given: bool) -> None:
   """One line naming the raw matrices no filter takes (a mixture of experts' weights used with ``jnp.einsum``) and
-  the route that conditions them."""
+  the route that conditions them: without ``input_axes``, the ``input_axes_*`` call that reads what a model's
+  :func:`~scsgd_jax.sow_rows` says."""
   raw = [p for p, why in notes.items() if why == state_lib.RAW]
-  if raw:
-    warnings.warn(
-        f"scsgd_jax: {len(raw)} raw parameter(s) with two or more axes are no layer's kernel, so {plain_step}: "
-        f"{', '.join(raw[:8])}{' ...' if len(raw) > 8 else ''}. To condition one a model multiplies by (a mixture of "
-        "experts' weights used with jnp.einsum), name its layout in input_axes "
-        f"(e.g. input_axes={{..., '{raw[0]}': scsgd_jax.Layout((0,), stack=1)}} for (experts, d, hidden) read along "
-        "d) and hand the capture its rows in the model: scsgd_jax.sow_rows(self, name, rows, layout); "
-        "scsgd_jax.plans(state) lists every leaf.", stacklevel=4)
+  if not raw:
+    return
+  named = f"{', '.join(raw[:8])}{' ...' if len(raw) > 8 else ''}"
+  route = ("name its layout in input_axes (e.g. input_axes={..., '" + raw[0] + "': scsgd_jax.Layout((0,), stack=1)} "
+           "for (experts, d, hidden) read along d) and hand the capture its rows in the model: "
+           "scsgd_jax.sow_rows(self, name, rows, layout)")
+  if input_axes_given:
+    warnings.warn(f"scsgd_jax: {len(raw)} raw parameter(s) with two or more axes are no layer's kernel, so "
+                  f"{plain_step}: {named}. To condition one a model multiplies by (a mixture of experts' weights used "
+                  f"with jnp.einsum), {route}; scsgd_jax.plans(state) lists every leaf.", stacklevel=4)
+  else:
+    warnings.warn(f"scsgd_jax: no input_axes given, so {len(raw)} raw parameter(s) with two or more axes, no layer's "
+                  f"kernel, are not conditioned and {plain_step}: {named}. If the model hands their rows with "
+                  "scsgd_jax.sow_rows, pass input_axes=scsgd_jax.input_axes_nnx(model, x) (Linen: "
+                  "scsgd_jax.input_axes_linen(module, variables, x)), which reads their layouts; else " + route
+                  + ".", stacklevel=4)
 
 
 def checked_rows(kernel_plans: dict[str, plan_lib.KernelPlan], layer_inputs) -> dict[str, jax.Array]:
