@@ -193,6 +193,19 @@ def test_nnx_rnn_cells_rows_are_every_step_s_inputs_and_hidden_states(kind):
   assert set(axes) == set(kernels) and all(isinstance(a, sk.Layout) and a.stack == 0 for a in axes.values())
 
 
+def test_nnx_bidirectional_rows_are_each_direction_s_own():
+  rngs = nnx.Rngs(0)
+  model = nnx.Bidirectional(nnx.RNN(nnx.GRUCell(F, H, rngs=rngs)), nnx.RNN(nnx.GRUCell(F, H, rngs=rngs)))
+  _, li = sk.capture_nnx(model, X, max_rows=None)
+  kernels = captured_lib.flat(li)
+  for direction, xs in (("forward_rnn", X), ("backward_rnn", X[:, ::-1])):
+    cell = getattr(model, direction).cell
+    inputs, hidden = _cell_inputs(cell, xs, cell.initialize_carry((B, F), nnx.Rngs(1)))
+    _assert_same_rows(kernels[f"{direction}/cell/dense_i/kernel"], inputs)
+    _assert_same_rows(kernels[f"{direction}/cell/dense_h/kernel"], hidden)
+  assert set(sk.input_axes_nnx(model, X)) == set(kernels) and len(kernels) == 4
+
+
 LINEN_CELLS = {"lstm": nn.LSTMCell, "optimized_lstm": nn.OptimizedLSTMCell, "gru": nn.GRUCell,
                "simple": nn.SimpleCell}
 
