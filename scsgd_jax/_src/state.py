@@ -219,8 +219,15 @@ def _fresh_kernel_states(kernel_plans, seed: int):
       return plan.statistics.init(plan.n, key)
     return jax.vmap(lambda kk: plan.statistics.init(plan.n, kk))(jax.random.split(key, plan.slices))
 
-  return keys[0] if kernel_plans else None, {p: (statistics(plan, kk), initial_factor(plan), jnp.zeros([], jnp.int32))
-                   for (p, plan), kk in zip(kernel_plans.items(), keys[1:])}
+  # one kernel after another: each kernel's key waits for the previous kernel's statistics, so the sketches' QRs
+  # (LAPACK calls) never run concurrently on XLA:CPU's thread pool, where concurrent ones were seen to deadlock
+  out, previous = {}, None
+  for (p, plan), kk in zip(kernel_plans.items(), keys[1:]):
+    if previous is not None:
+      kk, _ = jax.lax.optimization_barrier((kk, previous))
+    previous = statistics(plan, kk)
+    out[p] = (previous, initial_factor(plan), jnp.zeros([], jnp.int32))
+  return keys[0] if kernel_plans else None, out
 
 
 def same_shapes(a, b) -> bool:
