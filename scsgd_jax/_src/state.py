@@ -217,7 +217,8 @@ def _fresh_kernel_states(kernel_plans, seed: int):
   def statistics(plan, key):
     if plan.slices is None:
       return plan.statistics.init(plan.n, key)
-    return jax.vmap(lambda kk: plan.statistics.init(plan.n, kk))(jax.random.split(key, plan.slices))
+    # slice after slice (lax.map): a batched QR over the slices deadlocked XLA:CPU now and then
+    return jax.lax.map(lambda kk: plan.statistics.init(plan.n, kk), jax.random.split(key, plan.slices))
 
   # one kernel after another: each kernel's key waits for the previous kernel's statistics, so the sketches' QRs
   # (LAPACK calls) never run concurrently on XLA:CPU's thread pool, where concurrent ones were seen to deadlock
