@@ -153,8 +153,14 @@ def test_the_committed_zoo_holds_every_workload_and_row_and_its_table_is_the_rec
       assert set(row) >= {"learning_rate", "final_loss_median", "final_loss_range", "seeds", "double_rate_stable",
                           "commit", "versions", "machine"}
       assert row.get("refused") or row["seeds"] == 3
-  # the library and models of one version: the cells of an earlier commit differ from today's in the divergence rule
-  # alone, and report.write refused any whose runs today's rule decides otherwise (report.check_rule)
-  assert len({row["commit"] for e in out["workloads"].values() for row in e["rows"].values()}) <= 2
+  # the first eight workloads' cells come from two commits that differ in the divergence rule alone (report.write
+  # refused any whose runs today's rule decides otherwise, report.check_rule); the LSTM's and the mixture of experts'
+  # from three later ones that differ from each other in how the fresh states are scheduled alone (the MoE's
+  # eigenbasis init deadlocked XLA:CPU): each workload's rows from at most three commits, the table from five
+  first = {row["commit"] for name, e in out["workloads"].items() if name not in ("lstm_lm", "moe")
+           for row in e["rows"].values()}
+  assert len(first) <= 2
+  assert all(len({row["commit"] for row in e["rows"].values()}) <= 3 for e in out["workloads"].values())
+  assert len({row["commit"] for e in out["workloads"].values() for row in e["rows"].values()}) <= 5
   with open(os.path.join(RESULTS, "README.md")) as f:
     assert f.read() == report.table(out)

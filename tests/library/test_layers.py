@@ -109,7 +109,7 @@ def test_one_conditioned_step_equals_dense_oracle(name, make, _, x, axes, told):
   if not told and sk.Layout(tuple(axes)) != sk.Layout(tuple(layout_lib.default_input_axes(param, leaf))):
     # plans are fixed at init, which reads the parameters alone: a layout it cannot see is refused, with the fix
     with pytest.raises(ValueError, match=rf"'{param}' .* read as Layout\(input_axes={re.escape(str(tuple(axes)))}"
-                       r".*planned as .*input_axes=scsgd_jax.input_axes_nnx\(model\)"):
+                       r".*planned as .*input_axes=scsgd_jax.input_axes_nnx\(model, x\)"):
       _one_dense_step(layer, x)
     return
   grads, li, updates, _ = _one_dense_step(layer, x, {param: axes} if told else None)

@@ -132,7 +132,7 @@ def test_a_layout_init_cannot_read_is_refused_naming_each_kernel_and_the_fix():
   defaults; the first update, whose capture says the layer's layout, refuses them (the state never changes shape)."""
   tx, params, run = _updated("scsgd", updates=1, told=False)
   with pytest.raises(ValueError, match=r"fixed at init.*'convs/dw/kernel' .*'einsums/q/kernel' .*'ensemble/members/"
-                     r"l1/kernel' .*'scan/blocks/up/kernel' .*input_axes=scsgd_jax.input_axes_nnx\(model\)"):
+                     r"l1/kernel' .*'scan/blocks/up/kernel' .*input_axes=scsgd_jax.input_axes_nnx\(model, x\)"):
     jax.eval_shape(run, params)
 
 
