@@ -1,0 +1,79 @@
+"""Every registry entry's updates on the tests' small models, a few steps at fixed seeds, as one SHA-256 per
+update leaf: the record that a change meant to leave the arithmetic alone (a refactor of the face) must reproduce
+bit for bit. ``python -m tests.experiments.updates_record`` writes :data:`RECORD`; ``test_updates_record``
+compares.
+
+Each entry runs at its authors' settings for a transformer (``registry.recipe(name, 'transformer')``: every zoo
+model's output layer is named ``head``, as that recipe says), its rate the recipe's centre under a constant
+schedule, and the model's ``input_axes`` where it captures. K-FAC, which runs the model itself, is left out: it
+is a peer's code, built by no function of the library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+
+from experiments.optim import optimizers
+from experiments.optim import registry
+from tests.library import zoo
+
+RECORD = pathlib.Path(__file__).with_name("updates.json")
+STEPS = 3
+MODELS = ("mlp", "cnn", "transformer", "scanned")
+LEFT_OUT = ("kfac",)
+
+
+def entries() -> list[str]:
+  return [n for n in registry.REGISTRY if n not in LEFT_OUT]
+
+
+def _config(name: str) -> ml_collections.ConfigDict:
+  recipe = registry.recipe(name, "transformer")
+  config = ml_collections.ConfigDict(dict(
+      seed=0, num_steps=STEPS, schedule=dict(name="constant", base=recipe.learning_rate),
+      optimizer=dict(name=name, weight_decay=0.0)))
+  arg = registry.entry(name).adam_rate
+  return optimizers.variant(config, {"name": name, **recipe.settings, **({arg: 1e-3} if arg else {})})
+
+
+def digests(name: str, kind: str) -> list[str]:
+  """One SHA-256 per update leaf per step, of ``name``'s updates on zoo model ``kind``."""
+  config = _config(name)
+  capture = registry.entry(name).capture
+
+  def make_tx(model):
+    axes = zoo.input_axes(model) if capture != "none" else None
+    return optimizers.create(config, input_axes=axes).tx
+
+  model, optimizer = zoo.build(kind, make_tx)
+  out = []
+
+  def record(step, updates, model):
+    del model
+    for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
+      a = np.asarray(leaf)
+      out.append(f"{step}:{jax.tree_util.keystr(path)}:{a.dtype}{a.shape}:{hashlib.sha256(a.tobytes()).hexdigest()}")
+
+  with jax.numpy_rank_promotion("allow"):  # the peers broadcast implicitly
+    zoo.fit(kind, model, optimizer, 1.0, STEPS, capture=capture != "none", two_sided=capture == "two_sided",
+            on_update=record)
+  return out
+
+
+def run(names=None) -> dict[str, dict[str, list[str]]]:
+  return {n: {kind: digests(n, kind) for kind in MODELS} for n in (names or entries())}
+
+
+if __name__ == "__main__":
+  names = sys.argv[1:] or None
+  record = json.loads(RECORD.read_text()) if RECORD.exists() and names else {}
+  record.update(run(names))
+  RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+  print(f"wrote {RECORD}: {len(record)} entries x {len(MODELS)} models x {STEPS} steps")
