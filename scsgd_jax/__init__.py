@@ -12,6 +12,7 @@ from scsgd_jax._src.alias import scsgd as scsgd
 from scsgd_jax._src.apart import refresh_conditioners as refresh_conditioners
 from scsgd_jax._src.alias import scsgd_eigen as scsgd_eigen
 from scsgd_jax._src.alias import scsgd_eigen_muon as scsgd_eigen_muon
+from scsgd_jax._src.conditioning import Conditioning as Conditioning
 from scsgd_jax._src.diagnostics import kernel_diagnostics as kernel_diagnostics
 from scsgd_jax._src.diagnostics import update_diagnostics as update_diagnostics
 from scsgd_jax._src.eigenbasis import ScaleByEigenbasisAdamState as ScaleByEigenbasisAdamState
@@ -27,7 +28,6 @@ from scsgd_jax._src.layout import default_kernel_filter as default_kernel_filter
 from scsgd_jax._src.shardings import state_shardings as state_shardings
 from scsgd_jax._src.state import ScaleBySketchedConditioningState as ScaleBySketchedConditioningState
 from scsgd_jax._src.state import plans as plans
-from scsgd_jax._src.transform import STATIC_ARGS as STATIC_ARGS
 from scsgd_jax._src.transform import scale_by_sketched_conditioning as scale_by_sketched_conditioning
 
 __version__ = "0.2.0.dev0"
@@ -47,10 +47,10 @@ _LAZY = {
 __all__ = sorted([
     "CapturedInputs",
     "Conditioner",
+    "Conditioning",
     "Layout",
     "Plain",
     "Refresh",
-    "STATIC_ARGS",
     "ScaleByEigenbasisAdamState",
     "ScaleBySketchedConditioningState",
     "Statistics",

@@ -153,12 +153,8 @@ def _median_curve(records: Sequence[dict], key_: str, x: str):
           [float(np.median([r[i][1] for r in runs])) for i in range(n)])
 
 
-def write_report(config, results: dict[str, dict], anchors: dict, results_dir: str, command: str,
-                 missing: Sequence[str] = ()) -> str:
-  summary = summarize(config, results, anchors)
-  m = machine.describe()
-  settings = json.loads(config.to_json_best_effort())
-  report.write_results(results_dir, {**summary, "settings": settings, "missing": list(missing)}, command, machine=m)
+def _figures(config, results, anchors, summary, results_dir) -> list[str]:
+  """The median loss curves against iterations and against training seconds."""
   figs = []
   for x, label in (("step", "iteration"), ("train_time", "training seconds")):
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
@@ -176,6 +172,11 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     figs.append(report.save_figure(fig, results_dir, f"loss_vs_{x}"))
+  return figs
+
+
+def _opening(config, summary, anchors, figs, command, m) -> list[str]:
+  """The header, the protocol, the anchors, the figures and the table's head."""
   b = config.benchmark
   s_ = summary["optimizers"]
   machines = summary["machines"]
@@ -205,6 +206,12 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
       f"final {b.report_split} loss (median [range]) | {b.report_split} error | ms/step | vs SGD | "
       "training s to target | in SGD steps | state bytes | seeds |",
       "|" + " --- |" * 14]
+  return lines
+
+
+def _rows(summary) -> list[str]:
+  """The table's rows, best first."""
+  s_, lines = summary["optimizers"], []
   for i, name in enumerate(rank(summary), 1):
     s = s_[name]
     joint = "".join(f", {k} {v:g}" for k, v in s["joint"].items())
@@ -217,7 +224,14 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
         f"{report.fmt(s['step_ms_median'], '.1f')} | {report.fmt(s['step_time_vs_sgd'], '.2f')} | "
         f"{report.fmt(s.get('seconds_median'), '.1f')} | {report.fmt(s.get('sgd_steps_to_target'), '.0f')} | "
         f"{s['state_bytes']:,} | {len(s['seeds'])} |")
-  lines += ["", *orders_said(summary)]
+  return lines
+
+
+def _closing(config, summary, missing) -> list[str]:
+  """What the marks and columns mean, every grid point, and each row's settings and source."""
+  s_ = summary["optimizers"]
+  machines = summary["machines"]
+  lines = [*orders_said(summary)]
   if missing:
     lines += ["", f"Not run yet (or not complete): {', '.join(missing)}."]
   kept = (" (kept): the rate the row chose on an earlier table of this task (its updates unchanged since; the config "
@@ -238,6 +252,17 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
   for name in rank(summary):
     lines.append(f"- **{name}** ({', '.join(s_[name]['commits'])}; code {', '.join(s_[name]['code_hashes'])}): "
                  f"{s_[name]['source']}.")
+  return lines
+
+
+def write_report(config, results: dict[str, dict], anchors: dict, results_dir: str, command: str,
+                 missing: Sequence[str] = ()) -> str:
+  summary = summarize(config, results, anchors)
+  m = machine.describe()
+  settings = json.loads(config.to_json_best_effort())
+  report.write_results(results_dir, {**summary, "settings": settings, "missing": list(missing)}, command, machine=m)
+  figs = _figures(config, results, anchors, summary, results_dir)
+  lines = _opening(config, summary, anchors, figs, command, m) + _rows(summary) + [""] + _closing(config, summary, missing)
   return report.write_markdown(results_dir, lines)
 
 

@@ -8,7 +8,7 @@ into one of them; the head to head (``benchmark.py``) reads each entry's recipe.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import optax
 
@@ -119,7 +119,8 @@ def _plain(fn):
 
 
 def _scsgd(lr, kwargs, config, forward):
-  return scsgd_jax.scsgd(lr, seed=config.seed, **options.grouped(kwargs))
+  c, rest = options.conditioning(kwargs, seed=config.seed)
+  return scsgd_jax.scsgd(lr, c, **rest)
 
 
 def _kfac(lr, kwargs, config, forward):
@@ -145,15 +146,15 @@ def _scsgd_muon(lr, kwargs, config, forward):
   """SCSGD's conditioning in front of Muon (``muon_*``: Muon's arguments): Muon orthogonalizes the
   conditioned gradients of its kernels, and its AdamW part takes the conditioned ones of the rest."""
   muon_args = _pop_prefixed(kwargs, "muon_")
-  return optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **options.grouped(kwargs)),
-                     _muon(lr, muon_args, config, forward))
+  c, rest = options.conditioning(kwargs, seed=config.seed)
+  return optax.chain(scsgd_jax.scale_by_sketched_conditioning(c, **rest), _muon(lr, muon_args, config, forward))
 
 
 def _scsgd_adamw(lr, kwargs, config, forward):
   """SCSGD's conditioning in front of AdamW: Adam's moments see the conditioned gradients."""
   adamw_args = _pop_prefixed(kwargs, "adamw_")
-  return optax.chain(scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **options.grouped(kwargs)),
-                     peers.adamw(lr, **adamw_args))
+  c, rest = options.conditioning(kwargs, seed=config.seed)
+  return optax.chain(scsgd_jax.scale_by_sketched_conditioning(c, **rest), peers.adamw(lr, **adamw_args))
 
 
 def _scsgd_graft(lr, kwargs, config, forward):
@@ -161,10 +162,10 @@ def _scsgd_graft(lr, kwargs, config, forward):
   ``decay``, ``eps``), then Nesterov momentum at SCSGD's default: Shampoo's grafting layout."""
   graft_args = _pop_prefixed(kwargs, "graft_")
   momentum = inspect.signature(scsgd_jax.scsgd).parameters["momentum"].default
+  c, rest = options.conditioning(kwargs, seed=config.seed)
   return optax.chain(
       scsgd_jax.contrib.scale_by_grafting(
-          scsgd_jax.contrib.scale_by_normalized_rms(**graft_args),
-          scsgd_jax.scale_by_sketched_conditioning(seed=config.seed, **options.grouped(kwargs))),
+          scsgd_jax.contrib.scale_by_normalized_rms(**graft_args), scsgd_jax.scale_by_sketched_conditioning(c, **rest)),
       optax.sgd(lr, momentum=momentum, nesterov=True))
 
 
@@ -176,11 +177,11 @@ def _scsgd_two_sided(lr, kwargs, config, forward):
   momentum_first = kwargs.pop("momentum_first", False)
   if not kwargs.pop("condition_embeddings", True):
     kwargs["kernel_filter"] = scsgd_jax.contrib.output_kernel_filter
+  c, rest = options.conditioning(kwargs, seed=config.seed)
   if not momentum_first:
-    return scsgd_jax.contrib.scsgd_two_sided(lr, seed=config.seed, **options.grouped(kwargs))
-  momentum = kwargs.pop("momentum", inspect.signature(scsgd_jax.contrib.scsgd_two_sided).parameters["momentum"].default)
-  return optax.chain(optax.trace(momentum, nesterov=True),
-                     scsgd_jax.contrib.scsgd_two_sided(lr, momentum=0.0, seed=config.seed, **options.grouped(kwargs)))
+    return scsgd_jax.contrib.scsgd_two_sided(lr, c, **rest)
+  momentum = rest.pop("momentum", inspect.signature(scsgd_jax.contrib.scsgd_two_sided).parameters["momentum"].default)
+  return optax.chain(optax.trace(momentum, nesterov=True), scsgd_jax.contrib.scsgd_two_sided(lr, c, momentum=0.0, **rest))
 
 
 def _scsgd_eigen(lr, kwargs, config, forward):
@@ -188,7 +189,8 @@ def _scsgd_eigen(lr, kwargs, config, forward):
   kwargs = dict(kwargs)
   if kwargs.pop("decay_matrices_only", False):
     kwargs["mask"] = peers.decay_matrices
-  return scsgd_jax.scsgd_eigen(lr, seed=config.seed, **options.grouped(kwargs))
+  c, rest = options.conditioning(kwargs, seed=config.seed)
+  return scsgd_jax.scsgd_eigen(lr, c, **rest)
 
 
 def _eigen_recipe(full: bool) -> Callable[[str], Recipe]:
@@ -210,7 +212,8 @@ def _scsgd_eigen_muon(lr, kwargs, config, forward):
   muon_args = _adam_part_scheduled(_pop_prefixed(kwargs, "muon_"), config)
   own = {name: muon_args.pop(name) for name in ("beta", "output_layer", "weight_decay", "adam_learning_rate")
          if name in muon_args}
-  return scsgd_jax.scsgd_eigen_muon(lr, seed=config.seed, muon=muon_args, **own, **options.grouped(kwargs))
+  c, rest = options.conditioning(kwargs, seed=config.seed)
+  return scsgd_jax.scsgd_eigen_muon(lr, c, muon=muon_args, **own, **rest)
 
 
 LEAN = {"magnitude": "sign", "split_budget": True}  # scsgd_two_sided at Adam's memory
@@ -331,8 +334,3 @@ def recipe(name: str, kind: str) -> Recipe:
   if kind not in KINDS:
     raise ValueError(f"unknown model kind {kind!r}; choose one of {KINDS}")
   return entry(name).recipe(kind)
-
-
-def adam_rate_args() -> dict[str, Any]:
-  """``{name: argument}`` of the optimizers with an AdamW part whose rate is AdamW's tuned one."""
-  return {n: e.adam_rate for n, e in REGISTRY.items() if e.adam_rate}

@@ -70,11 +70,11 @@ def convex_part(convex_config, data_dir: str, steps: int = 500, batch: int = 64)
           lambda lr: optax.sgd(lr),
       "scsgd_paper_start":
           lambda lr: optax.chain(
-              scsgd_jax.scale_by_sketched_conditioning(
-                  conditioner=FULL, statistics=DENSE, refresh=scsgd_jax.Refresh(warm_start=False)), optax.sgd(lr)),
+              scsgd_jax.scale_by_sketched_conditioning(scsgd_jax.Conditioning(
+                  conditioner=FULL, statistics=DENSE, refresh=scsgd_jax.Refresh(warm_start=False))), optax.sgd(lr)),
       "scsgd_warm_start":
-          lambda lr: optax.chain(scsgd_jax.scale_by_sketched_conditioning(conditioner=FULL, statistics=DENSE),
-                                 optax.sgd(lr)),
+          lambda lr: optax.chain(scsgd_jax.scale_by_sketched_conditioning(
+              scsgd_jax.Conditioning(conditioner=FULL, statistics=DENSE)), optax.sgd(lr)),
   }
   out = {}
   for name, make in methods.items():

@@ -11,30 +11,25 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
-from absl import logging
 from flax import nnx
-from tqdm.auto import tqdm
 
 from experiments.run import build as build_lib
 from experiments.run import checkpoints as ckpt_lib
 from experiments.run import data as data_lib
 from experiments.run import devices as devices_lib
 from experiments.run import errors
-from experiments.run import metrics as metrics_lib
+from experiments.run import loop as loop_lib
 from experiments.optim import optimizers
-from experiments.run import step as step_lib
 from experiments.run import validate
 from experiments.run import workdir as workdir_lib
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE = loop_lib.METRICS_FILE
 
 
 def make_eval_fn(graphdef, placement: devices_lib.DataParallel | None = None):
@@ -134,130 +129,4 @@ def record(config: ml_collections.ConfigDict) -> dict:
 def _train(config, workdir: str, allow_config_change: bool, sources) -> dict[str, Any]:
   recorded = record(config)
   workdir_lib.check_config(workdir, recorded, allow_config_change)
-  name = config.optimizer.name
-  train_src, eval_src = sources
-  text = config.dataset in data_lib.TEXT  # one record holds the text: its examples are windows, known once read
-  if not text:  # checked before decoding
-    available = len(train_src) if config.max_train_examples < 0 else min(len(train_src), config.max_train_examples)
-    validate.check(config.batch_size <= available, "batch_size",
-           f"={config.batch_size} is larger than the {available} training examples of {config.dataset}.")
-  train = data_lib.decode(train_src, config.dataset, config.train_split, config.max_train_examples)
-  if text:
-    validate.check(config.batch_size <= len(train.labels), "batch_size",
-           f"={config.batch_size} is larger than the {len(train.labels)} training windows of {config.dataset}.")
-  test = data_lib.decode(eval_src, config.dataset, config.eval_split, config.max_test_examples)
-  graphdef, params, opt, _ = build_lib.build(config)
-  opt_state = opt.tx.init(params)
-  train_step = step_lib.make_train_step(graphdef, opt.tx, opt.capture, config.max_rows or None)
-  rest = nnx.as_pure(nnx.State({}))  # the experiments' models keep no state but their parameters
-  placement = devices_lib.DataParallel()
-  evaluate = make_eval_fn(graphdef, placement)
-
-  ckpts = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), os.path.join(workdir, "damaged_checkpoints"))
-  step, progress = 0, ckpt_lib.Progress(0.0)
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement.state_sharding),
-                          {"params": params, "opt_state": opt_state})
-  try:
-    restored = ckpts.restore(abstract)
-  except BaseException:
-    ckpts.close()  # stops Orbax's threads before the one-line error (else they print after it)
-    raise
-  if restored is not None:
-    step, state, progress = restored
-    params, opt_state = state["params"], state["opt_state"]
-    logging.info("resumed %s from step %d", workdir, step)
-  params, opt_state = placement.replicate((params, opt_state))
-  saved_step = step
-
-  def kept() -> str:
-    return (f"{workdir} keeps the checkpoint of step {saved_step} and its metrics" if saved_step
-            else f"{workdir} holds no checkpoint yet")
-
-  writer = devices_lib.is_writer()  # process 0 writes the run's files (the checkpoints: orbax, once)
-  config_path = os.path.join(workdir, workdir_lib.CONFIG_FILE)
-  metrics_path = os.path.join(workdir, METRICS_FILE)
-  rows = metrics_lib.read(metrics_path, up_to_step=step)
-  if writer:
-    with workdir_lib.writing(config_path, kept()):
-      workdir_lib.write_json_atomic(config_path, json.dumps(recorded, indent=1))
-    if not metrics_lib.is_clean(metrics_path, rows):  # rows past the checkpoint, or a torn last line
-      with workdir_lib.writing(metrics_path, kept()):
-        metrics_lib.write(metrics_path, rows)
-
-  base_key = jax.random.PRNGKey(config.seed)
-  train_time = progress.train_time
-  # the train-metrics window in flight at the checkpoint (a resume between two log steps logs the same rows)
-  sum_loss, sum_err = (jnp.asarray(v, jnp.float32) for v in progress.window[:2])
-  window = progress.window[2]
-  last: dict[str, Any] = rows[-1] if rows else {}
-  bar = tqdm(total=config.num_steps, initial=step, desc=f"{config.dataset}/{name}",
-             disable=not (config.progress_bar and writer), mininterval=2.0)
-  t0, compile_time = None, 0.0
-  t_first = time.perf_counter()
-  failed = True
-  try:
-    with (workdir_lib.writing(metrics_path, kept()),
-          metrics_lib.Appender(metrics_path) if writer else metrics_lib.Discard() as metrics_file,
-          workdir_lib.StopRequest() as stop):
-      while step < config.num_steps:
-        idx = data_lib.batch_indices(len(train.labels), config.batch_size, step, config.seed)
-        params, rest, opt_state, loss, err = train_step(
-            params, rest, opt_state, placement.shard_rows(train.inputs, idx), placement.shard_rows(train.labels, idx),
-            jax.random.fold_in(base_key, step))
-        if t0 is None:  # the first step compiles: keep it out of the timing
-          jax.block_until_ready(loss)
-          t0 = time.perf_counter()
-          compile_time = t0 - t_first
-        sum_loss, sum_err, window = sum_loss + loss, sum_err + err, window + 1
-        step += 1
-        bar.update(1)
-        log_train = step % config.train_log_every == 0
-        log_test = step % config.eval_every == 0 or step == config.num_steps
-        # read once: a signal landing later in this block (evaluation, save) is honoured at the next
-        # step's boundary, which then saves
-        stopping = stop.signal
-        save = step % config.checkpoint_every == 0 or step == config.num_steps or stopping is not None
-        if not (log_train or log_test or save):
-          continue
-        jax.block_until_ready(params)
-        now = time.perf_counter()
-        train_time += now - t0
-        row: dict[str, Any] = {"step": step, "train_time": train_time, "compile_time": compile_time}
-        if log_train:
-          row["train_loss"] = float(sum_loss) / window
-          row["train_error"] = float(sum_err) / window
-          sum_loss, sum_err, window = jnp.zeros(()), jnp.zeros(()), 0
-        if log_test:
-          row.update(evaluate(params, test, config.eval_batch_size))
-        bad = [k for k, v in row.items() if not np.isfinite(v)]
-        if bad:
-          raise errors.DivergedError(name, step, (
-              f"{name} diverged at step {step} ({', '.join(f'{k}={row[k]}' for k in bad)}); "
-              f"{kept()}"))
-        if log_train or log_test or step % config.checkpoint_every == 0:
-          metrics_file.append(row)
-          last = row
-        if "test_loss" in row:
-          bar.set_postfix(test_loss=f"{row['test_loss']:.4f}", test_err=f"{row['test_error']:.4f}")
-        if save:
-          with workdir_lib.writing(ckpts.directory, kept()):
-            ckpts.save(step, {"params": params, "opt_state": opt_state},
-                       ckpt_lib.Progress(train_time, (float(sum_loss), float(sum_err), window)))
-          saved_step = step
-        if stopping is not None:
-          ckpts.wait()  # the save is on disk before the run says so
-          raise workdir_lib.stopped(stopping, step, kept())
-        t0 = time.perf_counter()
-        if config.stop_after_steps and step >= config.stop_after_steps:  # for tests of resumption
-          break
-    failed = False
-  except KeyboardInterrupt:
-    raise workdir_lib.stopped(None, step, kept()) from None
-  finally:
-    bar.close()
-    try:
-      ckpts.close()
-    except Exception:
-      if not failed:  # else the first failure is the one to report
-        raise
-  return last
+  return loop_lib.train(config, workdir, recorded, sources, make_eval_fn)

@@ -35,7 +35,8 @@ def _library_key(sub: str, kwargs: dict, e: Exception) -> str:
   text = str(e)
   found = []
   for key in kwargs:
-    at = [i for i in (0 if text.startswith(key) else -1, text.find(f"{key}="), text.find(f" {key} ")) if i >= 0]
+    at = [i for i in (0 if text.startswith(key) else -1, text.find(f"{key}="), text.find(f" {key} "),
+                      text.find(f"Conditioning.{key} ")) if i >= 0]
     if key in options.FLAT:  # a library option's field, named as the option names it ("Statistics.ema_rate")
       option, field = options.FLAT[key]
       at += [i for i in (text.find(f"{options.OPTIONS[option].__name__}.{field}"), text.find(f"'{field}'")) if i >= 0]

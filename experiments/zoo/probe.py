@@ -36,7 +36,7 @@ VARIANTS = {
 def probe(workload: str, rate: float, variant: str, data_dir: str) -> list[dict]:
   cell = train.Cell(workload, "scsgd", data_dir)
   options = VARIANTS[variant]
-  variant_row = rows_lib.Row(lambda s, w, axes: sk.scsgd(s, input_axes=axes, **options), rate, variant)
+  variant_row = rows_lib.Row(lambda s, w, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes, **options)), rate, variant)
   cell.tx = rows_lib.build_row(variant_row, cell.w, cell.axes)
   cell._step = jax.jit(cell._train_step)
   out = []

@@ -42,19 +42,19 @@ def _eigen(s, w, axes):
   settings = dict(_adam(w))
   if settings.pop("decay_matrices_only", False):
     settings["mask"] = peers.decay_matrices
-  return sk.scsgd_eigen(s, input_axes=axes, **settings)
+  return sk.scsgd_eigen(s, sk.Conditioning(input_axes=axes), **settings)
 
 
 def _eigen_muon(s, w, axes):
   args = _muon_args(w)
   own = {k: args.pop(k) for k in ("output_layer",)}
   b2 = _adam(w).get("b2")
-  return sk.scsgd_eigen_muon(s, input_axes=axes, muon=args, **own, **({"b2": b2} if b2 else {}))
+  return sk.scsgd_eigen_muon(s, sk.Conditioning(input_axes=axes), muon=args, **own, **({"b2": b2} if b2 else {}))
 
 
 ROWS: dict[str, Row] = {
     "sgd": Row(lambda s, w, axes: optax.sgd(s, momentum=0.9, nesterov=True), 0.1, NESTEROV),
-    "scsgd": Row(lambda s, w, axes: sk.scsgd(s, input_axes=axes), 0.1,
+    "scsgd": Row(lambda s, w, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes)), 0.1,
                  "scsgd_jax.scsgd at its defaults, the README's recipe (input_axes read from the model); rate centre "
                  "SGD's"),
     "scsgd_no_axes": Row(lambda s, w, axes: sk.scsgd(s), 0.1,
@@ -64,7 +64,7 @@ ROWS: dict[str, Row] = {
     "scsgd_eigen": Row(_eigen, 3e-3, "scsgd_jax.scsgd_eigen at AdamW's settings (SOAP's authors run SOAP so)"),
     "muon": Row(lambda s, w, axes: peers.muon(s, **_muon_args(w)), 0.02, MUON),
     "scsgd_eigen_muon": Row(_eigen_muon, 0.02, "scsgd_jax.scsgd_eigen_muon as Muon's recipe: " + MUON),
-    "scsgd_muon": Row(lambda s, w, axes: optax.chain(sk.scale_by_sketched_conditioning(input_axes=axes),
+    "scsgd_muon": Row(lambda s, w, axes: optax.chain(sk.scale_by_sketched_conditioning(sk.Conditioning(input_axes=axes)),
                                                      peers.muon(s, **_muon_args(w))), 0.02,
                       "scsgd_jax's conditioning in front of Muon as Muon's recipe: " + MUON),
 }

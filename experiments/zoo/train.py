@@ -8,7 +8,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from experiments.zoo import rows as rows_lib

@@ -9,11 +9,10 @@ A workload's step is the README's recipe for its framework: :func:`scsgd_jax.cap
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Literal, Optional
+from typing import Any, Literal, Optional
 
 import optax
 
@@ -11,41 +11,34 @@ from scsgd_jax._src import defaults
 from scsgd_jax._src import eigenbasis
 from scsgd_jax._src import graft
 from scsgd_jax._src import muon as muon_lib
-from scsgd_jax._src import options
 from scsgd_jax._src import output
-from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import transform
+from scsgd_jax._src.conditioning import Conditioning
+from scsgd_jax._src.conditioning import checked
+from scsgd_jax._src.conditioning import refuses_moved_keywords
 
 __all__ = ["scsgd", "scsgd_eigen", "scsgd_eigen_muon", "scsgd_two_sided"]
 
 
-@options.refuses_moved_keywords
+@refuses_moved_keywords
 def scsgd(
     learning_rate: optax.ScalarOrSchedule,
-    rank: Optional[int] = None,
+    conditioning: Conditioning = Conditioning(),
     *,
     momentum: Optional[float] = defaults.MOMENTUM,
     nesterov: bool = True,
-    statistics: options.StatisticsOption = options.Statistics(),
-    refresh: options.Refresh = options.Refresh(),
-    conditioner: options.Conditioner = options.Conditioner(),
-    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    input_axes: layout_lib.InputAxes = None,
-    axis_name: Optional[Hashable] = None,
-    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SCSGD: SGD (Nesterov momentum by default) on input-side conditioned gradients.
 
   ``optax.chain(scale_by_sketched_conditioning(...), optax.sgd(learning_rate, momentum, nesterov))``,
   so momentum accumulates the conditioned gradients
-  :math:`\delta (A^{-1} x)^\top` of Section 3. The other arguments are the conditioning's (``rank``, the
-  :class:`Statistics`, :class:`Refresh` and :class:`Conditioner` options, ``kernel_filter``, ``input_axes``,
-  ``axis_name``, ``seed``): see :func:`scale_by_sketched_conditioning`.
+  :math:`\delta (A^{-1} x)^\top` of Section 3. ``conditioning``: the settings, a :class:`Conditioning` (see
+  :func:`scale_by_sketched_conditioning`).
 
   Example:
     >>> import jax.numpy as jnp, optax, scsgd_jax
     >>> params = {'dense': {'kernel': jnp.zeros((3, 2)), 'bias': jnp.zeros(2)}}
-    >>> tx = scsgd_jax.scsgd(0.1, rank=1, conditioner=scsgd_jax.Conditioner(kind='full'))
+    >>> tx = scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(conditioner=scsgd_jax.Conditioner(kind='full')))
     >>> state = tx.init(params)
     >>> grads = {'dense': {'kernel': jnp.ones((3, 2)), 'bias': jnp.ones(2)}}
     >>> inputs = {'dense': {'kernel': jnp.eye(3)}}
@@ -60,50 +53,37 @@ def scsgd(
     checks.check_float("learning_rate", learning_rate, low=0.0)
   if momentum is not None:
     checks.check_float("momentum", momentum, low=0.0, high=1.0, high_open=True)
-  return optax.chain(
-      transform.scale_by_sketched_conditioning(rank,
-                                               statistics=statistics,
-                                               refresh=refresh,
-                                               conditioner=conditioner,
-                                               kernel_filter=kernel_filter,
-                                               input_axes=input_axes,
-                                               axis_name=axis_name,
-                                               seed=seed),
-      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov),
-  )
+  c = checked(conditioning, "scsgd")
+  return optax.chain(transform.scale_by_sketched_conditioning(c),
+                     optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))
 
 
-@options.refuses_moved_keywords
+@refuses_moved_keywords
 def scsgd_two_sided(
     learning_rate: optax.ScalarOrSchedule,
-    rank: Optional[int] = None,
+    conditioning: Conditioning = Conditioning(),
     *,
     momentum: float = defaults.MOMENTUM,
     magnitude: Literal["rms", "factored", "sign"] = "factored",
     split_budget: bool = False,
     graft_decay: float = defaults.GRAFT_DECAY,
     graft_eps: float = defaults.GRAFT_EPS,
-    statistics: options.StatisticsOption = options.Statistics(),
-    refresh: options.Refresh = options.Refresh(),
-    conditioner: options.Conditioner = options.Conditioner(),
-    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    input_axes: layout_lib.InputAxes = None,
-    axis_name: Optional[Hashable] = None,
-    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Two-sided sketched conditioning, grafted: :math:`C^{-1/2} G \Delta^{-1/2}` per kernel (input side from the
   layer's inputs, output side from its back-propagated output rows), at the per-layer norm of a base step,
   then Nesterov momentum (Shampoo's grafting layout; rates on Adam's scale)::
 
+    share = 0.5 if split_budget else 1.0
     optax.chain(scale_by_grafting(<magnitude>,
-                                  optax.chain(scale_by_sketched_conditioning(rank, ...),
-                                              scale_by_output_conditioning(rank, ...))),
+                                  optax.chain(scale_by_sketched_conditioning(conditioning, memory_share=share),
+                                              scale_by_output_conditioning(conditioning.replace(seed=conditioning.seed + 1),
+                                                                           memory_share=share))),
                 optax.sgd(learning_rate, momentum=momentum, nesterov=True))
 
   ``update`` takes ``layer_inputs=`` and ``output_grads=`` (see :func:`output_perturbations_nnx`). Leaves
-  neither side conditions (biases, norms) get the grafted base step's direction itself. The options,
-  ``kernel_filter``, ``axis_name`` and ``seed`` go to both sides (:func:`scale_by_sketched_conditioning`'s
-  arguments; the output side's seed is ``seed + 1``).
+  neither side conditions (biases, norms) get the grafted base step's direction itself. ``conditioning`` goes to
+  both sides (the output side's seed is its ``seed + 1``; it reads each kernel along the axes its ``input_axes``
+  leave, :func:`scale_by_output_conditioning`).
 
   Memory: momentum's float per parameter, plus the base step's state (the default ``'factored'``: ``n + p``
   floats per large kernel), plus each side's statistics, each side within the memory rule's budget of one float
@@ -123,8 +103,6 @@ def scsgd_two_sided(
     split_budget: the two sides split the memory rule's budget, half each (``Statistics(kind='auto')``).
     graft_decay, graft_eps: normalized RMSprop's (``magnitude='factored'``, whose squares take ``graft_eps**2``,
       or ``'rms'``).
-    input_axes: the input side's layouts (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), so that ``init``
-      plans every kernel (the output side reads each kernel along the axes its input axes leave).
   """
   if not callable(learning_rate):
     checks.check_float("learning_rate", learning_rate, low=0.0)
@@ -133,77 +111,53 @@ def scsgd_two_sided(
     raise ValueError(f"magnitude must be 'rms', 'factored' or 'sign', got {magnitude!r}.")
   if not isinstance(split_budget, bool):
     raise ValueError(f"split_budget must be a bool, got {split_budget!r}.")
+  c = checked(conditioning, "scsgd_two_sided")
   share = 0.5 if split_budget else 1.0
-  s = transform.settings(
-      rank=rank, statistics=statistics, refresh=refresh, conditioner=conditioner, kernel_filter=kernel_filter,
-      input_axes=None, axis_name=axis_name, seed=seed)
-  inputs = transform.conditioning(s._replace(input_axes=input_axes), budget_share=share)
-  outputs = output.output_conditioning(
-      s._replace(seed=seed + 1, kernel_filter=output.output_kernel_filter_from(kernel_filter, input_axes)),
-      output_axes=output.output_axes_from(input_axes), budget_share=share)
   base = {"rms": lambda: graft.scale_by_normalized_rms(graft_decay, graft_eps),
           "factored": lambda: graft.scale_by_normalized_factored_rms(graft_decay, graft_eps),
           "sign": optax.scale_by_sign}[magnitude]()
   return optax.chain(
-      graft.scale_by_grafting(base, optax.chain(inputs, outputs)),
+      graft.scale_by_grafting(base, optax.chain(
+          transform.scale_by_sketched_conditioning(c, memory_share=share),
+          output.scale_by_output_conditioning(c.replace(seed=c.seed + 1), memory_share=share))),
       optax.sgd(learning_rate, momentum=momentum, nesterov=True))
 
 
-@options.refuses_moved_keywords
+@refuses_moved_keywords
 def scsgd_eigen(
     learning_rate: optax.ScalarOrSchedule,
-    rank: Optional[int] = None,
+    conditioning: Conditioning = Conditioning(),
     *,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
+    b1: float = defaults.ADAM_B1,
+    b2: float = defaults.ADAM_B2,
+    eps: float = defaults.ADAM_EPS,
     nesterov: bool = False,
     weight_decay: float = 0.0,
     mask: Optional[Any] = None,
     tail: eigenbasis.Tail = "factored",
     basis: eigenbasis.Basis = "inputs",
     sides: eigenbasis.Sides = "input",
-    statistics: options.StatisticsOption = options.Statistics(),
-    refresh: options.Refresh = options.Refresh(),
-    conditioner: options.Conditioner = options.Conditioner(),
-    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    input_axes: layout_lib.InputAxes = None,
-    axis_name: Optional[Hashable] = None,
-    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW in each kernel's sketched input eigenbasis (one-sided, sketched EKFAC/SOAP)::
 
-    optax.chain(scale_by_eigenbasis_adam(rank, b1=b1, b2=b2, eps=eps, nesterov=nesterov, tail=tail, basis=basis,
-                                         sides=sides, statistics=..., refresh=..., ...),
+    optax.chain(scale_by_eigenbasis_adam(conditioning, b1=b1, b2=b2, eps=eps, nesterov=nesterov, tail=tail,
+                                         basis=basis, sides=sides),
                 optax.add_decayed_weights(weight_decay, mask),
                 optax.scale_by_learning_rate(learning_rate))
 
   Rates on Adam's scale. ``update`` takes ``layer_inputs=`` (the captured inputs, as :func:`scsgd`; with
   ``basis='gradients'`` the basis comes from the gradient's own rows, SOAP's, and no capture is needed).
-  :func:`scale_by_eigenbasis_adam` describes the update, its state and its cost; the options, ``kernel_filter``,
-  ``input_axes``, ``axis_name`` and ``seed`` go to the conditioning (:func:`scale_by_sketched_conditioning`'s
-  arguments; ``conditioner=Conditioner(kind='full'), statistics=Statistics(kind='dense')`` gives Adam in the full
-  eigenbasis).
+  :func:`scale_by_eigenbasis_adam` describes the update, its state and its cost; ``conditioning`` is the
+  conditioning's (``Conditioning(conditioner=Conditioner(kind='full'), statistics=Statistics(kind='dense'))``
+  gives Adam in the full eigenbasis).
   """
   if not callable(learning_rate):
     checks.check_float("learning_rate", learning_rate, low=0.0)
   checks.check_float("weight_decay", weight_decay, low=0.0)
   return optax.chain(
-      eigenbasis.scale_by_eigenbasis_adam(rank,
-                                          b1=b1,
-                                          b2=b2,
-                                          eps=eps,
-                                          nesterov=nesterov,
-                                          tail=tail,
-                                          basis=basis,
-                                          sides=sides,
-                                          statistics=statistics,
-                                          refresh=refresh,
-                                          conditioner=conditioner,
-                                          kernel_filter=kernel_filter,
-                                          input_axes=input_axes,
-                                          axis_name=axis_name,
-                                          seed=seed), optax.add_decayed_weights(weight_decay, mask),
+      eigenbasis.scale_by_eigenbasis_adam(conditioning, b1=b1, b2=b2, eps=eps, nesterov=nesterov, tail=tail,
+                                          basis=basis, sides=sides),
+      optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate))
 
 
@@ -212,41 +166,34 @@ _MUON_OWN = ("learning_rate", "beta", "nesterov", "mu_dtype", "muon_weight_dimen
              "weight_decay")
 
 
-@options.refuses_moved_keywords
+@refuses_moved_keywords
 def scsgd_eigen_muon(
     learning_rate: optax.ScalarOrSchedule,
-    rank: Optional[int] = None,
+    conditioning: Conditioning = Conditioning(),
     *,
     beta: float = 0.95,
-    b2: float = 0.999,
-    eps: float = 1e-8,
+    b2: float = defaults.ADAM_B2,
+    eps: float = defaults.ADAM_EPS,
     output_layer: str = "",
     adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
     weight_decay: float = 0.0,
     muon: Optional[dict] = None,
     basis: eigenbasis.Basis = "inputs",
     sides: eigenbasis.Sides = "input",
-    statistics: options.StatisticsOption = options.Statistics(),
-    refresh: options.Refresh = options.Refresh(),
-    conditioner: options.Conditioner = options.Conditioner(),
-    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    input_axes: layout_lib.InputAxes = None,
-    axis_name: Optional[Hashable] = None,
-    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Muon's momentum scaled by Adam in each hidden kernel's sketched input eigenbasis, then orthogonalized
   (the SOAP-Muon layout, with the eigenbasis sketched)::
 
-    optax.chain(scale_by_eigenbasis_adam(rank, b1=beta, b2=b2, eps=eps, nesterov=True, others='identity',
-                                         kernel_filter=hidden, statistics=..., ...),
+    optax.chain(scale_by_eigenbasis_adam(conditioning.replace(kernel_filter=hidden), b1=beta, b2=b2, eps=eps,
+                                         nesterov=True, others='identity'),
                 optax.contrib.muon(learning_rate, beta=0, adam_learning_rate=adam_learning_rate,
                                    weight_decay=weight_decay, **muon))
 
-  with Muon's momentum buffer left out of the state (:func:`without_momentum`: at ``beta=0`` it is never
+  with Muon's momentum buffer left out of the state (:func:`behind`: at ``beta=0`` it is never
   read; the eigenbasis Adam's Nesterov first moment, at Muon's ``beta``, takes its place), and Muon's counters
   and Newton-Schulz coefficients too (each counter reads the eigenbasis' count, the coefficients come from
   Muon's constructor): the same updates as the chain bit for bit. The hidden kernels
-  (``kernel_filter``, default every kernel of :func:`default_kernel_filter` but the embedding tables and the
+  (``conditioning.kernel_filter``, default every kernel of :func:`default_kernel_filter` but the embedding tables and the
   layer whose path contains ``output_layer``, as Muon's authors prescribe) are conditioned and orthogonalized,
   each as the matrix of its input axes (a layer stack's slices each their own); Muon's AdamW part (rate
   ``adam_learning_rate``, default ``learning_rate``) takes every other leaf's raw gradient. Rates on Muon's
@@ -258,7 +205,8 @@ def scsgd_eigen_muon(
 
   Args:
     learning_rate: Muon's rate.
-    rank: sketch rank ``k``.
+    conditioning: the conditioning's :class:`Conditioning` (:func:`scale_by_eigenbasis_adam`); its
+      ``kernel_filter`` picks the hidden kernels (default: see above).
     beta: Muon's momentum, kept by the eigenbasis Adam as its Nesterov first moment.
     b2, eps: the eigenbasis Adam's.
     output_layer: the head's name (a substring of its path); ``""``: every kernel is hidden.
@@ -268,9 +216,6 @@ def scsgd_eigen_muon(
       ``adam_weight_decay``, ...).
     basis, sides: the eigenbasis' (:func:`scale_by_eigenbasis_adam`): ``basis='gradients', sides='both'`` at full
       rank (``Conditioner('full')``, ``Statistics('dense')``) is SOAP's two-sided basis in front of Muon.
-    statistics, refresh, conditioner, input_axes, axis_name, seed: the conditioning's
-      (:func:`scale_by_eigenbasis_adam`).
-    kernel_filter: the hidden kernels (default: see above).
   """
   import optax.contrib
 
@@ -282,29 +227,17 @@ def scsgd_eigen_muon(
     if name in _MUON_OWN:
       raise TypeError(f"scsgd_eigen_muon sets optax.contrib.muon's {name}= itself; pass it as scsgd_eigen_muon's "
                       f"argument where it has one ({', '.join(_MUON_OWN)}).")
-  chosen = kernel_filter or muon_lib.muon_kernel_filter(output_layer, input_axes)
-  hidden = muon_lib.muon_kernels(chosen, input_axes)
+  c = checked(conditioning, "scsgd_eigen_muon")
+  chosen = c.kernel_filter or muon_lib.muon_kernel_filter(output_layer, c.input_axes)
+  hidden = muon_lib.muon_kernels(chosen, c.input_axes)
   return muon_lib.checked_output_layer(
       output_layer,
       muon_lib.behind(
-          eigenbasis.scale_by_eigenbasis_adam(rank,
-                                              b1=beta,
-                                              b2=b2,
-                                              eps=eps,
-                                              nesterov=True,
-                                              basis=basis,
-                                              sides=sides,
-                                              others="identity",
-                                              statistics=statistics,
-                                              refresh=refresh,
-                                              conditioner=conditioner,
-                                              kernel_filter=hidden,
-                                              input_axes=input_axes,
-                                              axis_name=axis_name,
-                                              seed=seed),
+          eigenbasis.scale_by_eigenbasis_adam(c.replace(kernel_filter=hidden), b1=beta, b2=b2, eps=eps,
+                                              nesterov=True, basis=basis, sides=sides, others="identity"),
           optax.contrib.muon(learning_rate,
                              beta=0.0,
                              adam_learning_rate=adam_learning_rate,
                              weight_decay=weight_decay,
-                             muon_weight_dimension_numbers=muon_lib.muon_dimension_numbers(hidden, input_axes),
+                             muon_weight_dimension_numbers=muon_lib.muon_dimension_numbers(hidden, c.input_axes),
                              **muon)))

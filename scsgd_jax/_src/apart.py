@@ -74,7 +74,7 @@ def refresh_conditioners(opt_state):
 
   Example::
 
-    tx = scsgd_jax.scsgd(0.1, refresh=scsgd_jax.Refresh(apart=True))
+    tx = scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(refresh=scsgd_jax.Refresh(apart=True)))
     ...
     updates, opt_state = tx.update(grads, opt_state, params, layer_inputs=inputs)  # folds and conditions
     opt_state = scsgd_jax.refresh_conditioners(opt_state)  # rebuilds the factors due
@@ -98,7 +98,7 @@ def refresh_conditioners(opt_state):
   if not found:
     raise ValueError(
         "refresh_conditioners: opt_state holds no conditioning whose refreshes run apart: build it with "
-        "refresh=scsgd_jax.Refresh(apart=True) (scsgd or scale_by_sketched_conditioning), and pass the state "
+        "scsgd_jax.Conditioning(refresh=scsgd_jax.Refresh(apart=True)) (scsgd or scale_by_sketched_conditioning), and pass the state "
         "its init returned; with Refresh(apart=False) the update refreshes by itself.")
   return out
 

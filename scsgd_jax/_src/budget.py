@@ -33,19 +33,19 @@ def options(n: int, rank: int, oversample: int, full: bool) -> list[Option]:
 
 
 def allot(shapes: dict[str, tuple[int, int]], opts: dict[str, list[Option]], floats: int,
-          budget: str, share: float = 1.0, unplanned_keeps: bool = False) -> dict[str, int]:
+          budget: str, memory_share: float = 1.0, unplanned_keeps: bool = False) -> dict[str, int]:
   """Each kernel's option (an index into its list; ``len`` = none fits) under the memory rule.
 
-  Every kernel takes its best option that fits in its own ``n * p`` floats (``share * n * p`` when two
+  Every kernel takes its best option that fits in its own ``n * p`` floats (``memory_share * n * p`` when two
   transformations split the budget); with ``budget='model'`` the ``floats`` the model has left over then
   go to the kernels of smallest ``n`` first (cheapest to upgrade), each taking its best option that the
   leftover pays for. The same layer of each block (one shape, one path but for its numbers: the blocks'
   indices) is upgraded in every block or in none, so identical blocks are planned alike and their kernels
   form one bank (one program whatever the depth). ``unplanned_keeps``: a kernel that gets no option still
-  keeps its own ``share * n * p`` floats (a transformation that gives it Adam's second moment instead), so
+  keeps its own ``memory_share * n * p`` floats (a transformation that gives it Adam's second moment instead), so
   they pay for no other kernel.
   """
-  own = {path: math.floor(share * n * p) for path, (n, p) in shapes.items()}
+  own = {path: math.floor(memory_share * n * p) for path, (n, p) in shapes.items()}
   chosen = {}
   for path, kernel_opts in opts.items():
     # 'model': 3 = this kernel's clipped-row counter and, were it alone, the count and key beyond Adam's.

@@ -226,7 +226,7 @@ def input_axes_nnx(model: nnx.Module, *args, **kwargs) -> dict[str, Layout]:
   the conditioning cannot read (a transposed conv, ...) maps to ``Plain(why)``, planned plain at ``init``.
 
   The captured :class:`CapturedInputs` already carry these layouts (the transformation reads them); pass this
-  as ``scsgd(..., input_axes=input_axes_nnx(model))`` to fix every plan at ``init``, so that the state never
+  as ``scsgd(..., Conditioning(input_axes=input_axes_nnx(model)))`` to fix every plan at ``init``, so that the state never
   changes shape (see :func:`~scsgd_jax.scale_by_sketched_conditioning`), or for rows captured by other means.
 
   Given the model's inputs (``*args, **kwargs``, as a call of the model takes them; traced once, no compute), it

@@ -13,6 +13,7 @@ OUTLIER_THRESHOLD = 100.0  # rows above 100x the running tr C (squared norm) are
 BUDGET = "model"  # Statistics(kind='auto'): the model-wide memory rule
 NORMALIZE = "embeddings"  # embeddings conditioned by C / (tr C / n); every other kernel by C itself (the paper's)
 MOMENTUM = 0.9  # scsgd's Nesterov momentum (the paper's)
+ADAM_B1, ADAM_B2, ADAM_EPS = 0.9, 0.999, 1e-8  # the eigenbasis Adam's (optax.adam's)
 GRAFT_DECAY = 0.999  # normalized RMSprop of the grafting (distributed Shampoo's default)
 GRAFT_EPS = 1e-8
 # The optimizer's eigenvalue floor, relative to tr(C) / n: a damping (no direction amplified more than

@@ -41,7 +41,7 @@ def kernel_diagnostics(state: Any) -> dict[str, dict[str, jax.Array]]:
   A stacked or grouped kernel gives arrays with one entry per slice.
 
   >>> import jax.numpy as jnp, scsgd_jax
-  >>> tx = scsgd_jax.scsgd(0.1, rank=1, conditioner=scsgd_jax.Conditioner(kind='full'))
+  >>> tx = scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(conditioner=scsgd_jax.Conditioner(kind='full')))
   >>> state = tx.init({'dense': {'kernel': jnp.zeros((3, 2))}})
   >>> float(scsgd_jax.kernel_diagnostics(state)['dense/kernel']['spread'])
   1.0

@@ -22,6 +22,7 @@ from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
 from scsgd_jax._src import state as state_lib
 from scsgd_jax._src import estimator as estimator_lib
+from scsgd_jax._src.conditioning import Conditioning
 from scsgd_jax._src.eigen_math import EigenMoments
 from scsgd_jax._src.eigen_math import Tail
 
@@ -148,14 +149,14 @@ class Kernels:
   """Which kernels the eigenbasis rotates and on which sides, and what each keeps, from the conditioning's plans of
   a tree (cached per tree structure, as the plans are)."""
 
-  def __init__(self, s: estimator_lib.Settings, tail: Tail, sides: str, others: str, share: float):
-    self.s, self.tail, self.sides, self.others, self.share = s, tail, sides, others, share
-    self.estimator = estimator_lib.Estimator(s, budget_share=share, extra=kept_beside(tail), plain_step=(
+  def __init__(self, c: Conditioning, tail: Tail, sides: str, others: str, memory_share: float):
+    self.c, self.tail, self.sides, self.others, self.memory_share = c, tail, sides, others, memory_share
+    self.estimator = estimator_lib.Estimator(c, memory_share=memory_share, extra=kept_beside(tail), plain_step=(
         "they get Adam itself, in the coordinate basis (under scsgd_eigen: AdamW)" if others == "adam" else
         "their gradients pass on as they are to the rest of the chain (under scsgd_eigen_muon: Muon's AdamW part; "
         "a hidden kernel left plain by the memory rule is orthogonalized by Muon without a basis)"))
     self.plans = self.estimator.plans
-    self.keep = layout_lib.kernels_of(s.kernel_filter, s.input_axes)
+    self.keep = c.kernels()
     self.output_side = functools.lru_cache(maxsize=None)(self._output_side)
 
   def on_output_side(self, path: str, leaf) -> bool:
@@ -166,10 +167,9 @@ class Kernels:
     ``rotatable``: no statistics, and no share of the memory, for a kernel it would never rotate."""
     chosen = lambda path, leaf: path in rotatable and self.on_output_side(path, leaf)
     return estimator_lib.Estimator(
-        self.s._replace(seed=self.s.seed + 1, input_axes=output_lib.output_axes_from(self.s.input_axes),
-                        kernel_filter=chosen),
-        default_axes=output_lib.default_output_axes, budget_share=self.share,
-        extra=kept_beside(self.tail, "output"))
+        self.c.replace(seed=self.c.seed + 1, kernel_filter=chosen),
+        layouts=output_lib.output_axes_from(self.c.input_axes), default_axes=output_lib.default_output_axes,
+        memory_share=self.memory_share, extra=kept_beside(self.tail, "output"))
 
   def rotatable(self, tree) -> frozenset[str]:
     """The kernels of ``tree`` that init's plans rotate on the input side as one layer (a basis, unstacked,
@@ -233,7 +233,7 @@ def output_update(k: Kernels, basis: str, updates, state, output_grads):
   else:
     output_lib.check_output_grads(output_grads, "scale_by_eigenbasis_adam(sides='both', basis='inputs')",
                                   "; or basis='gradients' (no capture)")
-    key = jax.random.fold_in(jax.random.PRNGKey(k.s.seed + 2), state.count)  # made here, never at construction
+    key = jax.random.fold_in(jax.random.PRNGKey(k.c.seed + 2), state.count)  # made here, never at construction
     rows = output_lib.sample_rows(output_grads, key, defaults.MAX_ROWS)
   output_state, _ = out.update(updates, state.output, rows)
   return k.output_summary(updates, output_state)

@@ -15,7 +15,7 @@ stays within Adam's.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Literal, Mapping, NamedTuple, Optional
+from typing import Literal, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +23,15 @@ import optax
 
 from scsgd_jax._src import banks as banks_lib
 from scsgd_jax._src import checks
+from scsgd_jax._src import defaults
 from scsgd_jax._src import options
 from scsgd_jax._src import eigen_banks as eb
 from scsgd_jax._src import eigen_kernels as ek
 from scsgd_jax._src import eigen_math as em
 from scsgd_jax._src import layout as layout_lib
-from scsgd_jax._src import transform
+from scsgd_jax._src.conditioning import Conditioning
+from scsgd_jax._src.conditioning import checked
+from scsgd_jax._src.conditioning import refuses_moved_keywords
 from scsgd_jax._src.eigen_math import EigenMoments
 from scsgd_jax._src.inputs import HELPERS
 from scsgd_jax._src.eigen_math import Tail
@@ -38,8 +41,6 @@ __all__ = ["ScaleByEigenbasisAdamState", "scale_by_eigenbasis_adam"]
 
 Basis = Literal["inputs", "gradients"]
 Sides = Literal["input", "both"]
-# the Conditioner's settings that move only the conditioner's eigenvalues: the eigenbasis reads its eigenvectors alone
-_NO_EFFECT = ("eigenvalue_floor", "normalize")
 
 
 class ScaleByEigenbasisAdamState(NamedTuple):
@@ -84,30 +85,23 @@ class ScaleByEigenbasisAdamState(NamedTuple):
     return self.conditioning.summary()
 
 
-@options.refuses_moved_keywords
+@refuses_moved_keywords
 def scale_by_eigenbasis_adam(
-    rank: Optional[int] = None,
+    conditioning: Conditioning = Conditioning(),
     *,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
+    b1: float = defaults.ADAM_B1,
+    b2: float = defaults.ADAM_B2,
+    eps: float = defaults.ADAM_EPS,
     nesterov: bool = False,
     tail: Tail = "factored",
     basis: Basis = "inputs",
     sides: Sides = "input",
     others: Literal["adam", "identity"] = "adam",
     memory_share: float = 1.0,
-    statistics: options.StatisticsOption = options.Statistics(),
-    refresh: options.Refresh = options.Refresh(),
-    conditioner: options.Conditioner = options.Conditioner(),
-    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    input_axes: layout_lib.InputAxes = None,
-    axis_name: Optional[Hashable] = None,
-    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adam in the eigenbasis of each kernel's sketched input conditioner (one-sided EKFAC / SOAP, sketched).
 
-  The conditioning (:func:`scale_by_sketched_conditioning`, whose arguments it takes) keeps each
+  The conditioning (:func:`scale_by_sketched_conditioning`'s, under ``conditioning``) keeps each
   kernel's input statistics and refreshes its factor ``A^{-1} = Q B^{-1} Q^\top + a^{-1}(I - QQ^\top)``; at each
   refresh the kernel's basis becomes ``U = Q V`` (:func:`eigenbasis`) and Adam's second moment is carried into it
   (:func:`carried`: SOAP re-projects its moments likewise). Every step, with ``G`` the gradient read as
@@ -151,7 +145,9 @@ def scale_by_eigenbasis_adam(
   ``update`` takes ``layer_inputs=`` as :func:`scale_by_sketched_conditioning` does.
 
   Args:
-    rank: sketch rank ``k`` (default 32).
+    conditioning: the conditioning's :class:`Conditioning`; of its :class:`Conditioner` only ``kind`` and
+      ``full_max_dim`` act here (the eigenbasis reads the factor's eigenvectors, which its floor and normalization
+      leave as they are), and its refreshes run in the update (``Refresh(apart=True)`` is refused).
     b1, b2, eps: Adam's.
     nesterov: Nesterov's form of Adam's first moment (NAdam's).
     tail: the tail's treatment: ``'factored'`` or ``'scalar'`` second moments, or ``'orthogonal'``.
@@ -163,10 +159,6 @@ def scale_by_eigenbasis_adam(
       kernels, the kernels chosen by ``kernel_filter``, with its AdamW part for the rest).
     memory_share: the share of Adam's second moment that the statistics, factor, rotated moments and rotation
       may take (``Statistics(kind='auto')``; with ``sides='both'`` the two sides split it).
-    statistics, refresh, kernel_filter, input_axes, axis_name, seed: the conditioning's
-      (:func:`scale_by_sketched_conditioning`).
-    conditioner: the conditioning's :class:`Conditioner`; only its ``kind`` and ``full_max_dim`` act here (the
-      eigenbasis reads the factor's eigenvectors, which its floor and normalization leave as they are).
 
   References:
     George et al., Fast Approximate Natural Gradient Descent in a Kronecker-factored Eigenbasis (EKFAC), 2018.
@@ -175,9 +167,7 @@ def scale_by_eigenbasis_adam(
     Gonen & Shalev-Shwartz, Faster SGD Using Sketched Conditioning, 2015.
   """
   _check_arguments(b1, b2, eps, nesterov, tail, basis, sides, others)
-  s = transform.settings(
-      rank=rank, statistics=statistics, refresh=refresh, conditioner=conditioner, kernel_filter=kernel_filter,
-      input_axes=input_axes, axis_name=axis_name, seed=seed)
+  s = checked(conditioning, "scale_by_eigenbasis_adam")
   s.refresh.refuse_apart("the eigenbasis (scale_by_eigenbasis_adam, scsgd_eigen, scsgd_eigen_muon)",
                          "rotates its moments into each rebuilt basis inside its update")
   _check_eigenvectors_only(s.conditioner)
@@ -243,7 +233,7 @@ def _check_arguments(b1, b2, eps, nesterov, tail, basis, sides, others) -> None:
 def _check_eigenvectors_only(conditioner: options.Conditioner) -> None:
   """Refuses the :class:`Conditioner` settings that move only the eigenvalues, which the eigenbasis does not read."""
   default = options.Conditioner()
-  for name in _NO_EFFECT:
+  for name in options.Conditioner.EIGENVALUES_ONLY:
     if getattr(conditioner, name) != getattr(default, name):
       raise TypeError(f"scale_by_eigenbasis_adam got Conditioner({name}=...), which changes the conditioner's "
                       "eigenvalues only: the eigenbasis reads its eigenvectors, which it leaves as they are; drop it.")

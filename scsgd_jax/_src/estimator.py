@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Hashable, NamedTuple, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,47 +15,14 @@ import optax
 
 from scsgd_jax._src import apart
 from scsgd_jax._src import checks
-from scsgd_jax._src import defaults
 from scsgd_jax._src import fold as fold_lib
 from scsgd_jax._src import options
 from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import state as state_lib
+from scsgd_jax._src.conditioning import Conditioning
 from scsgd_jax._src.inputs import HELPERS
 from scsgd_jax._src.state import ScaleBySketchedConditioningState
-
-class Settings(NamedTuple):
-  """The conditioning's settings, checked (:func:`settings`): what :func:`scale_by_sketched_conditioning` takes,
-  and what the output side and the eigenbasis build their conditioning from."""
-
-  rank: int
-  statistics: options.Statistics
-  refresh: options.Refresh
-  conditioner: options.Conditioner
-  kernel_filter: Optional[Callable[[str, Any], bool]]
-  input_axes: layout_lib.InputAxes
-  axis_name: Optional[Hashable]
-  seed: int
-  rank_asked: bool = False  # whether the user gave the rank (a plan that cuts it is then warned of)
-
-
-def settings(*,
-             rank: Optional[int] = None,
-             statistics: options.StatisticsOption = options.Statistics(),
-             refresh: options.Refresh = options.Refresh(),
-             conditioner: options.Conditioner = options.Conditioner(),
-             kernel_filter=None,
-             input_axes: layout_lib.InputAxes = None,
-             axis_name: Optional[Hashable] = None,
-             seed: int = 0) -> Settings:
-  """:class:`Settings` from :func:`scale_by_sketched_conditioning`'s arguments, each checked (one place)."""
-  asked = rank is not None
-  rank = defaults.RANK if rank is None else options.static_int("rank", rank, 1)
-  statistics = options.checked_together(statistics, refresh, conditioner)
-  if kernel_filter is not None and not callable(kernel_filter):
-    raise TypeError(f"kernel_filter must be a callable (path, leaf) -> bool, got {kernel_filter!r}.")
-  return Settings(rank, statistics, refresh, conditioner, kernel_filter, input_axes, axis_name, seed,
-                  rank_asked=asked)
 
 
 def _flat_inputs(layer_inputs) -> dict[str, Any]:
@@ -63,25 +30,28 @@ def _flat_inputs(layer_inputs) -> dict[str, Any]:
   return {layout_lib.path_to_str(p): leaf for p, leaf in flat}
 
 
-def _spec(s: Settings, default_axes, budget_share: float, extra) -> tuple[plan_lib.Spec, int]:
-  """The plans' spec of settings ``s``, and the fold period."""
-  checks.check_float("budget_share", budget_share, low=0.0, high=1.0, low_open=True)
-  st = s.statistics
-  got = (options.Statistics(every=st.every) if st.custom else st).resolved()
-  cond = s.conditioner.resolved(s.rank)
+def _spec(c: Conditioning, layouts, default_axes, memory_share: float, extra) -> tuple[plan_lib.Spec, int]:
+  """The plans' spec of conditioning ``c`` reading kernels by ``layouts`` (else ``default_axes``), and the fold
+  period."""
+  checks.check_float("memory_share", memory_share, low=0.0, high=1.0, low_open=True)
+  st = c.statistics
+  got = (options.Statistics(fold_every=st.fold_every) if st.custom else st).resolved()
+  cond = c.conditioner.resolved(c.sketch_rank())
   # ema_rate is per step: a fold every s steps weighs its batch 1 - (1 - nu)^s, so the EMA spans as many steps
-  fold_rate = 1.0 - (1.0 - got["ema_rate"])**got["every"]
+  fold_rate = 1.0 - (1.0 - got["ema_rate"])**got["fold_every"]
   choices = plan_lib.StatisticsChoices(fold_rate,
-                                       warm_start=s.refresh.warm_start,
+                                       warm_start=c.refresh.warm_start,
                                        oversample=got["oversample"],
                                        power_iterations=got["power_iterations"],
                                        eigenvalue_floor=cond["eigenvalue_floor"])
-  spec = plan_lib.Spec(s.rank, s.refresh.every, cond["full_max_dim"], got["oversample"], cond["kind"],
-                       st.kind, got["budget"], s.refresh.stagger,
-                       layout_lib.kernels_of(s.kernel_filter,
-                                           s.input_axes), s.input_axes, choices, default_axes, budget_share, extra)
-  return spec, got["every"]
+  spec = plan_lib.Spec(rank=c.sketch_rank(), full_max_dim=cond["full_max_dim"], oversample=got["oversample"],
+                       conditioner=cond["kind"], statistics=st.kind, budget=got["budget"],
+                       kernel_filter=layout_lib.kernels_of(c.kernel_filter, layouts), layouts=layouts,
+                       choices=choices, default_axes=default_axes, memory_share=memory_share, extra=extra)
+  return spec, got["fold_every"]
 
+
+INPUT_AXES = object()  # the estimator's layouts default: its conditioning's input_axes
 
 # what the leaves the conditioning leaves plain get, as its warnings say it (the eigenbasis says its own)
 PLAIN_STEP = ("their gradients pass on unconditioned to the rest of the chain (under scsgd: Nesterov SGD; in front of "
@@ -89,32 +59,34 @@ PLAIN_STEP = ("their gradients pass on unconditioned to the rest of the chain (u
 
 
 class Estimator:
-  """Every conditioned kernel's statistics, fold, refresh schedule and factors under settings ``s``: ``init``
+  """Every conditioned kernel's statistics, fold, refresh schedule and factors under conditioning ``c``: ``init``
   plans the kernels (fixed there) and builds their fresh state; ``update`` checks the captured rows against the
   plans, folds them (:meth:`fold`), rebuilds the factors due (:meth:`refresh`, unless the refreshes run apart)
   and counts the update; ``state.factors`` are what the conditioning, the eigenbasis and the output side read.
 
   ``default_axes``: how a kernel is read unless told otherwise (the output side passes the kernel's output axes);
-  ``budget_share``: the share of the memory rule's budget the statistics take; ``extra``: what a transformation
+  ``layouts``: the kernels' layouts (default: ``c.input_axes``; the output side passes its output axes);
+  ``memory_share``: the share of the memory rule's budget the statistics take; ``extra``: what a transformation
   built on it keeps per kernel beside them, for the memory rule (:class:`~scsgd_jax._src.plan.Spec`'s).
   ``plans(tree, captured_axes=None) -> {path: KernelPlan}``: the plans of a tree of that structure (cached).
   """
 
-  def __init__(self, s: Settings, *, default_axes=layout_lib.default_input_axes, budget_share: float = 1.0,
-               extra=None, plain_step: str = PLAIN_STEP):
-    self.s, self.default_axes, self.plain_step = s, default_axes, plain_step
-    spec, self.fold_every = _spec(s, default_axes, budget_share, extra)
+  def __init__(self, c: Conditioning, *, layouts=INPUT_AXES, default_axes=layout_lib.default_input_axes,
+               memory_share: float = 1.0, extra=None, plain_step: str = PLAIN_STEP):
+    self.c, self.default_axes, self.plain_step = c, default_axes, plain_step
+    self.layouts = c.input_axes if layouts is INPUT_AXES else layouts
+    spec, self.fold_every = _spec(c, self.layouts, default_axes, memory_share, extra)
     self.plans = state_lib.PlanCache(spec)
 
   def refresher(self, kernel_plans) -> apart.Refresher:
     """What rebuilds the factors of ``kernel_plans`` on this estimator's schedule (fixed by the plans); a kernel
     that reads another's statistics has none to rebuild."""
-    return apart.refresher(plan_lib.own_statistics(kernel_plans), self.s.refresh, self.fold_every,
-                           self.s.conditioner.normalize)
+    return apart.refresher(plan_lib.own_statistics(kernel_plans), self.c.refresh, self.fold_every,
+                           self.c.conditioner.normalize)
 
   def init(self, params) -> ScaleBySketchedConditioningState:
     """The plans of ``params``' kernels and their fresh statistics and factors."""
-    layout_lib.check_input_axes_keys(self.s.input_axes, params)
+    layout_lib.check_input_axes_keys(self.layouts, params)
     kernel_plans = self.plans(params)
     input_side = self.default_axes is layout_lib.default_input_axes
     kernels = {}
@@ -122,27 +94,27 @@ class Estimator:
       kernels = {p: why for p, why in state_lib.said(self.plans.notes).items() if why != state_lib.RAW}
       warn_nothing_conditioned(params, kernels, self.plain_step)
     if input_side and (kernel_plans or kernels):  # else the warning above named every matrix and input_axes
-      warn_raw_parameters(self.plans.notes, self.plain_step, self.s.input_axes is not None)
-    if self.s.rank_asked:
-      warn_rank_cut(kernel_plans, self.s.rank)
-    if self.s.input_axes is None and input_side:
+      warn_raw_parameters(self.plans.notes, self.plain_step, self.layouts is not None)
+    if self.c.rank is not None:
+      warn_rank_cut(kernel_plans, self.c.rank)
+    if self.layouts is None and input_side:
       warn_shared_inputs_unknown(kernel_plans)
-    key, (statistics, factors, clipped) = state_lib.fresh_kernel_states(kernel_plans, self.s.seed)
+    key, (statistics, factors, clipped) = state_lib.fresh_kernel_states(kernel_plans, self.c.seed)
     return ScaleBySketchedConditioningState(
         count=jnp.zeros([], jnp.int32),
         key=key,
         statistics=statistics,
         factors=factors,
         clipped_rows=clipped,
-        plan=state_lib.summary_of(kernel_plans, self.plans.notes, self.s.rank,
-                                  self.refresher(kernel_plans) if self.s.refresh.apart else None),
+        plan=state_lib.summary_of(kernel_plans, self.plans.notes, self.c.sketch_rank(),
+                                  self.refresher(kernel_plans) if self.c.refresh.apart else None),
     )
 
   def fold(self, state: ScaleBySketchedConditioningState, kernel_plans, rows):
     """``(statistics, clipped rows)`` with ``rows`` (:func:`checked_rows`) folded in, at the steps the fold period
     says."""
-    fold = lambda operand: fold_lib.fold(kernel_plans, rows, *operand, self.s.statistics.outlier_threshold,
-                                         self.s.axis_name)
+    fold = lambda operand: fold_lib.fold(kernel_plans, rows, *operand, self.c.statistics.outlier_threshold,
+                                         self.c.axis_name)
     operand = (state.statistics, state.clipped_rows)
     if self.fold_every == 1:
       return fold(operand)
@@ -165,16 +137,17 @@ class Estimator:
     # layers the capture cannot condition: plain updates, their state untouched, the summary says so
     skipped = {p: f"not conditioned: {why}" for p, why in getattr(layer_inputs, "unconditioned", {}).items()
                if p in kernel_plans}
-    state = state_lib.noted(state, kernel_plans, skipped, self.s.rank)
+    state = state_lib.noted(state, kernel_plans, skipped, self.c.sketch_rank())
     if skipped:  # planned at init, unread by the capture: said once per trace
       warnings.warn("scsgd_jax: the capture could not read these kernels init planned, so they get plain updates: "
                     + "; ".join(f"{p} ({why})" for p, why in skipped.items())
-                    + f". Pass input_axes={helper} to plan them plain at init.", stacklevel=4)
+                    + f". Set input_axes={helper} in the optimizer's scsgd_jax.Conditioning to plan them plain at "
+                    "init.", stacklevel=4)
       kernel_plans = {p: plan for p, plan in kernel_plans.items() if p not in skipped}
     own = plan_lib.own_statistics(kernel_plans)  # a kernel reading another's statistics folds no rows of its own
     statistics, clipped = self.fold(state, own, checked_rows(own, layer_inputs))
     factors, key = state.factors, state.key
-    if not self.s.refresh.apart:  # else refresh_conditioners rebuilds them, apart from this step
+    if not self.c.refresh.apart:  # else refresh_conditioners rebuilds them, apart from this step
       factors, key = self.refresh(statistics, state, own)
     return state._replace(count=optax.safe_increment(state.count), key=key, statistics=statistics, factors=factors,
                           clipped_rows=clipped), kernel_plans
@@ -210,8 +183,8 @@ def warn_shared_inputs_unknown(kernel_plans) -> None:
     warnings.warn(
         f"scsgd_jax: no input_axes given, so {len(einsums)} Einsum kernel(s) (e.g. '{einsums[0]}') are planned by "
         "Flax's name-based axes, which an Einsum's equation may contradict (the first update then refuses them): "
-        "pass input_axes=scsgd_jax.input_axes_nnx(model, x) (Linen: scsgd_jax.input_axes_linen(module, variables, "
-        "x)), which reads each equation.", stacklevel=4)
+        "pass scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model, x)) (Linen: "
+        "scsgd_jax.input_axes_linen(module, variables, x)), which reads each equation.", stacklevel=4)
   groups = [g for g in attention_siblings(kernel_plans)
             if any((kernel_plans[p].kind, kernel_plans[p].rank) != ("dense", None) for p in g)]
   if groups:
@@ -219,7 +192,8 @@ def warn_shared_inputs_unknown(kernel_plans) -> None:
         f"scsgd_jax: no input_axes given, so the query, key and value of {len(groups)} attention layer(s) are "
         f"planned apart, each within a third of the memory one shared statistic of their one input has (e.g. "
         + ", ".join(f"{p}: {kernel_plans[p].describe()}" for p in groups[0])
-        + "): pass input_axes=scsgd_jax.input_axes_nnx(model, x) (Linen: scsgd_jax.input_axes_linen(module, "
+        + "): pass scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model, x)) (Linen: "
+        "scsgd_jax.input_axes_linen(module, "
         "variables, x)), which finds the shared inputs.", stacklevel=4)
 
 
@@ -258,7 +232,7 @@ def warn_raw_parameters(notes: dict[str, str], plain_step: str, input_axes_given
   else:
     warnings.warn(f"scsgd_jax: no input_axes given, so {len(raw)} raw parameter(s) with two or more axes, no layer's "
                   f"kernel, are not conditioned and {plain_step}: {named}. If the model hands their rows with "
-                  "scsgd_jax.sow_rows, pass input_axes=scsgd_jax.input_axes_nnx(model, x) (Linen: "
+                  "scsgd_jax.sow_rows, pass scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model, x)) (Linen: "
                   "scsgd_jax.input_axes_linen(module, variables, x)), which reads their layouts; else " + route
                   + ".", stacklevel=4)
 
@@ -302,7 +276,7 @@ def checked_rows(kernel_plans: dict[str, plan_lib.KernelPlan], layer_inputs) -> 
           f"to match kernel '{path}' read with input axes {plan.input_axes} (n={n}). A conv kernel (kh, kw, cin, "
           "cout) needs im2col rows of size kh*kw*cin; rows not captured by scsgd_jax.capture_nnx / capture_linen "
           "(whose output says each kernel's layout) of a DenseGeneral/Einsum kernel whose input axes are not the "
-          "default, or of a stacked (scanned) kernel, need input_axes=scsgd_jax.input_axes_nnx(model) (or "
+          "default, or of a stacked (scanned) kernel, need scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model)) (or "
           "input_axes_linen).")
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"layer_inputs['{path}'] must be floating point, got dtype {x.dtype}.")

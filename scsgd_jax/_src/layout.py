@@ -7,8 +7,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 
-__all__ = ["InputAxes", "Layout", "Plain", "axes_of", "default_input_axes", "default_kernel_filter", "kernel_paths",
-           "kernels_of", "path_to_str", "plain_why", "check_input_axes_keys"]
+__all__ = ["InputAxes", "Layout", "Plain", "axes_of", "default_input_axes", "default_kernel_filter", "is_embedding",
+           "kernel_paths", "kernels_of", "layout_of", "path_to_str", "plain_why", "check_input_axes_keys"]
 
 
 class Layout(NamedTuple):
@@ -70,11 +70,16 @@ def path_to_str(path) -> str:
   return "/".join(_key_str(k) for k in path)
 
 
+def is_embedding(path: str) -> bool:
+  """Whether ``path`` names a token table (Flax's ``embedding``): the one predicate the planner, Muon's filter and the
+  output side read."""
+  return path.rsplit("/", 1)[-1] == "embedding"
+
+
 def default_kernel_filter(path: str, leaf: jax.Array) -> bool:
   """Flax's conventions: a ``kernel`` with at least two dims (Dense, Conv, DenseGeneral, Einsum) or a 2-D ``embedding``."""
-  name = path.rsplit("/", 1)[-1]
   ndim = getattr(leaf, "ndim", 0)
-  return (name == "kernel" and ndim >= 2) or (name == "embedding" and ndim == 2)
+  return (path.rsplit("/", 1)[-1] == "kernel" and ndim >= 2) or (is_embedding(path) and ndim == 2)
 
 
 def kernels_of(kernel_filter: Optional[Callable[[str, Any], bool]], input_axes: InputAxes
@@ -104,7 +109,7 @@ def default_input_axes(path: str, leaf: jax.Array) -> tuple[int, ...]:
   (carried by the captured inputs); these defaults serve rows captured by other means.
   """
   parts = path.split("/")
-  if parts[-1] == "embedding":
+  if is_embedding(path):
     return (0,)
   if leaf.ndim == 3 and len(parts) >= 2 and parts[-2] in ("query", "key", "value"):
     return (0,)
@@ -132,6 +137,15 @@ def check_input_axes_keys(input_axes: InputAxes, tree) -> None:
     raise ValueError("input_axes names no parameter at " + "; ".join(
         f"'{k}'" + (f" (closest: {', '.join(repr(m) for m in near[k])})" if near[k] else "") for k in unknown)
         + ". Keys are parameter paths joined by '/', e.g. 'layers/0/kernel'.")
+
+
+def layout_of(path: str, leaf, input_axes: InputAxes, captured: Optional[Mapping[str, Any]] = None,
+              default: Optional[Callable[[str, Any], tuple[int, ...]]] = None) -> Optional[Layout]:
+  """The one layout rule: how kernel ``path`` is read (:func:`axes_of`), or ``None`` when ``input_axes`` leaves it
+  :class:`Plain`. The planner, Muon's filter and the output side read each kernel by it."""
+  if plain_why(input_axes, path) is not None:
+    return None
+  return axes_of(path, leaf, input_axes, captured, default)
 
 
 def axes_of(path: str, leaf, input_axes: InputAxes, captured: Optional[Mapping[str, Any]] = None,

@@ -1,4 +1,5 @@
-"""Muon's orthogonalization behind the eigenbasis Adam: which kernels it takes, and Muon without its momentum."""
+"""Muon's orthogonalization behind the eigenbasis Adam: which kernels it takes, and Muon without its momentum
+buffer (:func:`behind`)."""
 
 from __future__ import annotations
 
@@ -18,17 +19,10 @@ def muon_kernel_filter(output_layer: str = "", input_axes: layout_lib.InputAxes 
   kernels = layout_lib.kernels_of(None, input_axes)
 
   def hidden(path: str, leaf) -> bool:
-    return (kernels(path, leaf) and path.rsplit("/", 1)[-1] != "embedding"
+    return (kernels(path, leaf) and not layout_lib.is_embedding(path)
             and not (output_layer and output_layer in path))
 
   return hidden
-
-
-def _layout(input_axes: layout_lib.InputAxes, path: str, leaf):
-  """The kernel's ``Layout`` as the conditioning reads it at ``init`` (:func:`axes_of`; ``None``: left plain)."""
-  if layout_lib.plain_why(input_axes, path) is not None:
-    return None
-  return layout_lib.axes_of(path, leaf, input_axes)
 
 
 def muon_kernels(kernel_filter: Callable[[str, Any], bool], input_axes: layout_lib.InputAxes = None):
@@ -38,7 +32,7 @@ def muon_kernels(kernel_filter: Callable[[str, Any], bool], input_axes: layout_l
   def keep(path: str, leaf) -> bool:
     if not kernel_filter(path, leaf):
       return False
-    layout = _layout(input_axes, path, leaf)
+    layout = layout_lib.layout_of(path, leaf, input_axes)
     return layout is not None and layout.groups == 1
 
   return keep
@@ -54,7 +48,7 @@ def muon_dimension_numbers(kernel_filter: Callable[[str, Any], bool], input_axes
     name = layout_lib.path_to_str(path)
     if not kernel_filter(name, leaf):
       return None
-    layout = _layout(input_axes, name, leaf)
+    layout = layout_lib.layout_of(name, leaf, input_axes)
     stack = tuple(range(layout.stack))
     reduction = tuple(layout.stack + a for a in layout.input_axes)
     output = tuple(a for a in range(leaf.ndim) if a not in reduction and a not in stack)
@@ -95,29 +89,14 @@ def _refilled(kept, fresh, count=None):
   return full if count is None else _with_counts(full, count)
 
 
-def without_momentum(muon: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """``muon`` (an ``optax.contrib.muon`` built with ``beta=0``) without its momentum buffers in the state.
-
-  At ``beta = 0`` Muon's momentum is the incoming update itself (``0 * mu + g``, Nesterov's ``0 * mu + g``,
-  bias corrections of ``1``), so the buffer it keeps is never read: the state here holds each
-  ``MuonState`` with ``mu=None`` and the update hands Muon zeros in its place, which gives the same arithmetic
-  bit for bit while the state sheds a copy of the kernels (the eigenbasis in front keeps the momentum)."""
-
-  muon = optax.with_extra_args_support(muon)
-
-  def init(params):
-    return _lean(muon.init(params), counts=False)
-
-  def update(updates, state, params=None, **extra):
-    updates, full = muon.update(updates, _refilled(state, muon.init(updates)), params, **extra)
-    return updates, _lean(full, counts=False)
-
-  return optax.GradientTransformationExtraArgs(init, update)
-
-
 def behind(first: optax.GradientTransformation, muon: optax.GradientTransformation
            ) -> optax.GradientTransformationExtraArgs:
-  """``optax.chain(first, without_momentum(muon))`` whose Muon part keeps only its AdamW part's moments.
+  """``optax.chain(first, muon)`` (``muon`` an ``optax.contrib.muon`` built with ``beta=0``) whose Muon part keeps
+  only its AdamW part's moments.
+
+  At ``beta = 0`` Muon's momentum is the incoming update itself (``0 * mu + g``, Nesterov's ``0 * mu + g``, bias
+  corrections of ``1``), so the buffer it keeps is never read: the state holds each ``MuonState`` with ``mu=None``
+  and the update hands Muon zeros in its place (the eigenbasis in front keeps the momentum).
 
   ``first``'s state has a ``count`` (updates applied so far; the eigenbasis Adam's is its conditioning's). Every
   counter of Muon's state (Muon's own, unread at ``beta = 0``; its AdamW part's bias correction; a schedule's)

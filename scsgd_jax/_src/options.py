@@ -10,8 +10,7 @@ takes the library's default (:meth:`resolved` says which), so that a default is 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 import jax
 import numpy as np
@@ -29,9 +28,7 @@ def static_int(name: str, value, minimum: int) -> int:
   """A shape-deciding integer: a Python int ``>= minimum``, or an error naming ``name``."""
   if isinstance(value, (jax.Array, np.ndarray, np.generic)) and not isinstance(value, np.integer):
     raise ValueError(
-        f"{name} decides shapes or the compiled schedule and must be a Python int, got an array ({value!r}); "
-        "optax.inject_hyperparams turns numeric arguments into arrays: list it in static_args, e.g. "
-        "optax.inject_hyperparams(scsgd_jax.scsgd, static_args=('rank',)).")
+        f"{name} decides shapes or the compiled schedule and must be a Python int, got an array ({value!r}).")
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
     raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
   return int(value)
@@ -47,7 +44,8 @@ def _flag(name: str, value) -> None:
     raise ValueError(f"{name} must be a bool, got {value!r}.")
 
 
-def _refuse(owner: str, unread: dict) -> None:
+def refuse(owner: str, unread: dict) -> None:
+  """Refuses, naming ``owner``, the settings of ``unread`` that were given (not ``None``)."""
   given = {k: v for k, v in unread.items() if v is not None}
   if given:
     raise ValueError(f"{owner} does not read {given}: leave {'it' if len(given) == 1 else 'them'} out.")
@@ -71,7 +69,7 @@ class Statistics:
   Attributes:
     kind: ``'auto'``, ``'dense'``, ``'streaming'``, ``'diagonal'`` or a ``CorrelationStatistics``.
     ema_rate: :math:`\nu \in (0, 1]`, the EMA weight of a new batch per step.
-    every: fold the captured rows every this many steps (default 2: half the fold's cost; a fold weighs its
+    fold_every: fold the captured rows every this many steps (default 2: half the fold's cost; a fold weighs its
       batch :math:`1 - (1 - \nu)^s`, so the average spans as many steps).
     outlier_threshold: rows whose squared norm exceeds this multiple (``>= 1``) of the running ``tr C`` are
       clipped before they enter the statistics (``inf``: no guard).
@@ -83,14 +81,14 @@ class Statistics:
 
   kind: Union[StatisticsKind, stats_lib.CorrelationStatistics] = "auto"
   ema_rate: float = defaults.EMA_RATE
-  every: int = defaults.STATISTICS_EVERY
+  fold_every: int = defaults.STATISTICS_EVERY
   outlier_threshold: float = defaults.OUTLIER_THRESHOLD
   oversample: Optional[int] = None
   power_iterations: Optional[int] = None
   budget: Optional[Literal["model", "kernel"]] = None
 
   def __post_init__(self):
-    static_int("Statistics.every", self.every, 1)
+    static_int("Statistics.fold_every", self.fold_every, 1)
     checks.check_float("Statistics.outlier_threshold", self.outlier_threshold, low=1.0, allow_inf=True)
     if self.custom:
       self._check_custom()
@@ -105,11 +103,11 @@ class Statistics:
       _choice("Statistics.budget", self.budget, ("model", "kernel"))
     where = f"Statistics(kind={self.kind!r})"
     if self.kind != "auto":
-      _refuse(where + " (the memory rule is auto's)", {"budget": self.budget})
+      refuse(where + " (the memory rule is auto's)", {"budget": self.budget})
     if self.kind in ("streaming", "diagonal"):
-      _refuse(where + " (power iterations run on the dense C alone)", {"power_iterations": self.power_iterations})
+      refuse(where + " (power iterations run on the dense C alone)", {"power_iterations": self.power_iterations})
     if self.kind == "diagonal":
-      _refuse(where + " (it keeps no sketch)", {"oversample": self.oversample})
+      refuse(where + " (it keeps no sketch)", {"oversample": self.oversample})
 
   @property
   def custom(self) -> bool:
@@ -119,7 +117,7 @@ class Statistics:
   def _check_custom(self) -> None:
     carried = {"ema_rate": None if self.ema_rate == defaults.EMA_RATE else self.ema_rate,
                "oversample": self.oversample, "power_iterations": self.power_iterations, "budget": self.budget}
-    _refuse("Statistics(kind=<a CorrelationStatistics>) (it carries its own rate and sketch; the memory rule is "
+    refuse("Statistics(kind=<a CorrelationStatistics>) (it carries its own rate and sketch; the memory rule is "
             "auto's)", carried)
 
   def resolved(self) -> dict:
@@ -185,6 +183,9 @@ class Conditioner:
       fits SGD fits every layer) or ``'none'`` (the paper's ``A`` everywhere).
   """
 
+  # the settings that move only the conditioner's eigenvalues (the eigenbasis, reading its eigenvectors, refuses them)
+  EIGENVALUES_ONLY: ClassVar[tuple[str, ...]] = ("eigenvalue_floor", "normalize")
+
   kind: Literal["auto", "sketched", "full"] = "auto"
   full_max_dim: Optional[int] = None
   eigenvalue_floor: float = defaults.EIGENVALUE_FLOOR
@@ -195,7 +196,7 @@ class Conditioner:
     if self.full_max_dim is not None:
       static_int("Conditioner.full_max_dim", self.full_max_dim, 0)
     if self.kind != "auto":
-      _refuse(f"Conditioner(kind={self.kind!r}) (the size rule is auto's)", {"full_max_dim": self.full_max_dim})
+      refuse(f"Conditioner(kind={self.kind!r}) (the size rule is auto's)", {"full_max_dim": self.full_max_dim})
     checks.check_float("Conditioner.eigenvalue_floor", self.eigenvalue_floor, low=0.0, high=1.0)
     _choice("Conditioner.normalize", self.normalize, ("none", "embeddings", "all"))
 
@@ -214,58 +215,15 @@ def as_statistics(statistics: StatisticsOption) -> Statistics:
   return Statistics(kind=statistics) if isinstance(statistics, stats_lib.CorrelationStatistics) else statistics
 
 
-def checked_together(statistics: StatisticsOption, refresh: Refresh, conditioner: Conditioner) -> Statistics:
-  """``statistics`` as a :class:`Statistics` (:func:`as_statistics`), after refusing, naming the arguments, a
-  combination of options that cannot run or where one would do nothing."""
-  for name, value, kind in (("statistics", statistics, (Statistics, stats_lib.CorrelationStatistics)),
-                            ("refresh", refresh, Refresh), ("conditioner", conditioner, Conditioner)):
-    if not isinstance(value, kind):
-      hint = {"statistics": "scsgd_jax.Statistics(kind=...)", "refresh": "scsgd_jax.Refresh(every=...)",
-              "conditioner": "scsgd_jax.Conditioner(kind=...)"}[name]
-      raise TypeError(f"{name} must be a {hint}, got {value!r}.")
-  statistics = as_statistics(statistics)
-  if statistics.custom:
-    if conditioner.eigenvalue_floor != defaults.EIGENVALUE_FLOOR:
-      raise ValueError(
-          "statistics= is a CorrelationStatistics, which carries its own floor; ['Conditioner.eigenvalue_floor'] "
-          "would do nothing beside it: set it on the statistics object (e.g. scsgd_jax.sketch.ema_correlation(rate, "
-          "eigenvalue_floor=...)).")
-    return statistics
-  kind = statistics.kind
-  if conditioner.kind == "full" and kind in ("streaming", "diagonal"):
-    raise ValueError(f"Conditioner(kind='full') needs the dense C: it cannot run on Statistics(kind={kind!r}).")
-  if conditioner.kind == "full":  # every kernel keeps the dense C and gets the full C^(1/2): no sketch, no choice
-    _refuse(f"Conditioner(kind='full') on Statistics(kind={kind!r}) (every kernel keeps the dense C and its full "
-            "C^(1/2): no sketch runs and the memory rule chooses nothing)",
-            {"Statistics.oversample": statistics.oversample, "Statistics.power_iterations": statistics.power_iterations,
-             "Statistics.budget": statistics.budget})
-  if kind in ("streaming", "diagonal"):
-    _refuse(f"Conditioner on Statistics(kind={kind!r}) (the size rule picks the full C^(1/2) where the dense C is "
-            "kept)", {"Conditioner.full_max_dim": conditioner.full_max_dim})
-  return statistics
-
-
-# the flat keywords of earlier releases and where each setting went
-MOVED = {
-    "ema_rate": "Statistics(ema_rate=...)", "statistics_every": "Statistics(every=...)",
-    "outlier_threshold": "Statistics(outlier_threshold=...)", "oversample": "Statistics(oversample=...)",
-    "power_iterations": "Statistics(power_iterations=...)", "budget": "Statistics(budget=...)",
-    "update_every": "Refresh(every=...)", "stagger": "Refresh(stagger=...)", "warm_start": "Refresh(warm_start=...)",
-    "full_max_dim": "Conditioner(full_max_dim=...)", "eigenvalue_floor": "Conditioner(eigenvalue_floor=...)",
-    "normalize": "Conditioner(normalize=...)",
+# the flat names of the options' fields (the keywords of earlier releases, and what command-line configs keep): the
+# option and field each is (one table: Conditioning.from_flat and the refusal of a flat keyword read it)
+FLAT = {
+    "statistics": ("statistics", "kind"), "conditioner": ("conditioner", "kind"),
+    "ema_rate": ("statistics", "ema_rate"), "statistics_every": ("statistics", "fold_every"),
+    "outlier_threshold": ("statistics", "outlier_threshold"), "oversample": ("statistics", "oversample"),
+    "power_iterations": ("statistics", "power_iterations"), "budget": ("statistics", "budget"),
+    "update_every": ("refresh", "every"), "stagger": ("refresh", "stagger"), "warm_start": ("refresh", "warm_start"),
+    "full_max_dim": ("conditioner", "full_max_dim"), "eigenvalue_floor": ("conditioner", "eigenvalue_floor"),
+    "normalize": ("conditioner", "normalize"),
 }
-
-
-def refuses_moved_keywords(fn):
-  """``fn``, refusing in one line a keyword of :data:`MOVED` (Python's own error would not say where it went)."""
-
-  @functools.wraps(fn)
-  def wrapper(*args, **kwargs):
-    moved = [k for k in kwargs if k in MOVED]
-    if moved:
-      option = lambda k: MOVED[k].split("(")[0].lower()
-      raise TypeError(f"{fn.__name__}() takes no {', '.join(moved)}: " + "; ".join(
-          f"{k} is now scsgd_jax.{MOVED[k]}, passed as {option(k)}=" for k in moved) + ".")
-    return fn(*args, **kwargs)
-
-  return wrapper
+OPTIONS = {"statistics": Statistics, "refresh": Refresh, "conditioner": Conditioner}

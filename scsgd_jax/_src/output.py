@@ -3,16 +3,19 @@ input side's transformation reading the kernel along its output axes."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Mapping, Optional
+from typing import Mapping, Optional
 
 import jax
 import optax
 
 from scsgd_jax._src import defaults
-from scsgd_jax._src import options
+from scsgd_jax._src import estimator as estimator_lib
 from scsgd_jax._src import patches
 from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import transform
+from scsgd_jax._src.conditioning import Conditioning
+from scsgd_jax._src.conditioning import checked
+from scsgd_jax._src.conditioning import refuses_moved_keywords
 
 __all__ = ["default_output_axes", "output_kernel_filter", "scale_by_output_conditioning"]
 
@@ -20,7 +23,7 @@ __all__ = ["default_output_axes", "output_kernel_filter", "scale_by_output_condi
 def output_kernel_filter(path: str, leaf) -> bool:
   """The kernels :func:`scale_by_output_conditioning` conditions by default: :func:`default_kernel_filter`'s
   but embeddings (whose output side is the model's width, conditioned by the layers that read it)."""
-  return layout_lib.default_kernel_filter(path, leaf) and path.rsplit("/", 1)[-1] != "embedding"
+  return layout_lib.default_kernel_filter(path, leaf) and not layout_lib.is_embedding(path)
 
 
 def default_output_axes(path: str, leaf) -> tuple[int, ...]:
@@ -39,9 +42,9 @@ def output_axes_from(input_axes: layout_lib.InputAxes) -> layout_lib.InputAxes:
     return None
 
   def axes(path: str, leaf) -> layout_lib.Layout:
-    if layout_lib.plain_why(input_axes, path) is not None or not (callable(input_axes) or path in input_axes):
+    layout = layout_lib.layout_of(path, leaf, input_axes) if callable(input_axes) or path in input_axes else None
+    if layout is None:
       return layout_lib.Layout(default_output_axes(path, leaf))
-    layout = layout_lib.axes_of(path, leaf, input_axes)
     rest = tuple(a for a in range(leaf.ndim - layout.stack) if a not in layout.input_axes)
     # the output rows are the whole layer's, as captured, and each kernel's own (two kernels of one input differ here)
     return layout._replace(input_axes=rest, groups=1, reads=None)
@@ -57,18 +60,13 @@ def output_kernel_filter_from(kernel_filter, input_axes: layout_lib.InputAxes):
   return lambda path, leaf: base(path, leaf) and layout_lib.plain_why(input_axes, path) is None
 
 
-@options.refuses_moved_keywords
+@refuses_moved_keywords
 def scale_by_output_conditioning(
-    rank: Optional[int] = None,
+    conditioning: Conditioning = Conditioning(),
     *,
-    statistics: options.StatisticsOption = options.Statistics(),
-    refresh: options.Refresh = options.Refresh(),
-    conditioner: options.Conditioner = options.Conditioner(),
-    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
     output_axes: layout_lib.InputAxes = None,
     max_rows: Optional[int] = defaults.MAX_ROWS,
-    axis_name: Optional[Hashable] = None,
-    seed: int = 0,
+    memory_share: float = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Conditions each kernel gradient on its output side: ``G A_out^{-1}``, ``A_out`` built from the correlation
   :math:`\Delta = E[\delta \delta^\top]` of the back-propagated output rows exactly as
@@ -88,18 +86,36 @@ def scale_by_output_conditioning(
   (:func:`output_kernel_filter`).
 
   Args:
-    rank, statistics, refresh, conditioner, axis_name: as for :func:`scale_by_sketched_conditioning`.
-    kernel_filter: ``(path, leaf) -> bool``, default :func:`output_kernel_filter`.
-    output_axes: each kernel's output axes (callable or mapping), overriding what the perturbations say
-      (default: the complement of :func:`default_input_axes`, then what the captured gradients carry).
+    conditioning: the settings, as for :func:`scale_by_sketched_conditioning`: its ``kernel_filter`` (default
+      :func:`output_kernel_filter`, less the kernels ``input_axes`` leaves plain), its ``input_axes`` the input
+      side's layouts, each kernel then read along the axes they leave (:func:`output_axes_from`), and its ``seed``
+      that of the state's PRNG key (the sketches and the row sampling).
+    output_axes: each kernel's output axes (callable or mapping), overriding ``input_axes``' and what the
+      perturbations say (default: the complement of :func:`default_input_axes`, then what the captured gradients
+      carry).
     max_rows: output rows per kernel and step folded into its statistics, sampled uniformly (``None``: all);
       the capture's default for the input side.
-    seed: seed of the state's PRNG key (the sketches and the row sampling).
+    memory_share: the share of the memory rule's budget its statistics take (``Statistics(kind='auto')``).
   """
-  s = transform.settings(
-      rank=rank, statistics=statistics, refresh=refresh, conditioner=conditioner, kernel_filter=kernel_filter,
-      input_axes=None, axis_name=axis_name, seed=seed)
-  return output_conditioning(s, output_axes=output_axes, max_rows=max_rows)
+  c = checked(conditioning, "scale_by_output_conditioning")
+  if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+    raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}.")
+  c.refresh.refuse_apart("the output side (scale_by_output_conditioning, scsgd_two_sided)",
+                         "rebuilds its factors inside its update")
+  est = estimator_lib.Estimator(
+      c.replace(kernel_filter=output_kernel_filter_from(c.kernel_filter, c.input_axes)),
+      layouts=output_axes_from(c.input_axes) if output_axes is None else output_axes,
+      default_axes=default_output_axes, memory_share=memory_share)
+  inner = transform.conditioning_transform(est)
+  row_seed = c.seed + 1  # the key is made in the update: a key made here would leak from a jit building tx
+
+  def update_fn(updates, state, params=None, *, output_grads=None, **extra_args):
+    del extra_args
+    check_output_grads(output_grads, "scale_by_output_conditioning")
+    output_grads = sample_rows(output_grads, jax.random.fold_in(jax.random.PRNGKey(row_seed), state.count), max_rows)
+    return inner.update(updates, state, params, layer_inputs=output_grads)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def check_output_grads(output_grads, who: str, otherwise: str = "") -> None:
@@ -119,27 +135,3 @@ def sample_rows(output_grads, key: jax.Array, max_rows: Optional[int]):
              if getattr(r, "ndim", 0) >= 2 else r  # anything else: the inner transformation names the culprit
              for i, r in enumerate(leaves)]
   return jax.tree_util.tree_unflatten(treedef, sampled)
-
-
-def output_conditioning(s: transform.Settings,
-                        *,
-                        output_axes: layout_lib.InputAxes = None,
-                        max_rows: Optional[int] = defaults.MAX_ROWS,
-                        budget_share: float = 1.0) -> optax.GradientTransformationExtraArgs:
-  """:func:`scale_by_output_conditioning` from the input side's settings ``s`` and the budget share
-  (:func:`transform.conditioning`)."""
-  if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
-    raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}.")
-  s.refresh.refuse_apart("the output side (scale_by_output_conditioning, scsgd_two_sided)",
-                         "rebuilds its factors inside its update")
-  s = s._replace(kernel_filter=s.kernel_filter or output_kernel_filter, input_axes=output_axes)
-  inner = transform.conditioning(s, default_axes=default_output_axes, budget_share=budget_share)
-  row_seed = s.seed + 1  # the key is made in the update: a key made here would leak from a jit building tx
-
-  def update_fn(updates, state, params=None, *, output_grads=None, **extra_args):
-    del extra_args
-    check_output_grads(output_grads, "scale_by_output_conditioning")
-    output_grads = sample_rows(output_grads, jax.random.fold_in(jax.random.PRNGKey(row_seed), state.count), max_rows)
-    return inner.update(updates, state, params, layer_inputs=output_grads)
-
-  return optax.GradientTransformationExtraArgs(inner.init, update_fn)

@@ -21,7 +21,7 @@ import numpy as np
 
 from scsgd_jax._src import statistics as stats_lib
 from scsgd_jax._src.budget import allot, options, state_floats
-from scsgd_jax._src.layout import InputAxes, Layout, axes_of, kernel_paths, plain_why
+from scsgd_jax._src.layout import InputAxes, Layout, is_embedding, kernel_paths, layout_of
 
 
 class KernelPlan(NamedTuple):
@@ -33,8 +33,6 @@ class KernelPlan(NamedTuple):
     kind: ``'dense'``, ``'streaming'``, ``'diagonal'``, ``'embedding'`` or ``'custom'``.
     rank: the factor's rank; ``None`` for the full ``C^{1/2}``; ``0`` for diagonal kinds.
     statistics: the :class:`~scsgd_jax.sketch.CorrelationStatistics` kept for it.
-    phase: the step (mod ``update_every``) at which its periodic refresh falls (a stack's first slice's; its
-      other slices follow, :func:`slice_phases`).
     stack: the shape of the kernel's leading stack axes (``()``: one layer; see :class:`Layout`).
     groups: a grouped convolution's feature groups, each its own slice.
     reads: the kernel whose statistics and factors this one reads (its layer reads the same rows,
@@ -47,7 +45,6 @@ class KernelPlan(NamedTuple):
   kind: str
   rank: Optional[int]
   statistics: stats_lib.CorrelationStatistics
-  phase: int
   stack: tuple[int, ...] = ()
   groups: int = 1
   reads: Optional[str] = None
@@ -107,21 +104,20 @@ class KernelPlan(NamedTuple):
 
 
 class Spec(NamedTuple):
-  """The arguments of :func:`~scsgd_jax.scale_by_sketched_conditioning` that decide the plans (checked)."""
+  """What decides the plans: a :class:`~scsgd_jax.Conditioning`'s settings as they run (resolved, checked), built by
+  keyword in one place (the estimator's)."""
 
   rank: int
-  update_every: int
   full_max_dim: int
   oversample: int
   conditioner: str
   statistics: Union[str, stats_lib.CorrelationStatistics]
   budget: str
-  stagger: bool
   kernel_filter: Callable[[str, Any], bool]
-  input_axes: InputAxes
+  layouts: InputAxes  # each kernel's layout as given (the input side: input_axes; the output side: its output axes)
   choices: "StatisticsChoices"
   default_axes: Callable[[str, Any], tuple[int, ...]] = None  # None: default_input_axes (the output side: its own)
-  share: float = 1.0  # the fraction of the memory rule's budget this transformation's statistics may take
+  memory_share: float = 1.0  # the fraction of the memory rule's budget this transformation's statistics may take
   # A transformation built on the conditioning that keeps more per kernel (the eigenbasis' moments and rotation):
   # extra(kind, n, k, p) -> the floats it keeps for one (n, p) slice planned (kind, k) beside the statistics and
   # factor, counted by the memory rule, or None where that kind is of no use to it (the kernel is then not
@@ -197,16 +193,17 @@ def _input_dim(leaf, layout: Layout) -> int:
 
 def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -> dict[str, KernelPlan]:
   """The plan of every kernel of ``tree`` (arrays or shapes) that ``spec.kernel_filter`` selects
-  (``captured``: the layouts the capture read from the layers, under ``spec.input_axes``). A stacked or
+  (``captured``: the layouts the capture read from the layers, under ``spec.layouts``). A stacked or
   grouped kernel is planned per slice, its memory that of all its slices. A kernel whose layout ``reads`` another's
   statistics takes that kernel's plan; the memory rule plans the two as one statistic for both kernels' floats."""
   custom = isinstance(spec.statistics, stats_lib.CorrelationStatistics)
   decided: dict[str, tuple[str, Optional[int]]] = {}
   layouts, dims, shapes, opts, count, stacks, sizes = {}, {}, {}, {}, {}, {}, {}
   for path, leaf in kernel_paths(tree, spec.kernel_filter).items():
-    if plain_why(spec.input_axes, path) is not None:
+    layout = layout_of(path, leaf, spec.layouts, captured, spec.default_axes)
+    if layout is None:
       continue
-    layout = layouts[path] = axes_of(path, leaf, spec.input_axes, captured, spec.default_axes)
+    layouts[path] = layout
     stacks[path] = tuple(leaf.shape[:layout.stack])
     dims[path] = _input_dim(leaf, layout)
     count[path] = _slices(leaf, layout)
@@ -217,7 +214,7 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
       continue  # planned as the kernel it reads, below
     n, group = dims[path], [path, *readers.get(path, ())]
     width = lambda q: sizes[q] // (n * count[q])  # one slice's p
-    if path.rsplit("/", 1)[-1] == "embedding" and not custom:
+    if is_embedding(path) and not custom:
       if spec.extra is None or spec.extra("embedding", n, 0, width(path)) is not None:
         decided[path] = ("embedding", 0)
       continue
@@ -238,25 +235,23 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
     planned = lambda q: q in shapes or q in decided or layouts[q].reads in shapes or layouts[q].reads in decided
     pool = (sum(int(np.size(leaf)) for leaf in jax.tree.leaves(tree)) if spec.extra is None else
             sum(sizes[p] for p in sizes if planned(p)))
-    floats = math.floor(spec.share * pool) - 2 - (len(layouts) - sum(map(len, readers.values())))
+    floats = math.floor(spec.memory_share * pool) - 2 - (len(layouts) - sum(map(len, readers.values())))
     floats -= sum(count[p] * state_floats("embedding", dims[p], 0, 0)
                   for p, (kind, _) in decided.items() if kind == "embedding")
     # with spec.extra a kernel left unplanned keeps Adam's second moment: its share of the floats stays its own
-    for path, i in allot(shapes, opts, floats, spec.budget, spec.share, unplanned_keeps=spec.extra is not None).items():
+    for path, i in allot(shapes, opts, floats, spec.budget, spec.memory_share, unplanned_keeps=spec.extra is not None).items():
       if i < len(opts[path]):  # else nothing fits: plain SGD
         decided[path] = (opts[path][i].kind, opts[path][i].rank)
   for owner, group in readers.items():
     if owner in decided:
       decided.update((q, decided[owner]) for q in group)
   ordered = [p for p in layouts if p in decided]  # the tree's order
-  plans = {
+  return {
       path: KernelPlan(layouts[path].input_axes, dims[path], kind, k,
-                       spec.statistics if kind == "custom" else spec.choices.of(kind, k), 0,
+                       spec.statistics if kind == "custom" else spec.choices.of(kind, k),
                        stacks[path], layouts[path].groups, layouts[path].reads)
       for path, (kind, k) in ((p, decided[p]) for p in ordered)
   }
-  phases = slice_phases(own_statistics(plans), spec.update_every, spec.stagger)
-  return {path: plan._replace(phase=int(phases[plan.reads or path][0])) for path, plan in plans.items()}
 
 
 def own_statistics(kernel_plans: Mapping[str, KernelPlan]) -> dict[str, KernelPlan]:
@@ -306,7 +301,7 @@ def check_layouts(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Ma
   leaves = kernel_paths(tree, spec.kernel_filter)
   wrong = {}
   for path, plan in planned.items():
-    layout = axes_of(path, leaves[path], spec.input_axes, captured, spec.default_axes)
+    layout = layout_of(path, leaves[path], spec.layouts, captured, spec.default_axes)
     if layout != plan.layout():
       wrong[path] = (tuple(leaves[path].shape), layout, _input_dim(leaves[path], layout), plan)
   if wrong:
@@ -315,4 +310,5 @@ def check_layouts(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Ma
         "the state's shapes, are fixed at init): " + "; ".join(
             f"'{p}' {shape} read as {layout} (n={n}), planned as {plan.layout()} (n={plan.n})"
             for p, (shape, layout, n, plan) in wrong.items())
-        + f". Pass input_axes={helper} to the optimizer, so that init plans each kernel by its layer's layout.")
+        + f". Set input_axes={helper} in the optimizer's scsgd_jax.Conditioning, so that init plans each kernel by "
+        "its layer's layout.")

@@ -160,11 +160,11 @@ def unconditioned(tree, spec: plan_lib.Spec, plans: Mapping[str, plan_lib.Kernel
       raw = np.ndim(leaf) >= 2 and path.rsplit("/", 1)[-1] not in ("bias", "scale")  # Flax's names of vectors
       out[path] = RAW if raw else VECTOR
       continue
-    why = layout_lib.plain_why(spec.input_axes, path)
+    why = layout_lib.plain_why(spec.layouts, path)
     out[path] = ("not conditioned: excluded by kernel_filter" if not spec.kernel_filter(path, leaf) else
                  f"not conditioned: {why}" if why is not None else
                  "not conditioned: its basis is the coordinate one (token frequencies)"
-                 if spec.extra is not None and path.rsplit("/", 1)[-1] == "embedding" else
+                 if spec.extra is not None and layout_lib.is_embedding(path) else
                  "not conditioned: no statistics fit its memory budget (Statistics(kind='auto'))"
                  + (", none of use beside its moments" if spec.extra is not None else ""))
   return out

@@ -6,8 +6,6 @@ refreshes are the estimator's (:mod:`estimator`); this module conditions the gra
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Optional
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,41 +13,25 @@ import optax
 
 from scsgd_jax._src import banks as banks_lib
 from scsgd_jax._src import estimator as estimator_lib
-from scsgd_jax._src import options
 from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import sketch
-from scsgd_jax._src.estimator import Settings
-from scsgd_jax._src.estimator import settings
+from scsgd_jax._src.conditioning import Conditioning
+from scsgd_jax._src.conditioning import checked
+from scsgd_jax._src.conditioning import refuses_moved_keywords
 from scsgd_jax._src.state import ScaleBySketchedConditioningState
 
-__all__ = [
-    "STATIC_ARGS",
-    "ScaleBySketchedConditioningState",
-    "scale_by_sketched_conditioning",
-]
-
-#: Arguments that decide shapes; under ``optax.inject_hyperparams`` list them in ``static_args`` (the options'
-#: integers are fields of objects, which it leaves alone).
-STATIC_ARGS = ("rank",)
+__all__ = ["ScaleBySketchedConditioningState", "scale_by_sketched_conditioning"]
 
 
-@options.refuses_moved_keywords
-def scale_by_sketched_conditioning(
-    rank: Optional[int] = None,
-    *,
-    statistics: options.StatisticsOption = options.Statistics(),
-    refresh: options.Refresh = options.Refresh(),
-    conditioner: options.Conditioner = options.Conditioner(),
-    kernel_filter: Optional[Callable[[str, Any], bool]] = None,
-    input_axes: layout_lib.InputAxes = None,
-    axis_name: Optional[Hashable] = None,
-    seed: int = 0,
-) -> optax.GradientTransformationExtraArgs:
+@refuses_moved_keywords
+def scale_by_sketched_conditioning(conditioning: Conditioning = Conditioning(),
+                                   *,
+                                   memory_share: float = 1.0) -> optax.GradientTransformationExtraArgs:
   r"""Conditions each kernel gradient on its input side (Gonen & Shalev-Shwartz, Section 3).
 
   A kernel ``W`` read as the matrix ``(n, p)`` over its input axes, with inputs ``x``, gets
   ``A^{-1} G`` for its gradient ``G`` (the paper's :math:`\delta (A^{-1} x)^\top`), with
-  :math:`A^{-1} = Q B^{-1} Q^\top + a^{-1} (I - QQ^\top)` rebuilt every ``refresh.every`` steps
+  :math:`A^{-1} = Q B^{-1} Q^\top + a^{-1} (I - QQ^\top)` rebuilt every ``Refresh.every`` steps
   from an EMA of :math:`C = E[x x^\top]`, inside the jitted step. A step costs ``O(n k)`` per
   gradient column. The default :class:`Statistics` picks each kernel's statistics (dense ``C``, streaming
   ``C \Omega``, diagonal) so the whole state stays within Adam's; embeddings get the exact
@@ -64,23 +46,10 @@ def scale_by_sketched_conditioning(
   in a step (shape ``(0, n)``) keeps its statistics, and a non-finite refresh keeps the old factor.
 
   Args:
-    rank: sketch rank ``k`` (default 32).
-    statistics: how ``C`` is kept, a :class:`Statistics` (its kind, EMA rate, fold period, outlier guard,
-      sketch and memory rule), or a :class:`~scsgd_jax.sketch.CorrelationStatistics` of your own.
-    refresh: when the conditioner is rebuilt, a :class:`Refresh` (period, staggering, warm start).
-    conditioner: what is built, a :class:`Conditioner` (full or sketched, eigenvalue floor, normalization).
-    kernel_filter: ``(path, leaf) -> bool`` selecting the conditioned leaves (default: Flax kernels
-      and embeddings, and the matrices ``input_axes`` names, :func:`default_kernel_filter`).
-    input_axes: each kernel's input axes, a callable ``(path, leaf) -> axes`` or a mapping ``{path: axes}``
-      (e.g. :func:`scsgd_jax.input_axes_nnx` of the model), read by ``init``. ``init`` sees only the
-      parameters and reads any other kernel by :func:`default_input_axes` (right for Dense, Conv, attention,
-      embeddings). Plans are fixed at ``init``: an update whose captured layers read a kernel otherwise (a
-      DenseGeneral/Einsum, a stack, feature groups) is refused, naming the kernel and this fix.
-    axis_name: under ``jax.pmap`` or ``shard_map`` with a data-parallel axis, its name: the folded
-      statistics are averaged over it (``lax.pmean``), so every replica keeps the same state, equal to
-      one device folding the gathered rows. Not needed under ``jit`` with sharded arrays (the rows are
-      global there). Without it under ``pmap`` each replica folds only its shard and the replicas drift.
-    seed: seed of the PRNG key kept in the state.
+    conditioning: the settings, a :class:`Conditioning` (rank, statistics, refresh, conditioner, kernel filter,
+      input axes, data-parallel axis name, seed).
+    memory_share: the share of the memory rule's budget its statistics take (``Statistics(kind='auto')``; two
+      transformations splitting it, as :func:`scsgd_jax.contrib.scsgd_two_sided`'s two sides, take half each).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -90,39 +59,20 @@ def scale_by_sketched_conditioning(
     Tropp, Yurtsever, Udell & Cevher, Fixed-rank approximation of a positive-semidefinite
     matrix from streaming data, NeurIPS 2017.
   """
-  return conditioning(settings(
-      rank=rank, statistics=statistics, refresh=refresh, conditioner=conditioner, kernel_filter=kernel_filter,
-      input_axes=input_axes, axis_name=axis_name, seed=seed))
+  c = checked(conditioning, "scale_by_sketched_conditioning")
+  return conditioning_transform(estimator_lib.Estimator(c, memory_share=memory_share))
 
 
-def conditioning(s: Settings,
-                 *,
-                 default_axes=layout_lib.default_input_axes,
-                 budget_share: float = 1.0) -> optax.GradientTransformationExtraArgs:
-  """:func:`scale_by_sketched_conditioning` from its settings ``s``, reading a kernel along ``default_axes`` unless
-  told otherwise (the output side passes the kernel's output axes), its statistics within ``budget_share`` of the
-  memory rule's budget (the two sides of :func:`scsgd_jax.contrib.scsgd_two_sided` splitting it)."""
-  tx, _ = conditioning_and_plans(s, default_axes=default_axes, budget_share=budget_share)
-  return tx
-
-
-def conditioning_and_plans(s: Settings,
-                           *,
-                           default_axes=layout_lib.default_input_axes,
-                           budget_share: float = 1.0,
-                           extra=None):
-  """:func:`conditioning` and its plans: ``plans(tree, captured_axes=None) -> {path: KernelPlan}``, the plans its
-  ``init`` and ``update`` use for a tree of that structure (cached), for a transformation built on it;
-  ``extra``: what that transformation keeps per kernel beside the statistics, for the memory rule
-  (:class:`~scsgd_jax._src.plan.Spec`'s)."""
-  est = estimator_lib.Estimator(s, default_axes=default_axes, budget_share=budget_share, extra=extra)
+def conditioning_transform(est: estimator_lib.Estimator) -> optax.GradientTransformationExtraArgs:
+  """The transformation that conditions each kernel of estimator ``est``'s plans by its factors (the input side's,
+  or the output side's reading the kernels along their output axes)."""
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
     del params, extra_args
     state, kernel_plans = est.update(updates, state, layer_inputs)
     return _condition(updates, kernel_plans, state.factors), state
 
-  return optax.GradientTransformationExtraArgs(est.init, update_fn), est.plans
+  return optax.GradientTransformationExtraArgs(est.init, update_fn)
 
 
 def _condition(updates, kernel_plans, factors):

@@ -1,5 +1,5 @@
 """The experiments' house, read statically: no import cycle (imports inside functions count), small modules, and every
-entry point and config file the user-facing pages name exists (a move that forgets a page fails here)."""
+entry point and config file the user-facing pages name exists, no function over 60 lines (a move that forgets a page fails here)."""
 
 import ast
 import glob
@@ -69,6 +69,15 @@ def test_experiments_have_no_import_cycle():
 
 def test_no_experiments_module_is_over_350_lines():
   long = {n: c for n, p in _modules().items() if (c := sum(1 for _ in open(p))) > MAX_LINES}
+  assert not long, long
+
+
+def test_no_experiments_function_is_over_60_lines():
+  """A training loop or a report written as one function is split into named steps (docstrings aside)."""
+  from tests.library.test_api import _code_lines
+
+  long = [(n, f.name, _code_lines(f)) for n, p in _modules().items() for f in ast.walk(ast.parse(open(p).read()))
+          if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(f) > 60]
   assert not long, long
 
 

@@ -125,7 +125,7 @@ def test_without_input_axes_a_zoo_model_is_planned_as_the_recipe_plans_it_or_ini
   w = wl.workload(name)
   bound = wl.Bound(w, wl.example(w))
   params = bound.start(0)[0]
-  recipe = sk.plans(sk.scsgd(0.1, input_axes=bound.input_axes(wl.example(w))).init(params))
+  recipe = sk.plans(sk.scsgd(0.1, sk.Conditioning(input_axes=bound.input_axes(wl.example(w)))).init(params))
   with warnings.catch_warnings(record=True) as said:
     warnings.simplefilter("always")
     plain = sk.plans(sk.scsgd(0.1).init(params))

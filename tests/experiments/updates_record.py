@@ -19,6 +19,7 @@ import sys
 import jax
 import ml_collections
 import numpy as np
+import optax
 
 from experiments.optim import optimizers
 from experiments.optim import registry
@@ -50,7 +51,11 @@ def digests(name: str, kind: str) -> list[str]:
 
   def make_tx(model):
     axes = zoo.input_axes(model) if capture != "none" else None
-    return optimizers.create(config, input_axes=axes).tx
+    tx = optimizers.create(config, input_axes=axes).tx
+    if capture != "none":
+      return tx
+    # a peer's update may take no extra arguments: the zoo's step passes it none (its rate is 1 here)
+    return optax.GradientTransformationExtraArgs(tx.init, lambda u, s, p=None, **extra: tx.update(u, s, p))
 
   model, optimizer = zoo.build(kind, make_tx)
   out = []
@@ -67,13 +72,17 @@ def digests(name: str, kind: str) -> list[str]:
   return out
 
 
-def run(names=None) -> dict[str, dict[str, list[str]]]:
-  return {n: {kind: digests(n, kind) for kind in MODELS} for n in (names or entries())}
+def write(names=None) -> dict[str, dict[str, list[str]]]:
+  """The record of ``names`` (default: every entry) written into :data:`RECORD` entry by entry (a record there
+  already keeps its other entries)."""
+  record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+  for name in names or entries():
+    record[name] = {kind: digests(name, kind) for kind in MODELS}
+    RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    print(f"{name}: recorded", flush=True)
+  return record
 
 
 if __name__ == "__main__":
-  names = sys.argv[1:] or None
-  record = json.loads(RECORD.read_text()) if RECORD.exists() and names else {}
-  record.update(run(names))
-  RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-  print(f"wrote {RECORD}: {len(record)} entries x {len(MODELS)} models x {STEPS} steps")
+  written = write(sys.argv[1:] or None)
+  print(f"wrote {RECORD}: {len(written)} entries x {len(MODELS)} models x {STEPS} steps")

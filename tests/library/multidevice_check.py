@@ -50,7 +50,7 @@ def grads_and_inputs(params, x, y):
 
 
 def one_device():
-  tx = sk.scsgd(0.05, **KW)
+  tx = sk.scsgd(0.05, sk.Conditioning(**KW))
   params = init_params()
   state = tx.init(params)
 
@@ -66,7 +66,7 @@ def one_device():
 
 
 def data_parallel_pmap(axis_name):
-  tx = sk.scsgd(0.05, axis_name=axis_name, **KW)
+  tx = sk.scsgd(0.05, sk.Conditioning(axis_name=axis_name, **KW))
   params = init_params()
   state = tx.init(params)
   params, state = jax.tree.map(lambda v: jnp.stack([v] * DEVICES), (params, state))  # one copy per device
@@ -83,7 +83,7 @@ def data_parallel_pmap(axis_name):
 
 
 def data_parallel_shard_map():
-  tx = sk.scsgd(0.05, axis_name="data", **KW)
+  tx = sk.scsgd(0.05, sk.Conditioning(axis_name="data", **KW))
   params = init_params()
   state = tx.init(params)
   mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -105,7 +105,7 @@ def data_parallel_shard_map():
 
 def sharded_jit(fsdp: bool):
   """``jit`` on global arrays: the batch sharded over 'data'; with ``fsdp`` each kernel sharded on its input axis."""
-  tx = sk.scsgd(0.05, **KW)
+  tx = sk.scsgd(0.05, sk.Conditioning(**KW))
   mesh = Mesh(np.array(jax.devices()), ("data",))
   params = init_params()
   if fsdp:

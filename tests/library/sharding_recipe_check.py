@@ -43,15 +43,15 @@ def aliases(model):
   axes = sk.input_axes_nnx(model)
   return {
       "scsgd":
-          sk.scsgd(0.01, input_axes=axes, refresh=sk.Refresh(every=2)),
+          sk.scsgd(0.01, sk.Conditioning(input_axes=axes, refresh=sk.Refresh(every=2))),
       "scsgd_eigen":
-          sk.scsgd_eigen(1e-3, input_axes=axes, refresh=sk.Refresh(every=2)),
+          sk.scsgd_eigen(1e-3, sk.Conditioning(input_axes=axes, refresh=sk.Refresh(every=2))),
       "scsgd_eigen_muon":
-          sk.scsgd_eigen_muon(0.02, output_layer="head", input_axes=axes, refresh=sk.Refresh(every=2)),
+          sk.scsgd_eigen_muon(0.02, sk.Conditioning(input_axes=axes, refresh=sk.Refresh(every=2)), output_layer="head"),
       "scsgd_two_sided":
-          sk.contrib.scsgd_two_sided(1e-3, input_axes=axes, refresh=sk.Refresh(every=2)),
+          sk.contrib.scsgd_two_sided(1e-3, sk.Conditioning(input_axes=axes, refresh=sk.Refresh(every=2))),
       "conditioning_adamw":
-          optax.chain(sk.scale_by_sketched_conditioning(input_axes=axes, refresh=sk.Refresh(every=2)),
+          optax.chain(sk.scale_by_sketched_conditioning(sk.Conditioning(input_axes=axes, refresh=sk.Refresh(every=2))),
                       optax.adamw(1e-3)),
   }
 

@@ -87,7 +87,7 @@ def test_a_tied_table_read_with_out_sharding_trains_through_the_recipe_and_zero_
   ids = jnp.arange(12).reshape(2, 6) % 11
   for input_axes in (sk.input_axes_nnx(TiedOutSharding(nnx.Rngs(0)), ids), None):
     model = TiedOutSharding(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, sk.scsgd(0.05, input_axes=input_axes), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, sk.scsgd(0.05, sk.Conditioning(input_axes=input_axes)), wrt=nnx.Param)
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
       losses = [float(_nnx_step(model, optimizer, ids, ids, i)) for i in range(15)]
@@ -253,7 +253,7 @@ LABELS = jnp.arange(B * T).reshape(B, T) % 3
 def test_a_recurrent_model_trains_through_the_recipe_and_zero_config_and_the_plans_agree(recipe):
   model = NNXLSTMModel(nnx.Rngs(0))
   axes = sk.input_axes_nnx(model, X)
-  optimizer = nnx.Optimizer(model, sk.scsgd(0.1, input_axes=axes if recipe else None), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, sk.scsgd(0.1, sk.Conditioning(input_axes=axes if recipe else None)), wrt=nnx.Param)
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # every kernel read: nothing to say
     losses = [float(_nnx_step(model, optimizer, X, LABELS, i)) for i in range(20)]
@@ -264,7 +264,7 @@ def test_a_recurrent_model_trains_through_the_recipe_and_zero_config_and_the_pla
   linen = LinenLSTMModel()
   variables = linen.init(jax.random.PRNGKey(0), X)
   axes = sk.input_axes_linen(linen, variables, X)
-  tx = sk.scsgd(0.1, input_axes=axes if recipe else None)
+  tx = sk.scsgd(0.1, sk.Conditioning(input_axes=axes if recipe else None))
   params, state = variables["params"], tx.init(variables["params"])
   for i in range(20):
     params, state, loss = _linen_step(linen, tx, params, state, i)
@@ -355,12 +355,12 @@ def test_sow_rows_hands_the_capture_exactly_the_rows_and_layout_and_outside_a_ca
 
 def _aliases():
   return {
-      "scsgd": lambda **k: sk.scsgd(0.1, **k),
-      "scsgd_eigen": lambda **k: sk.scsgd_eigen(1e-3, **k),
-      "scsgd_eigen_muon": lambda **k: sk.scsgd_eigen_muon(0.02, output_layer="head", **k),
-      "scsgd_two_sided": lambda **k: sk.contrib.scsgd_two_sided(1e-3, **k),
-      "scale_by_sketched_conditioning": lambda **k: sk.scale_by_sketched_conditioning(**k),
-      "scale_by_eigenbasis_adam": lambda **k: sk.scale_by_eigenbasis_adam(**k),
+      "scsgd": lambda **k: sk.scsgd(0.1, sk.Conditioning(**k)),
+      "scsgd_eigen": lambda **k: sk.scsgd_eigen(1e-3, sk.Conditioning(**k)),
+      "scsgd_eigen_muon": lambda **k: sk.scsgd_eigen_muon(0.02, sk.Conditioning(**k), output_layer="head"),
+      "scsgd_two_sided": lambda **k: sk.contrib.scsgd_two_sided(1e-3, sk.Conditioning(**k)),
+      "scale_by_sketched_conditioning": lambda **k: sk.scale_by_sketched_conditioning(sk.Conditioning(**k)),
+      "scale_by_eigenbasis_adam": lambda **k: sk.scale_by_eigenbasis_adam(sk.Conditioning(**k)),
   }
 
 
@@ -393,7 +393,7 @@ def test_plans_say_what_every_float_leaf_gets_and_init_names_raw_parameters_once
 def test_a_model_with_raw_parameters_trains_through_the_recipe_and_zero_config():
   for input_axes in (sk.input_axes_nnx(MoEModel(nnx.Rngs(0)), XM), None):
     model = MoEModel(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, sk.scsgd(0.05, input_axes=input_axes), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, sk.scsgd(0.05, sk.Conditioning(input_axes=input_axes)), wrt=nnx.Param)
     y = jnp.arange(24) % 3
     losses = [float(_nnx_step(model, optimizer, XM, y, i)) for i in range(20)]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]

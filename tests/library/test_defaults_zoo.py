@@ -43,7 +43,7 @@ def _loss(logits):
 
 
 def _first_update(params, grads, inputs, input_axes):
-  tx = scsgd_jax.scale_by_sketched_conditioning(input_axes=input_axes)
+  tx = scsgd_jax.scale_by_sketched_conditioning(scsgd_jax.Conditioning(input_axes=input_axes))
   return tx.update(grads, tx.init(params), params, layer_inputs=inputs)
 
 
@@ -94,12 +94,12 @@ def test_without_input_axes_init_says_in_one_line_that_query_key_value_are_plann
   model = Attention(nnx.Rngs(0))
   params = nnx.state(model, nnx.Param)
   with pytest.warns(UserWarning, match=r"no input_axes given, so the query, key and value of 1 attention layer.*"
-                                       r"pass input_axes=scsgd_jax.input_axes_nnx\(model, x\)"):
+                                       r"pass scsgd_jax.Conditioning\(input_axes=scsgd_jax.input_axes_nnx\(model, x\)\)"):
     scsgd_jax.scsgd(0.1).init(params)
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # the recipe shares one dense statistic: nothing to say
-    plans = scsgd_jax.plans(scsgd_jax.scsgd(0.1, input_axes=scsgd_jax.input_axes_nnx(
-        model, jnp.ones((2, 5, 128)))).init(params))
+    plans = scsgd_jax.plans(scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(
+        model, jnp.ones((2, 5, 128))))).init(params))
   assert plans["attn/key/kernel"].startswith("dense C, full C^(1/2), n=128, statistics shared with")
 
 
@@ -120,4 +120,4 @@ def test_without_input_axes_init_says_einsum_kernels_are_read_by_name():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     axes = scsgd_jax.input_axes_nnx(model, jnp.ones((2, 3, 8)))
-    assert scsgd_jax.plans(scsgd_jax.scsgd(0.1, input_axes=axes).init(params))["q_einsum/kernel"].endswith("n=8")
+    assert scsgd_jax.plans(scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(input_axes=axes)).init(params))["q_einsum/kernel"].endswith("n=8")

@@ -11,7 +11,6 @@ from flax import nnx
 from flax.training import train_state
 
 import scsgd_jax as sk
-from experiments.run import models
 
 PARAMS = {"dense": {"kernel": jnp.zeros((40, 64)), "bias": jnp.zeros(64)}}
 
@@ -32,44 +31,34 @@ def _steps(tx, steps=4, seed=0):
 
 
 def test_inject_hyperparams_without_static_args_and_sketched():
-  tx = optax.inject_hyperparams(sk.scsgd)(learning_rate=0.01,
-                                          conditioner=sk.Conditioner(kind="sketched"),
-                                          statistics=sk.Statistics(kind="dense"))
+  tx = optax.inject_hyperparams(sk.scsgd)(learning_rate=0.01, conditioning=sk.Conditioning(
+      conditioner=sk.Conditioner(kind="sketched"), statistics=sk.Statistics(kind="dense")))
   params, state = _steps(tx)
   assert np.all(np.isfinite(np.asarray(params["dense"]["kernel"])))
   assert state.inner_state[0].factors["dense/kernel"].q.shape == (40, 32)
   assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.01)
 
 
-def test_inject_hyperparams_with_static_args_constant():
-  tx = optax.inject_hyperparams(sk.scsgd, static_args=sk.STATIC_ARGS)(learning_rate=0.01,
-                                                                      rank=4,
-                                                                      statistics=sk.Statistics(oversample=3,
-                                                                                               kind="dense"),
-                                                                      refresh=sk.Refresh(every=2),
-                                                                      conditioner=sk.Conditioner(kind="sketched"))
+def test_inject_hyperparams_leaves_the_conditioning_as_given():
+  """The settings that decide shapes (the rank, the options' integers) are fields of one object, which
+  inject_hyperparams leaves alone: no static_args needed, and the rank acts as given."""
+  c = sk.Conditioning(rank=4, statistics=sk.Statistics(oversample=3, kind="dense"), refresh=sk.Refresh(every=2),
+                      conditioner=sk.Conditioner(kind="sketched"))
+  tx = optax.inject_hyperparams(sk.scsgd)(learning_rate=0.01, conditioning=c)
   _, state = _steps(tx)
   assert state.inner_state[0].factors["dense/kernel"].q.shape == (40, 4)
 
 
-def test_inject_hyperparams_shape_argument_without_static_args_names_static_args():
-  """The rank decides shapes: an array from inject_hyperparams is refused naming static_args; the options' integers
-  are fields of objects, which it leaves alone (their numeric settings then act as given)."""
-  tx = optax.inject_hyperparams(sk.scsgd)(learning_rate=0.01, rank=4)
-  with pytest.raises(ValueError, match=r"rank decides shapes.*static_args=\('rank',\)"):
-    tx.init(PARAMS)
-  tx = optax.inject_hyperparams(sk.scsgd, static_args=sk.STATIC_ARGS)(learning_rate=0.01,
-                                                                      rank=4,
-                                                                      statistics=sk.Statistics(oversample=5))
-  tx.init(PARAMS)
+def test_an_array_as_the_rank_is_refused_naming_it():
+  with pytest.raises(ValueError, match=r"Conditioning.rank decides shapes.*must be a Python int"):
+    sk.Conditioning(rank=jnp.int32(4))
 
 
 def test_multisteps_conditions_with_the_last_micro_batch_only():
   """optax.MultiSteps calls the inner update once per k micro-batches, with that call's layer_inputs:
   the statistics see 1/k of the rows (pinned here; README documents it)."""
   k = 3
-  inner = sk.scale_by_sketched_conditioning(statistics=sk.Statistics(kind="dense", ema_rate=1.0),
-                                            conditioner=sk.Conditioner(kind="full"))
+  inner = sk.scale_by_sketched_conditioning(sk.Conditioning(statistics=sk.Statistics(kind="dense", ema_rate=1.0), conditioner=sk.Conditioner(kind="full")))
   tx = optax.MultiSteps(inner, every_k_schedule=k)
   state = tx.init(PARAMS)
   rng = np.random.default_rng(1)
@@ -99,7 +88,7 @@ def test_linen_train_state_recipe():
   variables = model.init(jax.random.PRNGKey(0), x)
   state = train_state.TrainState.create(apply_fn=model.apply,
                                         params=variables["params"],
-                                        tx=sk.scsgd(0.05, statistics=sk.Statistics(kind="dense")))
+                                        tx=sk.scsgd(0.05, sk.Conditioning(statistics=sk.Statistics(kind="dense"))))
 
   @jax.jit
   def step(state):
@@ -160,9 +149,38 @@ class LinenLM(nn.Module):
 EXPECTED_KERNELS = 2 * 6 + 2  # per block q, k, v, out, fc1, fc2; embedding; head
 
 
+class NNXBlock(nnx.Module):
+  """Pre-LayerNorm block: causal attention (dropout), a 4x GELU MLP; LinenBlock's layers in NNX."""
+
+  def __init__(self, rngs):
+    self.ln1, self.ln2 = nnx.LayerNorm(D, rngs=rngs), nnx.LayerNorm(D, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(HEADS, D, decode=False, dropout_rate=0.1, rngs=rngs)
+    self.fc1, self.fc2 = nnx.Linear(D, 4 * D, rngs=rngs), nnx.Linear(4 * D, D, rngs=rngs)
+
+  def __call__(self, x, mask):
+    x = x + self.attn(self.ln1(x), mask=mask, deterministic=False)
+    return x + self.fc2(nnx.gelu(self.fc1(self.ln2(x))))
+
+
+class NNXLM(nnx.Module):
+  """LinenLM in NNX: token embedding and learned positions, two blocks, a LayerNorm and the head."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (CTX, D)))
+    self.blocks = nnx.List([NNXBlock(rngs) for _ in range(2)])
+    self.ln, self.head = nnx.LayerNorm(D, rngs=rngs), nnx.Linear(D, VOCAB, rngs=rngs)
+
+  def __call__(self, ids):
+    x = self.embed(ids) + self.pos[...][None, : ids.shape[-1]]
+    mask = nnx.make_causal_mask(ids)
+    for block in self.blocks:
+      x = block(x, mask)
+    return self.head(self.ln(x))
+
+
 def _train_nnx(tx, capture, data):
-  model = models.CharTransformer(rngs=nnx.Rngs(0, dropout=1), vocab=VOCAB, d=D, heads=HEADS, context=CTX,
-                                 dropout=0.1)
+  model = NNXLM(nnx.Rngs(0, dropout=1))
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit
@@ -233,7 +251,7 @@ def test_state_round_trips_through_flax_serialization(statistics):
   freshly built optimizer's ``init``: every array equal, the plan summary the target's."""
   from flax import serialization
 
-  tx = sk.scsgd(0.01, rank=8, statistics=sk.Statistics(kind=statistics), refresh=sk.Refresh(every=2))
+  tx = sk.scsgd(0.01, sk.Conditioning(rank=8, statistics=sk.Statistics(kind=statistics), refresh=sk.Refresh(every=2)))
   _, state = _steps(tx, steps=5)
   restored = serialization.from_bytes(tx.init(PARAMS), serialization.to_bytes(state))
   assert jax.tree.structure(restored) == jax.tree.structure(state)

@@ -11,7 +11,6 @@ import pytest
 
 import scsgd_jax as sk
 from tests import helpers
-from experiments.optim.options import grouped
 
 EXACT = dict(statistics="dense", ema_rate=1.0, statistics_every=1, update_every=1, warm_start=False,
              outlier_threshold=float("inf"))
@@ -57,17 +56,8 @@ def _nbytes(tree):
 def test_hidden_kernel_is_newton_schulz_of_the_eigenbasis_adam_and_the_rest_adamw():
   """The hidden kernel's update is -lr NS(u), u the eigenbasis Adam's output (Nesterov, b1 = Muon's beta) at the
   same settings; the head, the embedding table and the bias take Muon's AdamW part's update (NAdamW, at its rate)."""
-  tx = sk.scsgd_eigen_muon(LR,
-                           beta=BETA,
-                           b2=B2,
-                           output_layer="head",
-                           adam_learning_rate=ADAM_LR,
-                           **grouped(dict(conditioner="full", **EXACT)))
-  eigen = sk.scale_by_eigenbasis_adam(b1=BETA,
-                                      b2=B2,
-                                      nesterov=True,
-                                      **grouped(dict(conditioner="full", **EXACT)),
-                                      kernel_filter=lambda path, leaf: path == "hidden/kernel")
+  tx = sk.scsgd_eigen_muon(LR, sk.Conditioning.from_flat(conditioner="full", **EXACT), beta=BETA, b2=B2, output_layer="head", adam_learning_rate=ADAM_LR)
+  eigen = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(kernel_filter=lambda path, leaf: path == "hidden/kernel", conditioner="full", **EXACT), b1=BETA, b2=B2, nesterov=True)
   adamw = optax.adamw(ADAM_LR, weight_decay=0.0, nesterov=True)  # Muon's AdamW part is Nesterov's
   got, _ = _run(tx)
   want, _ = _run(eigen)
@@ -101,13 +91,7 @@ def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_coun
   hidden = sk.muon_kernel_filter("head")
   adam_rate = (lambda step: ADAM_LR * rate(step) / LR) if callable(rate) else ADAM_LR
   chain = optax.chain(
-      sk.scale_by_eigenbasis_adam(b1=BETA,
-                                  b2=B2,
-                                  nesterov=True,
-                                  others="identity",
-                                  kernel_filter=hidden,
-                                  **basis,
-                                  **grouped(dict(**conditioning))),
+      sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(kernel_filter=hidden, **conditioning), b1=BETA, b2=B2, nesterov=True, others="identity", **basis),
       optax.contrib.muon(rate,
                          beta=0.0,
                          adam_learning_rate=adam_rate,
@@ -124,14 +108,7 @@ def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_coun
                                  "embedding": None
                              }
                          }))
-  tx = sk.scsgd_eigen_muon(rate,
-                           beta=BETA,
-                           b2=B2,
-                           output_layer="head",
-                           adam_learning_rate=adam_rate,
-                           muon={"adam_b2": B2},
-                           **basis,
-                           **grouped(dict(**conditioning)))
+  tx = sk.scsgd_eigen_muon(rate, sk.Conditioning.from_flat(**conditioning), beta=BETA, b2=B2, output_layer="head", adam_learning_rate=adam_rate, muon={"adam_b2": B2}, **basis)
   got, got_state = _run(tx, steps=6)
   if basis:  # the hidden kernel is rotated on both sides: the output side's basis is in the state
     assert set(got_state[0].output_rotations) == {"hidden/kernel"}
@@ -149,22 +126,6 @@ def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_coun
   assert _nbytes(want_state) - _nbytes(got_state) == 6 * 4 * 4 + scalars
 
 
-def test_without_momentum_is_muon_at_beta_zero():
-  muon = optax.contrib.muon(0.1, beta=0.0)
-  from scsgd_jax._src.muon import without_momentum
-  lean = without_momentum(muon)
-  params = {"w": jnp.zeros((5, 3)), "b": jnp.zeros(3)}
-  s_full, s_lean = muon.init(params), lean.init(params)
-  rng = np.random.default_rng(1)
-  for _ in range(3):
-    grads = {"w": jnp.asarray(rng.standard_normal((5, 3)), jnp.float32),
-             "b": jnp.asarray(rng.standard_normal(3), jnp.float32)}
-    u_full, s_full = jax.jit(muon.update)(grads, s_full, params)
-    u_lean, s_lean = jax.jit(lean.update)(grads, s_lean, params)
-    jax.tree.map(np.testing.assert_array_equal, u_lean, u_full)
-  assert _nbytes(s_full) - _nbytes(s_lean) == 5 * 3 * 4
-
-
 def test_stacked_and_attention_kernels_orthogonalized_as_the_eigenbasis_reads_them():
   """A layer stack (Layout stack=1) is orthogonalized slice by slice; an attention q/k/v kernel (in, heads, dim)
   as the (in, heads * dim) matrix of its input axis (the default's view of it); a conv kernel as its patches'."""
@@ -180,8 +141,8 @@ def test_stacked_and_attention_kernels_orthogonalized_as_the_eigenbasis_reads_th
   conv = muon_lib.muon_dimension_numbers(numbers)({"conv": {"kernel": jnp.zeros((5, 5, 3, 8))}})
   assert conv["conv"]["kernel"] == optax.contrib.MuonDimensionNumbers((0, 1, 2), (3,))  # im2col's (kh kw cin, cout)
   args = dict(input_axes={"blocks/kernel": sk.Layout((0,), stack=1)}, update_every=1, warm_start=False)
-  tx = sk.scsgd_eigen_muon(LR, output_layer="head", **grouped(dict(**args)))
-  eigen = sk.scale_by_eigenbasis_adam(b1=0.95, nesterov=True, kernel_filter=numbers, **grouped(dict(**args)))
+  tx = sk.scsgd_eigen_muon(LR, sk.Conditioning.from_flat(**args), output_layer="head")
+  eigen = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(kernel_filter=numbers, **args), b1=0.95, nesterov=True)
   rng = np.random.default_rng(2)
   grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
   inputs = {"blocks": {"kernel": jnp.asarray(rng.standard_normal((3, 16, 6)), jnp.float32)},
@@ -218,7 +179,7 @@ def test_state_round_trips_through_flax_serialization():
   goes on from it as from the original."""
   from flax import serialization
 
-  tx = sk.scsgd_eigen_muon(LR, output_layer="head", refresh=sk.Refresh(every=1))
+  tx = sk.scsgd_eigen_muon(LR, sk.Conditioning(refresh=sk.Refresh(every=1)), output_layer="head")
   outs, state = _run(tx, steps=2)
   restored = serialization.from_bytes(tx.init(_params()), serialization.to_bytes(state))
   grads, inputs = next(_steps(np.random.default_rng(5), 1))

@@ -12,7 +12,6 @@ from flax import serialization
 import scsgd_jax as sk
 from scsgd_jax._src import eigen_math as em
 from tests import helpers
-from experiments.optim.options import grouped
 
 B1, B2, EPS = 0.9, 0.99, 1e-8
 # C of the latest batch alone (rate 1), folded and refreshed at every step from step 0, no floor, no guard
@@ -48,7 +47,7 @@ def test_full_rank_equals_adam_in_the_full_eigenbasis_of_c():
   into each new basis by (U_new^T U_old)^2, the first moment rotated: three steps, every update equal."""
   rng = np.random.default_rng(0)
   batches = _batches(rng, 3)
-  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, **grouped(dict(conditioner="full", **EXACT)))
+  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(conditioner="full", **EXACT), b1=B1, b2=B2, eps=EPS)
   outs, _ = _run(tx, batches)
   m = v = np.zeros((6, 3))
   u_old = np.eye(6)
@@ -70,11 +69,7 @@ def test_full_rank_gradient_basis_equals_adam_in_the_eigenbasis_of_the_gradients
   rng = np.random.default_rng(7)
   n, p = 4, 6
   gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
-  tx = sk.scale_by_eigenbasis_adam(b1=B1,
-                                   b2=B2,
-                                   eps=EPS,
-                                   **grouped(dict(conditioner="full", **EXACT)),
-                                   basis="gradients")
+  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(conditioner="full", **EXACT), b1=B1, b2=B2, eps=EPS, basis="gradients")
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
   state = tx.init(params)
   m = v = np.zeros((n, p))
@@ -111,12 +106,7 @@ def test_both_sides_at_full_rank_is_soap():
   rng = np.random.default_rng(9)
   n = p = 5
   gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
-  tx = sk.scale_by_eigenbasis_adam(b1=B1,
-                                   b2=B2,
-                                   eps=EPS,
-                                   **grouped(dict(conditioner="full", **AVERAGED)),
-                                   basis="gradients",
-                                   sides="both")
+  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(conditioner="full", **AVERAGED), b1=B1, b2=B2, eps=EPS, basis="gradients", sides="both")
   left, right = np.eye(n), np.eye(p)
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
   state = tx.init(params)
@@ -142,7 +132,7 @@ def test_both_sides_of_the_captured_rows_at_full_rank_is_ekfac():
   moments carried by both overlaps first; three steps."""
   rng = np.random.default_rng(12)
   n, p, m_rows = 5, 4, 40
-  tx = sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, **grouped(dict(conditioner="full", **EXACT)), sides="both")
+  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(conditioner="full", **EXACT), b1=B1, b2=B2, eps=EPS, sides="both")
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
   state = tx.init(params)
   m, v = np.zeros((n, p)), np.zeros((n, p))
@@ -171,14 +161,7 @@ def test_both_sides_sketched_with_the_scalar_tail_equals_numpy():
   rng = np.random.default_rng(10)
   n, p = 6, 5
   gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
-  tx = sk.scale_by_eigenbasis_adam(2,
-                                   b1=B1,
-                                   b2=B2,
-                                   eps=EPS,
-                                   **grouped(dict(conditioner="sketched", **AVERAGED)),
-                                   basis="gradients",
-                                   sides="both",
-                                   tail="scalar")
+  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, conditioner="sketched", **AVERAGED), b1=B1, b2=B2, eps=EPS, basis="gradients", sides="both", tail="scalar")
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
   state = tx.init(params)
   m, lead, col = np.zeros((n, p)), np.zeros((2, 2)), 0.0
@@ -213,11 +196,7 @@ def test_both_sides_leave_a_stacked_kernel_to_its_input_side_and_the_inputs_basi
   sides='both' with the inputs' basis and no captured output gradients is refused, naming what it needs."""
   rng = np.random.default_rng(11)
   n, p = 6, 3
-  make = lambda sides: sk.scale_by_eigenbasis_adam(2,
-                                                   **grouped(dict(conditioner="sketched", **EXACT)),
-                                                   basis="gradients",
-                                                   sides=sides,
-                                                   input_axes={"dense/kernel": sk.Layout((0,), stack=1)})
+  make = lambda sides: sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, input_axes={"dense/kernel": sk.Layout((0,), stack=1)}, conditioner="sketched", **EXACT), basis="gradients", sides=sides)
   params = {"dense": {"kernel": jnp.zeros((2, n, p))}}
   txs = [make("both"), make("input")]
   states = [tx.init(params) for tx in txs]
@@ -243,10 +222,8 @@ def test_both_sides_keep_output_statistics_only_for_the_kernels_they_rotate_on_b
   it alone (SOAP at full rank, tested against numpy above)."""
   rng = np.random.default_rng(12)
   n, p = 6, 3
-  make = lambda axes={"stack/kernel": sk.Layout((0,), stack=1)}: sk.scale_by_eigenbasis_adam(
-      **grouped(dict(conditioner="full", **EXACT)), basis="gradients", sides="both", input_axes=axes,
-                                             kernel_filter=lambda path, leaf: path.endswith("kernel") and not path.
-                                             startswith("head"))
+  make = lambda axes={"stack/kernel": sk.Layout((0,), stack=1)}: sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(input_axes=axes, kernel_filter=lambda path, leaf: path.endswith("kernel") and not path.
+                                             startswith("head"), conditioner="full", **EXACT), basis="gradients", sides="both")
   params = {"plain": {"kernel": jnp.zeros((n, p))}, "stack": {"kernel": jnp.zeros((2, n, p))},
             "head": {"kernel": jnp.zeros((p, n))}}
   alone = {"plain": params["plain"]}
@@ -266,8 +243,7 @@ def test_both_sides_keep_output_statistics_only_for_the_kernels_they_rotate_on_b
 def test_both_sides_memory_rule_pools_only_the_kernels_rotated_on_both_sides():
   """Under the memory rule pooled over the model, a stacked kernel (rotated on its input side alone) lends the
   output side no memory: the plain kernel's output plan is the one it gets alone, and the stack has none."""
-  make = lambda axes={"stack/kernel": sk.Layout((0,), stack=1)}: sk.scale_by_eigenbasis_adam(
-      basis="gradients", sides="both", statistics=sk.Statistics(budget="model"), input_axes=axes)
+  make = lambda axes={"stack/kernel": sk.Layout((0,), stack=1)}: sk.scale_by_eigenbasis_adam(sk.Conditioning(statistics=sk.Statistics(budget="model"), input_axes=axes), basis="gradients", sides="both")
   mixed = {"plain": {"kernel": jnp.zeros((96, 64))}, "stack": {"kernel": jnp.zeros((4, 96, 64))}}
   got = dict(make().init(mixed).output.plan.items)
   alone = dict(make({}).init({"plain": mixed["plain"]}).output.plan.items)  # input_axes names its tree's parameters
@@ -300,12 +276,7 @@ def test_sketched_basis_with_its_tail_equals_numpy(tail):
   mean per column)."""
   rng = np.random.default_rng(1)
   batches = _batches(rng, 3)
-  tx = sk.scale_by_eigenbasis_adam(2,
-                                   b1=B1,
-                                   b2=B2,
-                                   eps=EPS,
-                                   **grouped(dict(conditioner="sketched", **EXACT)),
-                                   tail=tail)
+  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, conditioner="sketched", **EXACT), b1=B1, b2=B2, eps=EPS, tail=tail)
   params = {"dense": {"kernel": jnp.zeros((6, 3)), "bias": jnp.zeros(3)}}
   state = tx.init(params)
   m = np.zeros((6, 3))
@@ -358,15 +329,15 @@ def test_directions_outside_the_inputs_span_do_not_move(basis, monkeypatch):
   x[:, [2, 7]] = 0.0  # dead units
   outside = np.eye(n) - x.T @ np.linalg.pinv(x.T)
   batches = [(x, x.T @ rng.standard_normal((m, p))) for _ in range(3)]
-  settings = grouped(dict(conditioner="full", **EXACT))
+  c = sk.Conditioning.from_flat(conditioner="full", **EXACT)
 
   def leak(make, floor):
     monkeypatch.setattr(em, "_ROUND_OFF", floor)
     u = _run(make(), batches, n=n, p=p)[0][-1]["dense"]["kernel"]
     return max(np.linalg.norm(outside @ u) / np.linalg.norm(u), np.abs(u[[2, 7]]).max() / np.abs(u).max())
 
-  eigen = lambda: sk.scale_by_eigenbasis_adam(b1=B1, b2=B2, eps=EPS, basis=basis, **settings)
-  eigen_muon = lambda: sk.scsgd_eigen_muon(1.0, **settings) if basis == "inputs" else None
+  eigen = lambda: sk.scale_by_eigenbasis_adam(c, b1=B1, b2=B2, eps=EPS, basis=basis)
+  eigen_muon = lambda: sk.scsgd_eigen_muon(1.0, c) if basis == "inputs" else None
   assert leak(eigen, 2.0**-15) < 1e-5
   if basis == "inputs":  # without the weight, the round-off Adam scales up (the gradients' Gram holds less here)
     assert leak(eigen_muon, 2.0**-15) < 1e-4
@@ -401,8 +372,7 @@ def test_stacked_kernel_equals_each_slice_alone(basis):
   n, p = 6, 3
   xs = [rng.standard_normal((2, 20, n)) * np.linspace(0.5, 3, n) for _ in range(2)]
   gs = [rng.standard_normal((2, n, p)) for _ in range(2)]
-  make = lambda axes: sk.scale_by_eigenbasis_adam(
-      2, **grouped(dict(conditioner="sketched", **EXACT)), input_axes=axes, basis=basis)
+  make = lambda axes: sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, input_axes=axes, conditioner="sketched", **EXACT), basis=basis)
   stacked = make({"dense/kernel": sk.Layout((0,), stack=1)})
   params = {"dense": {"kernel": jnp.zeros((2, n, p))}}
   state = stacked.init(params)
@@ -430,8 +400,9 @@ def test_a_bank_of_alike_kernels_equals_each_kernel_alone(basis, monkeypatch):
             "s": {"kernel": jnp.zeros((2, n, p))}, "t": {"kernel": jnp.zeros((2, n, p))}}
   axes = {"s/kernel": sk.Layout((0,), stack=1), "t/kernel": sk.Layout((0,), stack=1)}
   # 8 slices over 4 steps: a, b refresh at 0, 4; c, d at 1, 5; s at 2, 6; t at 3, 7
-  settings = grouped(dict(conditioner="sketched", **{**EXACT, "update_every": 4, "stagger": True}))
-  make = lambda: sk.scale_by_eigenbasis_adam(2, b1=B1, b2=B2, eps=EPS, **settings, input_axes=axes, basis=basis)
+  c = sk.Conditioning.from_flat(rank=2, input_axes=axes, conditioner="sketched",
+                                **{**EXACT, "update_every": 4, "stagger": True})
+  make = lambda: sk.scale_by_eigenbasis_adam(c, b1=B1, b2=B2, eps=EPS, basis=basis)
   batches = []
   for _ in range(8):
     rows = {k: rng.standard_normal((20, n)) * np.linspace(0.5, 3, n) for k in names}
@@ -484,7 +455,7 @@ def test_a_state_of_moments_per_kernel_is_refused_naming_the_field():
   """The state before banks kept ``{kernel path: EigenMoments}`` dicts: refused at the first update, naming
   ``state.moments`` and how to restore."""
   params = {"a": {"kernel": jnp.zeros((6, 3))}, "b": {"kernel": jnp.zeros((6, 3))}}
-  tx = sk.scale_by_eigenbasis_adam(2, **grouped(dict(conditioner="sketched", **EXACT)))
+  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, conditioner="sketched", **EXACT))
   state = tx.init(params)
   assert [b.paths for b in state.moments.index.banks] == [("a/kernel", "b/kernel")]
   old = state._replace(moments=dict(state.moments.items()))
@@ -515,7 +486,7 @@ def test_kernel_diagnostics_equal_the_dense_inverse_spectrum(kw):
   rank = kw.pop("rank", None)
   rng = np.random.default_rng(5)
   outs = []
-  for tx in (sk.scsgd(0.1, rank, **grouped(dict(**kw))), sk.scsgd_eigen(1e-3, rank, **grouped(dict(**kw)))):
+  for tx in (sk.scsgd(0.1, sk.Conditioning.from_flat(rank=rank, **kw)), sk.scsgd_eigen(1e-3, sk.Conditioning.from_flat(rank=rank, **kw))):
     _, state = _run(tx, _batches(rng, 2))
     diag = sk.kernel_diagnostics(state)["dense/kernel"]
     factor = (state[0].conditioning if hasattr(state[0], "conditioning") else state[0]).factors["dense/kernel"]
@@ -532,12 +503,12 @@ def test_others_identity_passes_unconditioned_leaves_through_without_state():
   rng = np.random.default_rng(6)
   batches = _batches(rng, 2)
   kw = dict(conditioner="sketched", **EXACT)
-  ident, _ = _run(sk.scale_by_eigenbasis_adam(2, others="identity", **grouped(dict(**kw))), batches)
-  adam, _ = _run(sk.scale_by_eigenbasis_adam(2, **grouped(dict(**kw))), batches)
+  ident, _ = _run(sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, **kw), others="identity"), batches)
+  adam, _ = _run(sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, **kw)), batches)
   for (x, g), a, b in zip(batches, ident, adam):
     np.testing.assert_array_equal(a["dense"]["bias"], np.asarray(g[0], np.float32))
     np.testing.assert_allclose(a["dense"]["kernel"], b["dense"]["kernel"], rtol=1e-5, atol=1e-7)
-  state = sk.scale_by_eigenbasis_adam(2, others="identity", **grouped(dict(**kw))).init(
+  state = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, **kw), others="identity").init(
       {"dense": {
           "kernel": jnp.zeros((6, 3)),
           "bias": jnp.zeros(3)
@@ -557,11 +528,11 @@ def test_memory_rule_takes_the_largest_rank_whose_whole_state_fits_adams(tail):
   built at that rank fits, at one rank more it does not."""
   n, p = 96, 40
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
-  state = sk.scsgd_eigen(1e-3, statistics=sk.Statistics(budget="kernel"), tail=tail).init(params)
+  state = sk.scsgd_eigen(1e-3, sk.Conditioning(statistics=sk.Statistics(budget="kernel")), tail=tail).init(params)
   summary = state[0].summary()["dense/kernel"]
   assert "streaming" in summary, summary
   k = int(summary.split("rank ")[1].split(",")[0])
-  fixed = lambda rank: sk.scsgd_eigen(1e-3, rank, statistics=sk.Statistics(kind="streaming"), tail=tail).init(params)
+  fixed = lambda rank: sk.scsgd_eigen(1e-3, sk.Conditioning(rank=rank, statistics=sk.Statistics(kind="streaming")), tail=tail).init(params)
   assert _floats(state) == _floats(fixed(k)) <= 2 * n * p < _floats(fixed(k + 1))
 
 

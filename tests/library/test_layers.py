@@ -80,10 +80,7 @@ def _one_dense_step(layer, x, input_axes=None):
   """One step of the full conditioner from this batch alone (ema_rate = 1) on the loss sum(layer(x) * target):
   the gradients, the captured rows, the updates and the new state."""
   tx = optax.chain(
-      sk.scale_by_sketched_conditioning(conditioner=sk.Conditioner(kind="full"),
-                                        statistics=sk.Statistics(kind="dense", ema_rate=1.0),
-                                        refresh=sk.Refresh(every=1),
-                                        input_axes=input_axes), optax.sgd(LR))
+      sk.scale_by_sketched_conditioning(sk.Conditioning(conditioner=sk.Conditioner(kind="full"), statistics=sk.Statistics(kind="dense", ema_rate=1.0), refresh=sk.Refresh(every=1), input_axes=input_axes)), optax.sgd(LR))
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
   target = jnp.asarray(RNG.standard_normal(layer(x).shape), jnp.float32)
 
@@ -131,7 +128,7 @@ def test_attention_kernels_read_by_true_input_axes():
   attn = nnx.MultiHeadAttention(num_heads=4, in_features=16, qkv_features=32, out_features=8, decode=False,
                                 rngs=nnx.Rngs(0))
   params = nnx.as_pure(nnx.state(attn, nnx.Param))
-  state = sk.scsgd(0.1, statistics=sk.Statistics(kind="dense"), conditioner=sk.Conditioner(kind="full")).init(params)
+  state = sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense"), conditioner=sk.Conditioner(kind="full"))).init(params)
   dims = {p: f.dim for p, f in state[0].factors.items()}
   assert dims == {"query/kernel": 16, "key/kernel": 16, "value/kernel": 16, "out/kernel": 32}
   assert sk.input_axes_nnx(attn) == {f"{p}/kernel": sk.Layout(ax) for p, ax in
@@ -151,14 +148,14 @@ def test_captured_inputs_carry_the_axes_and_survive_tree_maps_and_jit():
 def test_wrong_input_axes_are_reported_naming_the_kernel():
   layer = nnx.Einsum("btd,od->bto", (6, 8), rngs=nnx.Rngs(0))   # input axis is 1, the default reads 0
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
-  tx = sk.scsgd(0.1, statistics=sk.Statistics(kind="dense", every=1))
+  tx = sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense", fold_every=1)))
   _, li = sk.capture_nnx(layer, X3)
   grads = jax.tree.map(jnp.ones_like, params)
   # rows without the captured axes (a plain dict) are read by the name-based default, axis 0
   with pytest.raises(ValueError, match=r"'kernel' read with input axes \(0,\) \(n=6\).*input_axes_nnx"):
     tx.update(grads, tx.init(params), params, layer_inputs=dict(li))
   # input_axes= overrides what the capture read
-  told = sk.scsgd(0.1, statistics=sk.Statistics(kind="dense"), input_axes={"kernel": (0,)})
+  told = sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense"), input_axes={"kernel": (0,)}))
   with pytest.raises(ValueError, match=r"'kernel' read with input axes \(0,\) \(n=6\)"):
     told.update(grads, told.init(params), params, layer_inputs=li)
   # the captured inputs alone: init's plan (n = 6) is not redone (plans are fixed at init), it is refused with the fix
@@ -166,7 +163,7 @@ def test_wrong_input_axes_are_reported_naming_the_kernel():
                      r"planned as Layout\(input_axes=\(0,\).*\(n=6\).*input_axes_nnx"):
     jax.jit(tx.update)(grads, tx.init(params), params, layer_inputs=li)
   # told up front, init plans n = 8 and the state keeps it
-  told = sk.scsgd(0.1, statistics=sk.Statistics(kind="dense", every=1), input_axes=sk.input_axes_nnx(layer))
+  told = sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense", fold_every=1), input_axes=sk.input_axes_nnx(layer)))
   _, state = jax.jit(told.update)(grads, told.init(params), params, layer_inputs=li)
   assert state[0].summary() == {"kernel": "dense C, full C^(1/2), n=8"}
   assert state[0].statistics["kernel"].moments.shape == (8, 8)
@@ -183,7 +180,7 @@ def test_unknown_layer_kernel_gets_a_clear_error():
   model = Custom()
   params = nnx.as_pure(nnx.state(model, nnx.Param))
   _, li = sk.capture_nnx(model, jnp.ones((2, 5)))
-  tx = sk.scsgd(0.1, statistics=sk.Statistics(kind="dense"))
+  tx = sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense")))
   with pytest.raises(ValueError, match="no entry for the conditioned kernel 'kernel'"):
     tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params, layer_inputs=li)
 
@@ -257,7 +254,7 @@ def test_depthwise_conditioned_per_group_and_transposed_conv_trains_plain(caplog
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), li
 
   (_, li), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-  tx, sgd = sk.scsgd(0.1, input_axes=sk.input_axes_nnx(model)), optax.sgd(0.1, 0.9, nesterov=True)
+  tx, sgd = sk.scsgd(0.1, sk.Conditioning(input_axes=sk.input_axes_nnx(model))), optax.sgd(0.1, 0.9, nesterov=True)
   with caplog.at_level(logging.INFO, logger="scsgd_jax"):  # said once, at init (or at the first update)
     state = tx.init(params)
     updates, new = jax.jit(lambda g, s, li: tx.update(g, s, params, layer_inputs=li))(grads, state, li)
@@ -287,5 +284,5 @@ def test_depthwise_conditioned_per_group_and_transposed_conv_trains_plain(caplog
   assert li["dw"]["kernel"].shape[0] == 8 and li.input_axes["dw/kernel"] == sk.Layout((0, 1, 2), 0, 8)
   told = sk.input_axes_linen(Linen(), variables, x)
   assert isinstance(told["up/kernel"], sk.Plain) and "transposed" in told["up/kernel"].why
-  assert sk.scsgd(0.1, input_axes=told).init(variables["params"])[0].summary()["up/kernel"].startswith(
+  assert sk.scsgd(0.1, sk.Conditioning(input_axes=told)).init(variables["params"])[0].summary()["up/kernel"].startswith(
       "not conditioned: layer 'up' is a transposed convolution")

@@ -13,7 +13,6 @@ from flax import nnx
 from flax.training import train_state
 
 import scsgd_jax
-from experiments.optim.options import grouped
 from tests.helpers import kernel_lines
 
 
@@ -48,7 +47,7 @@ def test_linen_resnet_with_batchnorm_trains_with_the_readme_recipe():
   model = ResNet()
   x0, _ = _data(0)
   variables = model.init(jax.random.PRNGKey(0), x0)
-  tx = scsgd_jax.scsgd(0.05, input_axes=scsgd_jax.input_axes_linen(model, variables, x0))
+  tx = scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_linen(model, variables, x0)))
   state = TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
                             batch_stats=variables["batch_stats"])
 
@@ -111,7 +110,7 @@ def _nnx_train_step(model, optimizer, x, y, key):  # the README's NNX recipe (al
 
 def test_nnx_model_with_batchnorm_trains_with_the_readme_recipe():
   model = NNXNet(nnx.Rngs(0))
-  tx = scsgd_jax.scsgd(0.05, input_axes=scsgd_jax.input_axes_nnx(model, _data(0)[0]))  # the README's, given a batch
+  tx = scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model, _data(0)[0])))  # the README's, given a batch
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   train_step = lambda *a: _nnx_train_step(*a)[0]
 
@@ -175,8 +174,8 @@ def test_gemma_style_nnx_model_trains_with_the_layouts_read_from_the_model():
       GemmaStyle(nnx.Rngs(0)))
   dense = dict(statistics=scsgd_jax.Statistics(kind="dense"), conditioner=scsgd_jax.Conditioner(kind="full"))
   with pytest.raises(ValueError, match=r"fixed at init.*'kv/kernel' .*'q/kernel' .*input_axes_nnx"):
-    _train_gemma(scsgd_jax.scsgd(0.05, **dense), 1)  # without them init reads the defaults: refused at the update
-  tx = scsgd_jax.scsgd(0.05, input_axes=scsgd_jax.input_axes_nnx(GemmaStyle(nnx.Rngs(0))), **dense)
+    _train_gemma(scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(**dense)), 1)  # without them init reads the defaults: refused at the update
+  tx = scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(GemmaStyle(nnx.Rngs(0))), **dense))
   model, optimizer, first, out = _train_gemma(tx, 3)
   state = nnx.as_pure(optimizer.opt_state)[0]
   dims = {p: f.dim for p, f in state.factors.items() if p != "embed/embedding"}
@@ -196,10 +195,7 @@ def test_gemma_style_nnx_model_trains_with_the_layouts_read_from_the_model():
   np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
   # and the whole run equals one told the axes by hand (bitwise)
   explicit, _, _, _ = _train_gemma(
-      scsgd_jax.scsgd(0.05,
-                      statistics=scsgd_jax.Statistics(kind="dense"),
-                      conditioner=scsgd_jax.Conditioner(kind="full"),
-                      input_axes=GEMMA_AXES), 3)
+      scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(statistics=scsgd_jax.Statistics(kind="dense"), conditioner=scsgd_jax.Conditioner(kind="full"), input_axes=GEMMA_AXES)), 3)
   for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(explicit, nnx.Param))):
     np.testing.assert_array_equal(a, b)
 
@@ -207,7 +203,7 @@ def test_gemma_style_nnx_model_trains_with_the_layouts_read_from_the_model():
 def test_gemma_style_at_the_defaults_plans_true_n_within_adams_memory_under_nnx_optimizer():
   """At the defaults (statistics chosen by memory at init) with the model's layouts: the kernels are planned by
   their true n, nnx.Optimizer's state keeps init's structure and shapes, and the state stays within Adam's."""
-  tx = scsgd_jax.scsgd(0.05, input_axes=scsgd_jax.input_axes_nnx(GemmaStyle(nnx.Rngs(0))))
+  tx = scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(GemmaStyle(nnx.Rngs(0)))))
   model, optimizer, _, _ = _train_gemma(tx, 3)
   params = nnx.as_pure(nnx.state(GemmaStyle(nnx.Rngs(0)), nnx.Param))
   init = tx.init(params)[0]
@@ -259,10 +255,10 @@ def test_linen_einsum_model_trains_with_the_layouts_read_from_the_model():
 
   dense = dict(statistics="dense", conditioner="full")
   with pytest.raises(ValueError, match=r"fixed at init.*'q/kernel' .*input_axes_linen"):
-    run(scsgd_jax.scsgd(0.05, **grouped(dict(**dense))))  # init alone reads the defaults: refused at the update
+    run(scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning.from_flat(**dense)))  # init alone reads the defaults: refused at the update
   read = scsgd_jax.input_axes_linen(model, {"params": params}, ids)  # the recipe: the same run as told by hand
-  recipe, explicit = run(scsgd_jax.scsgd(0.05, input_axes=read, **grouped(dict(**dense)))), run(
-      scsgd_jax.scsgd(0.05, input_axes=axes, **grouped(dict(**dense))))
+  recipe, explicit = run(scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning.from_flat(input_axes=read, **dense))), run(
+      scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning.from_flat(input_axes=axes, **dense)))
   assert jax.tree.map(np.shape, recipe.opt_state) == jax.tree.map(np.shape, explicit.opt_state)
   for a, b in zip(jax.tree.leaves(recipe.params), jax.tree.leaves(explicit.params)):
     np.testing.assert_array_equal(a, b)

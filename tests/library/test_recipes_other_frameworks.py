@@ -16,7 +16,7 @@ from tests import helpers
 from tests.helpers import kernel_lines
 
 # C of the latest batch alone, refreshed every step, the full C^{-1/2} without a floor: an exact oracle
-EXACT = dict(statistics=sk.Statistics(kind="dense", ema_rate=1.0, every=1, outlier_threshold=float("inf")),
+EXACT = dict(statistics=sk.Statistics(kind="dense", ema_rate=1.0, fold_every=1, outlier_threshold=float("inf")),
              refresh=sk.Refresh(every=1, warm_start=False),
              conditioner=sk.Conditioner(kind="full", eigenvalue_floor=0.0))
 
@@ -29,7 +29,7 @@ def test_equinox_mlp_with_out_in_weights_equals_the_dense_oracle():
   mlp = eqx.nn.MLP(6, 3, width_size=5, depth=1, key=jax.random.PRNGKey(0))
   params = eqx.filter(mlp, eqx.is_array)
   axes = {"layers/0/weight": sk.Layout(input_axes=(1,)), "layers/1/weight": sk.Layout(input_axes=(1,))}
-  tx = sk.scale_by_sketched_conditioning(input_axes=axes, **EXACT)
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(input_axes=axes, **EXACT))
   state = tx.init(params)
   assert set(kernel_lines(state.summary())) == set(axes), state.summary()
 
@@ -55,7 +55,7 @@ def test_plain_dict_takes_inputs_nested_as_the_parameters_or_flat_by_path():
   nested as the parameters or under the flat path string: the same update, the dense oracle's ``C^{-1/2} G``."""
   rng = np.random.default_rng(1)
   params = {"l1": {"w": jnp.zeros((4, 2))}}
-  tx = sk.scale_by_sketched_conditioning(input_axes={"l1/w": (0,)}, **EXACT)
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(input_axes={"l1/w": (0,)}, **EXACT))
   x = jnp.asarray(rng.standard_normal((16, 4)) * np.linspace(0.5, 2.0, 4), jnp.float32)
   g = {"l1": {"w": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32)}}
   nested, _ = tx.update(g, tx.init(params), params, layer_inputs={"l1": {"w": x}})
@@ -89,16 +89,16 @@ def test_eigenbasis_refuses_arguments_that_reach_only_the_eigenvalues(name, valu
   conditioner = sk.Conditioner(**{name: value})
   for make in (sk.scsgd_eigen, sk.scsgd_eigen_muon):
     with pytest.raises(TypeError, match=rf"Conditioner\({name}=.*eigenvalues only"):
-      make(1e-3, conditioner=conditioner)
+      make(1e-3, sk.Conditioning(conditioner=conditioner))
   with pytest.raises(TypeError, match=rf"Conditioner\({name}="):
-    sk.scale_by_eigenbasis_adam(conditioner=conditioner)
-  optax.chain(sk.scale_by_sketched_conditioning(conditioner=conditioner), optax.adamw(1e-3))  # where it acts: taken
+    sk.scale_by_eigenbasis_adam(sk.Conditioning(conditioner=conditioner))
+  optax.chain(sk.scale_by_sketched_conditioning(sk.Conditioning(conditioner=conditioner)), optax.adamw(1e-3))  # where it acts: taken
 
 
 def test_a_rank_the_memory_rule_cuts_is_said_in_the_summary():
   """rank=1000 on 24-wide layers: the memory rule plans a lower rank, and the summary says it was cut."""
   params = {"a": {"kernel": jnp.zeros((24, 24))}}
-  summary = sk.scsgd(0.1, rank=1000).init(params)[0].summary()
+  summary = sk.scsgd(0.1, sk.Conditioning(rank=1000)).init(params)[0].summary()
   assert summary["a/kernel"].endswith("rank 1000 asked: cut by the memory rule"), summary
 
 
@@ -111,19 +111,18 @@ def test_options_a_custom_statistics_object_does_not_read_are_refused():
     with pytest.raises(ValueError, match=re.escape(f"does not read {{'{name}': {value!r}}}")):
       sk.Statistics(kind=custom, **{name: value})
   with pytest.raises(ValueError, match=re.escape("['Conditioner.eigenvalue_floor'] would do nothing")):
-    sk.scsgd(0.1, statistics=custom, conditioner=sk.Conditioner(eigenvalue_floor=0.1))
-  sk.scsgd(0.1, statistics=custom, refresh=sk.Refresh(warm_start=False))
+    sk.scsgd(0.1, sk.Conditioning(statistics=custom, conditioner=sk.Conditioner(eigenvalue_floor=0.1)))
+  sk.scsgd(0.1, sk.Conditioning(statistics=custom, refresh=sk.Refresh(warm_start=False)))
   for bad, arg in (("dense", "statistics"), ({"every": 3}, "refresh"), ("full", "conditioner")):
     with pytest.raises(TypeError, match=rf"^{arg} must be a scsgd_jax\."):
-      sk.scsgd(0.1, **{arg: bad})
+      sk.Conditioning(**{arg: bad})
   # the fold period acts on a custom statistics: folded every third step it holds step 0's rows alone (the custom
   # EMA at rate 1/2 from its identity prior: (I + x^T x / 3) / 2 for three rows x), every step it mixes in the rest
   params = {"d": {"kernel": jnp.zeros((4, 2))}}
   x = jnp.arange(12.0).reshape(3, 4)
   held = {}
   for every in (1, 3):
-    tx = sk.scale_by_sketched_conditioning(statistics=sk.Statistics(kind=sk.sketch.ema_correlation(0.5), every=every),
-                                           conditioner=sk.Conditioner(kind="full"))
+    tx = sk.scale_by_sketched_conditioning(sk.Conditioning(statistics=sk.Statistics(kind=sk.sketch.ema_correlation(0.5), fold_every=every), conditioner=sk.Conditioner(kind="full")))
     state = tx.init(params)
     for t in range(3):
       _, state = tx.update(params, state, params, layer_inputs={"d": {"kernel": (t + 1.0) * x}})
@@ -137,8 +136,7 @@ def test_options_a_custom_statistics_object_does_not_read_are_refused():
     (lambda: sk.Statistics(kind="streaming", power_iterations=2), "{'power_iterations': 2}"),
     (lambda: sk.Statistics(kind="dense", budget="kernel"), "{'budget': 'kernel'}"),
     (lambda: sk.Conditioner(kind="sketched", full_max_dim=64), "{'full_max_dim': 64}"),
-    (lambda: sk.scsgd(
-        0.1, statistics=sk.Statistics(kind="dense", oversample=4), conditioner=sk.Conditioner(kind="full")),
+    (lambda: sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense", oversample=4), conditioner=sk.Conditioner(kind="full"))),
      "{'Statistics.oversample': 4}"),
 ])
 def test_each_option_refuses_a_setting_its_choice_does_not_read(make, unread):
@@ -149,10 +147,10 @@ def test_each_option_refuses_a_setting_its_choice_does_not_read(make, unread):
 def test_options_that_cannot_run_together_are_refused_and_defaults_resolve_in_one_place():
   for kind in ("streaming", "diagonal"):
     with pytest.raises(ValueError, match=r"Conditioner\(kind='full'\) needs the dense C"):
-      sk.scsgd(0.1, statistics=sk.Statistics(kind=kind), conditioner=sk.Conditioner(kind="full"))
+      sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind=kind), conditioner=sk.Conditioner(kind="full")))
   assert sk.Statistics().resolved() == dict(kind="auto",
                                             ema_rate=0.05,
-                                            every=2,
+                                            fold_every=2,
                                             outlier_threshold=100.0,
                                             oversample=10,
                                             power_iterations=1,

@@ -38,8 +38,7 @@ def _batches(seed=0):
 
 
 def _conditioning(apart, **refresh):
-  return sk.scale_by_sketched_conditioning(2, refresh=sk.Refresh(every=3, apart=apart, **refresh),
-                                           statistics=sk.Statistics(kind="auto"), input_axes=AXES)
+  return sk.scale_by_sketched_conditioning(sk.Conditioning(rank=2, refresh=sk.Refresh(every=3, apart=apart, **refresh), statistics=sk.Statistics(kind="auto"), input_axes=AXES))
 
 
 def _run(tx, apart):
@@ -71,7 +70,7 @@ def test_the_factors_apart_are_the_steps_and_an_update_uses_those_of_the_update_
     _close(s_in.factors, s_ap.factors, 1e-5)
     _close(s_in.statistics, s_ap.statistics)
     np.testing.assert_array_equal(s_in.key, s_ap.key)
-  first = sk.scale_by_sketched_conditioning(2, input_axes=AXES).init(_params()).factors  # A = I before any refresh
+  first = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=2, input_axes=AXES)).init(_params()).factors  # A = I before any refresh
   grads = [g for g, _ in _batches()]
   for t, (updates, _) in enumerate(apart):
     factors = first if t == 0 else inline[t - 1][1].factors
@@ -121,7 +120,7 @@ def test_a_state_restored_into_a_fresh_build_refreshes_as_the_original():
   """A checkpoint restores into the template of a freshly built optimizer (its own refresher: two builds' states
   differ in their static refresher, whose statistics are each build's own functions, as a jitted step's static
   optimizer would); restored, it refreshes as the original, and the template of one build is its init's."""
-  a, b = (sk.scsgd(0.1, refresh=sk.Refresh(apart=True), input_axes=AXES) for _ in range(2))
+  a, b = (sk.scsgd(0.1, sk.Conditioning(refresh=sk.Refresh(apart=True), input_axes=AXES)) for _ in range(2))
   state = a.init(_params())
   for grads, rows in _batches():
     _, state = a.update(grads, state, _params(), layer_inputs=rows)
@@ -139,11 +138,11 @@ def test_a_state_without_a_refresh_apart_is_refused():
 
 
 @pytest.mark.parametrize("build", [
-    lambda r: sk.scsgd_eigen(0.1, refresh=r),
-    lambda r: sk.scsgd_eigen_muon(0.1, refresh=r),
-    lambda r: sk.scale_by_eigenbasis_adam(refresh=r),
-    lambda r: sk.contrib.scsgd_two_sided(0.1, refresh=r),
-    lambda r: sk.contrib.scale_by_output_conditioning(refresh=r),
+    lambda r: sk.scsgd_eigen(0.1, sk.Conditioning(refresh=r)),
+    lambda r: sk.scsgd_eigen_muon(0.1, sk.Conditioning(refresh=r)),
+    lambda r: sk.scale_by_eigenbasis_adam(sk.Conditioning(refresh=r)),
+    lambda r: sk.contrib.scsgd_two_sided(0.1, sk.Conditioning(refresh=r)),
+    lambda r: sk.contrib.scale_by_output_conditioning(sk.Conditioning(refresh=r)),
 ], ids=["scsgd_eigen", "scsgd_eigen_muon", "scale_by_eigenbasis_adam", "scsgd_two_sided", "output_side"])
 def test_transformations_that_refresh_inside_their_update_refuse_apart(build):
   with pytest.raises(ValueError, match=r"Refresh\(apart=True\) is for the input side's conditioning only"):
@@ -167,7 +166,7 @@ def test_an_nnx_optimizer_refreshes_apart_in_place_as_in_its_step():
 
   def run(apart):
     model = Model(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, sk.scsgd(0.1, refresh=sk.Refresh(every=2, apart=apart)), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, sk.scsgd(0.1, sk.Conditioning(refresh=sk.Refresh(every=2, apart=apart))), wrt=nnx.Param)
 
     @nnx.jit
     def step(model, optimizer, x):
@@ -198,7 +197,7 @@ def test_a_refresh_draws_keys_only_for_factors_that_read_them(kind, keyed):
   """The sketch of a dense C (``kind='dense'`` at rank 2) draws its test matrix: each update splits the state's key,
   one per kernel; the full conditioner, the streaming sketch and the diagonal (``'auto'`` here) draw nothing, and
   the key stays as it is."""
-  tx = sk.scale_by_sketched_conditioning(2, statistics=sk.Statistics(kind=kind), input_axes=AXES)
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=2, statistics=sk.Statistics(kind=kind), input_axes=AXES))
   state = tx.init(_params())
   assert any(s.startswith("dense C, rank") for s in state.summary().values()) == keyed
   grads, rows = next(_batches())

@@ -17,7 +17,6 @@ from flax import nnx
 import scsgd_jax as sk
 from tests import helpers
 from tests.library import zoo
-from experiments.optim.options import grouped
 
 KINDS = tuple(zoo.MODELS)
 axes = zoo.input_axes  # the attention kernels of the LMs share one statistic
@@ -25,25 +24,14 @@ FAST = dict(update_every=3)  # refreshes at steps 1, 2, 4 (warm start) and every
 
 # (transformation at rate 1 of a model, b1, nesterov): Adam in the eigenbasis as each alias runs it
 EIGENBASES = {
-    "scsgd_eigen": (lambda m: sk.scsgd_eigen(1.0, input_axes=axes(m), **grouped(dict(**FAST))), 0.9, False),
-    "full_rank": (lambda m: sk.scsgd_eigen(
-        1.0, **grouped(dict(conditioner="full", statistics="dense", **FAST)), input_axes=axes(m)), 0.9, False),
+    "scsgd_eigen": (lambda m: sk.scsgd_eigen(1.0, sk.Conditioning.from_flat(input_axes=axes(m), **FAST)), 0.9, False),
+    "full_rank": (lambda m: sk.scsgd_eigen(1.0, sk.Conditioning.from_flat(input_axes=axes(m), conditioner="full", statistics="dense", **FAST)), 0.9, False),
     # scsgd_eigen_muon's first stage (Nesterov, b1 = Muon's beta), every leaf Adam so every leaf is bounded
     "eigen_muon_stage": (lambda m: optax.chain(
-        sk.scale_by_eigenbasis_adam(b1=0.95,
-                                    nesterov=True,
-                                    kernel_filter=sk.muon_kernel_filter("head"),
-                                    input_axes=axes(m),
-                                    **grouped(dict(**FAST))), optax.scale(-1.0)), 0.95, True),
+        sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(kernel_filter=sk.muon_kernel_filter("head"), input_axes=axes(m), **FAST), b1=0.95, nesterov=True), optax.scale(-1.0)), 0.95, True),
     # the same stage rotated on both sides by the gradients' bases at full rank (SOAP's, scsgd_eigen_muon's option)
     "soap_stage": (lambda m: optax.chain(
-        sk.scale_by_eigenbasis_adam(b1=0.95,
-                                    nesterov=True,
-                                    basis="gradients",
-                                    sides="both",
-                                    kernel_filter=sk.muon_kernel_filter("head"),
-                                    input_axes=axes(m),
-                                    **grouped(dict(conditioner="full", statistics="dense", **FAST))),
+        sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(kernel_filter=sk.muon_kernel_filter("head"), input_axes=axes(m), conditioner="full", statistics="dense", **FAST), b1=0.95, nesterov=True, basis="gradients", sides="both"),
         optax.scale(-1.0)), 0.95, True),
 }
 
@@ -68,16 +56,14 @@ def test_eigenbasis_step_is_bounded_as_adams_in_its_own_basis(kind, variant):
 
 
 def _aliases():
-  conditioning = lambda m: sk.scale_by_sketched_conditioning(input_axes=axes(m))
+  conditioning = lambda m: sk.scale_by_sketched_conditioning(sk.Conditioning(input_axes=axes(m)))
   return {  # name: (optimizer at rate 1 of a model, its base optimizer, needs the output rows)
-      "scsgd": (lambda m: sk.scsgd(1.0, input_axes=axes(m)), "sgd", False),
-      "scsgd_eigen": (lambda m: sk.scsgd_eigen(1.0, input_axes=axes(m)), "adamw", False),
-      "scsgd_eigen_muon": (lambda m: sk.scsgd_eigen_muon(1.0, output_layer="head", input_axes=axes(m)), "muon",
+      "scsgd": (lambda m: sk.scsgd(1.0, sk.Conditioning(input_axes=axes(m))), "sgd", False),
+      "scsgd_eigen": (lambda m: sk.scsgd_eigen(1.0, sk.Conditioning(input_axes=axes(m))), "adamw", False),
+      "scsgd_eigen_muon": (lambda m: sk.scsgd_eigen_muon(1.0, sk.Conditioning(input_axes=axes(m)), output_layer="head"), "muon",
                            False),
-      "scsgd_eigen_muon_soap": (lambda m: sk.scsgd_eigen_muon(
-          1.0, output_layer="head", basis="gradients", sides="both", input_axes=axes(m),
-          conditioner=sk.Conditioner("full"), statistics=sk.Statistics("dense")), "muon", False),
-      "scsgd_two_sided": (lambda m: sk.contrib.scsgd_two_sided(1.0, input_axes=axes(m)), "adamw", True),
+      "scsgd_eigen_muon_soap": (lambda m: sk.scsgd_eigen_muon(1.0, sk.Conditioning(input_axes=axes(m), conditioner=sk.Conditioner("full"), statistics=sk.Statistics("dense")), output_layer="head", basis="gradients", sides="both"), "muon", False),
+      "scsgd_two_sided": (lambda m: sk.contrib.scsgd_two_sided(1.0, sk.Conditioning(input_axes=axes(m))), "adamw", True),
       "conditioning_adamw": (lambda m: optax.chain(conditioning(m), optax.adamw(1.0)), "adamw", False),
       "conditioning_muon": (lambda m: optax.chain(conditioning(m), optax.contrib.muon(1.0)), "muon", False),
   }
@@ -233,7 +219,7 @@ def test_the_reported_mlp_trains_with_scsgd_eigen_at_every_adam_rate_to_adamws_b
     return np.asarray([float(stepped(x, y, jnp.float32(rate), key, capture, False)[0]) for x, y in data])
 
   rates = (1e-4, 3e-4, 1e-3, 3e-3)
-  eigen = {r: losses(lambda m: sk.scsgd_eigen(1.0, input_axes=sk.input_axes_nnx(m)), True, r) for r in rates}
+  eigen = {r: losses(lambda m: sk.scsgd_eigen(1.0, sk.Conditioning(input_axes=sk.input_axes_nnx(m))), True, r) for r in rates}
   adamw = {r: losses(lambda m: optax.adamw(1.0), False, r) for r in rates}
   assert all(_stable(run) for run in eigen.values()), {r: run[-3:] for r, run in eigen.items()}
   final_loss = lambda runs: {r: round(float(np.mean(run[-10:])), 4) for r, run in runs.items()}

@@ -23,31 +23,43 @@ PARAMS = {"layers": {"0": {"weight": jnp.ones((24, 8)), "kernel": jnp.ones((24, 
 
 def test_an_input_axes_key_naming_no_parameter_is_refused_with_the_closest_paths():
   with pytest.raises(ValueError, match=r"'layers/0/wieght' \(closest: 'layers/0/weight'"):
-    scsgd_jax.scsgd(0.1, input_axes={"layers/0/wieght": (1,)}).init(PARAMS)
+    scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(input_axes={"layers/0/wieght": (1,)})).init(PARAMS)
 
 
 def test_layout_axes_beyond_the_kernel_are_refused_quoting_what_was_passed():
   with pytest.raises(ValueError, match=r"input axes \(5,\) of kernel 'layers/0/kernel' \(24, 8\): each must lie in"):
-    scsgd_jax.scsgd(0.1, input_axes={"layers/0/kernel": scsgd_jax.Layout((5,))}).init(PARAMS)
-  scsgd_jax.scsgd(0.1, input_axes={"layers/0/kernel": scsgd_jax.Layout((-2,))}).init(PARAMS)  # in range: taken
+    scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(input_axes={"layers/0/kernel": scsgd_jax.Layout((5,))})).init(PARAMS)
+  scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(input_axes={"layers/0/kernel": scsgd_jax.Layout((-2,))})).init(PARAMS)  # in range: taken
 
 
 def test_an_asked_rank_the_plan_cuts_is_warned_naming_kernel_asked_and_planned():
   params = {"a": {"kernel": jnp.ones((600, 24))}}
   with pytest.warns(UserWarning, match=r"rank=1000 was asked.*a/kernel \(rank \d+, n=600: the memory rule\)"):
-    scsgd_jax.scsgd(0.1, rank=1000).init(params)
+    scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(rank=1000)).init(params)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     scsgd_jax.scsgd(0.1).init(params)  # the default rank, cut or not, is no mistake of the user's
 
 
 @pytest.mark.parametrize("build", [scsgd_jax.scsgd, scsgd_jax.scsgd_eigen, scsgd_jax.scsgd_eigen_muon,
-                                   lambda *a, **k: scsgd_jax.scale_by_sketched_conditioning(**k)])
-@pytest.mark.parametrize("old,new", [("update_every", "Refresh(every=...)"), ("ema_rate", "Statistics(ema_rate=...)"),
-                                     ("eigenvalue_floor", "Conditioner(eigenvalue_floor=...)")])
-def test_the_earlier_flat_keywords_are_refused_naming_their_new_place(build, old, new):
-  with pytest.raises(TypeError, match=re.escape(f"{old} is now scsgd_jax.{new}")):
+                                   scsgd_jax.contrib.scsgd_two_sided,
+                                   lambda *a, **k: scsgd_jax.scale_by_sketched_conditioning(**k),
+                                   lambda *a, **k: scsgd_jax.scale_by_eigenbasis_adam(**k),
+                                   lambda *a, **k: scsgd_jax.contrib.scale_by_output_conditioning(**k)])
+@pytest.mark.parametrize("old,new", [("update_every", "refresh=scsgd_jax.Refresh(every=...)"),
+                                     ("ema_rate", "statistics=scsgd_jax.Statistics(ema_rate=...)"),
+                                     ("eigenvalue_floor", "conditioner=scsgd_jax.Conditioner(eigenvalue_floor=...)"),
+                                     ("rank", "rank=..."), ("input_axes", "input_axes=..."), ("seed", "seed=...")])
+def test_the_earlier_keywords_are_refused_naming_their_place_in_the_conditioning(build, old, new):
+  with pytest.raises(TypeError, match=re.escape(f"{old} is scsgd_jax.Conditioning({new})")):
     build(0.1, **{old: 1})
+
+
+@pytest.mark.parametrize("build", [scsgd_jax.scsgd, scsgd_jax.scsgd_eigen, scsgd_jax.scsgd_eigen_muon,
+                                   scsgd_jax.contrib.scsgd_two_sided])
+def test_a_rank_passed_where_the_conditioning_goes_is_refused_naming_the_fix(build):
+  with pytest.raises(TypeError, match=re.escape("got 4 (a rank? pass scsgd_jax.Conditioning(rank=4))")):
+    build(0.1, 4)
 
 
 class Net(nnx.Module):
@@ -69,7 +81,7 @@ EXPECTED = {"a/kernel": "dense C, full C^(1/2), n=8", "b/kernel": "diagonal C, n
 def test_the_plans_are_read_from_any_state_the_transform_sits_in(wrap):
   params = nnx.state(Net(nnx.Rngs(0)), nnx.Param)
   assert scsgd_jax.plans(jax.eval_shape(wrap(scsgd_jax.scsgd(0.1)).init, params)) == EXPECTED
-  injected = optax.inject_hyperparams(scsgd_jax.scsgd, static_args=("rank",))(0.1)
+  injected = optax.inject_hyperparams(scsgd_jax.scsgd)(0.1)
   assert scsgd_jax.plans(injected.init(params)) == EXPECTED
   optimizer = nnx.Optimizer(Net(nnx.Rngs(0)), wrap(scsgd_jax.scsgd(0.1)), wrt=nnx.Param)
   assert scsgd_jax.plans(optimizer.opt_state) == EXPECTED
@@ -119,7 +131,7 @@ def test_the_readme_linen_recipe_runs_as_written_with_batchnorm_and_dropout_and_
   data = [(jnp.asarray(x), jnp.asarray(label(x))) for x in xs]
   x = data[0][0]
   variables = model.init(jax.random.PRNGKey(0), x, train=False)
-  tx = scsgd_jax.scsgd(0.05, input_axes=scsgd_jax.input_axes_linen(model, variables, x, train=True))
+  tx = scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_linen(model, variables, x, train=True)))
   state = TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
                             batch_stats=variables["batch_stats"])
   scope = {"jax": jax, "optax": optax, "scsgd_jax": scsgd_jax, "model": model}
@@ -134,5 +146,5 @@ def test_the_readme_linen_recipe_runs_as_written_with_batchnorm_and_dropout_and_
 
 def test_input_axes_may_name_a_parameter_that_optax_masked_hides():
   params = {"a": {"kernel": jnp.ones((8, 4))}, "b": {"kernel": jnp.ones((4, 2))}}
-  tx = optax.masked(scsgd_jax.scsgd(0.1, input_axes={"b/kernel": (0,)}), {"a": {"kernel": True}, "b": {"kernel": False}})
+  tx = optax.masked(scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(input_axes={"b/kernel": (0,)})), {"a": {"kernel": True}, "b": {"kernel": False}})
   assert set(scsgd_jax.plans(tx.init(params))) == {"a/kernel"}

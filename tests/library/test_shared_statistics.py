@@ -14,7 +14,7 @@ import scsgd_jax as sk
 from tests import helpers
 
 NU = 0.3
-PAPER = dict(statistics=sk.Statistics(kind="dense", ema_rate=NU, every=1),
+PAPER = dict(statistics=sk.Statistics(kind="dense", ema_rate=NU, fold_every=1),
              refresh=sk.Refresh(every=1, warm_start=False), conditioner=sk.Conditioner(kind="full"))
 SHARED = {"b/kernel": sk.Layout((0,), reads="a/kernel")}
 
@@ -31,7 +31,7 @@ def test_a_kernel_reading_anothers_statistics_is_conditioned_by_its_factor():
   params = _params(rng)
   x = rng.standard_normal((16, 6))
   grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
-  tx = sk.scale_by_sketched_conditioning(input_axes=SHARED, **PAPER)
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(input_axes=SHARED, **PAPER))
   state = tx.init(params)
   assert [len(jax.tree.leaves(b)) for b in state.statistics.banks] == [2]  # one C (and its weight)
   assert jax.tree.leaves(state.statistics.banks)[0].shape == (1, 6, 6)
@@ -57,7 +57,7 @@ def test_sharing_gives_the_updates_of_kernels_each_keeping_its_own_copy(alias):
   make = getattr(sk, alias)
 
   def run(input_axes):
-    tx = make(1e-2, **PAPER, input_axes=input_axes)
+    tx = make(1e-2, sk.Conditioning(**PAPER, input_axes=input_axes))
     state, p, out = tx.init(params), params, []
     for step in range(3):
       x = jnp.asarray(np.random.default_rng(step).standard_normal((16, 8)), jnp.float32)
@@ -94,7 +94,7 @@ def test_input_axes_nnx_given_inputs_marks_the_kernels_that_read_one_array():
                    "up/kernel": "gate/kernel", "cross/value/kernel": "cross/key/kernel"}
   assert not any(layout.reads for layout in sk.input_axes_nnx(model).values())  # without inputs: nothing traced
   # and the step of the README trains with them: one statistic per array read
-  tx = sk.scsgd(0.05, input_axes=sk.input_axes_nnx(model, x, memory))
+  tx = sk.scsgd(0.05, sk.Conditioning(input_axes=sk.input_axes_nnx(model, x, memory)))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   plans = optimizer.opt_state[0].summary()
   assert plans["attn/value/kernel"].endswith("statistics shared with attn/query/kernel")
@@ -134,14 +134,14 @@ def test_input_axes_linen_marks_the_kernels_that_read_one_array():
 def test_a_kernel_that_cannot_read_the_statistics_named_is_refused_at_init(axes, match):
   params = _params(np.random.default_rng(2))
   with pytest.raises(ValueError, match=match):
-    sk.scsgd(0.1, input_axes=axes).init(params)
+    sk.scsgd(0.1, sk.Conditioning(input_axes=axes)).init(params)
 
 
 def test_reading_a_kernel_of_another_input_dimension_is_refused_naming_both():
   params = {"a": {"kernel": jnp.ones((6, 3))}, "b": {"kernel": jnp.ones((5, 2))}}
   with pytest.raises(ValueError, match=r"kernel 'b/kernel' \(n=5, stack \(\), 1 groups\) cannot read the statistics "
                      r"of 'a/kernel' \(n=6"):
-    sk.scsgd(0.1, input_axes=SHARED).init(params)
+    sk.scsgd(0.1, sk.Conditioning(input_axes=SHARED)).init(params)
 
 
 def test_state_shardings_and_refreshes_apart_take_the_shared_state():
@@ -154,11 +154,11 @@ def test_state_shardings_and_refreshes_apart_take_the_shared_state():
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   specs = jax.tree.map(lambda a: P(*([None] * (a.ndim - 1) + ["tp"])) if a.ndim >= 2 else P(), params)
   is_spec = lambda s: isinstance(s, P)
-  for tx in (sk.scsgd(0.1, input_axes=axes), sk.scsgd_eigen(1e-3, input_axes=axes),
-             sk.scsgd_eigen_muon(1e-3, input_axes=axes), sk.contrib.scsgd_two_sided(1e-3, input_axes=axes)):
+  for tx in (sk.scsgd(0.1, sk.Conditioning(input_axes=axes)), sk.scsgd_eigen(1e-3, sk.Conditioning(input_axes=axes)),
+             sk.scsgd_eigen_muon(1e-3, sk.Conditioning(input_axes=axes)), sk.contrib.scsgd_two_sided(1e-3, sk.Conditioning(input_axes=axes))):
     state, got = tx.init(params), sk.state_shardings(tx, params, specs)
     assert jax.tree.structure(got, is_leaf=is_spec) == jax.tree.structure(state)
-  tx = sk.scsgd(0.1, input_axes=axes, refresh=sk.Refresh(apart=True))
+  tx = sk.scsgd(0.1, sk.Conditioning(input_axes=axes, refresh=sk.Refresh(apart=True)))
   state = tx.init(params)
   inner = sk.state_shardings(tx, params, specs)[0]
   assert inner.statistics["attn/value/kernel"] == inner.statistics["attn/query/kernel"]

@@ -22,7 +22,7 @@ IDS = jax.random.randint(jax.random.PRNGKey(1), (4, 6), 0, V)
 
 def _tx(input_axes):
   # dense statistics, one refresh phase: the plans of a stack's slices and of the unstacked layers are equal
-  return sk.scsgd(0.1, statistics=sk.Statistics(kind="dense"), refresh=sk.Refresh(stagger=False), input_axes=input_axes)
+  return sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense"), refresh=sk.Refresh(stagger=False), input_axes=input_axes))
 
 
 def _loss(logits):
@@ -156,13 +156,13 @@ def test_state_planned_at_init_never_changes_shape_and_restores_into_a_fresh_opt
   the state after training has init's shapes and summary, so the ordinary restore into a freshly built
   optimizer works (msgpack here; orbax restores by the same template)."""
   model, x, loss = _models()[kind]
-  tx = sk.scsgd(0.1, input_axes=sk.input_axes_nnx(model))
+  tx = sk.scsgd(0.1, sk.Conditioning(input_axes=sk.input_axes_nnx(model)))
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   fresh = tx.init(params)
   _, trained = _functional_steps(model, tx, 2, x, loss)
   shapes = lambda state: [(jax.tree_util.keystr(k), np.shape(v)) for k, v in jax.tree_util.tree_leaves_with_path(state)]
   assert shapes(trained) == shapes(fresh)
-  restored = serialization.from_bytes(sk.scsgd(0.1, input_axes=sk.input_axes_nnx(model)).init(params),
+  restored = serialization.from_bytes(sk.scsgd(0.1, sk.Conditioning(input_axes=sk.input_axes_nnx(model))).init(params),
                                       serialization.to_bytes(trained))
   jax.tree.map(np.testing.assert_array_equal, restored, trained)
   conditioned = {p: why for p, why in trained[0].summary().items() if not why.startswith("not conditioned")}

@@ -19,14 +19,12 @@ from tests.library import test_layers, test_recipes, test_stacks
 # statistics, which these small kernels cannot afford under the memory rule: fixed streaming statistics at rank 2
 SMALL = dict(rank=2, statistics=sk.Statistics(kind="streaming"))
 ALIASES = {
-    "scsgd": (lambda axes: sk.scsgd(0.05, input_axes=axes), False),
-    "scsgd_eigen": (lambda axes: sk.scsgd_eigen(1e-3, input_axes=axes, **SMALL), False),
-    "scsgd_eigen_muon": (lambda axes: sk.scsgd_eigen_muon(1e-3, input_axes=axes, **SMALL), False),
-    "scsgd_eigen_both_sides": (lambda axes: sk.scsgd_eigen(1e-3, sides="both", basis="gradients", input_axes=axes,
-                                                           **SMALL), False),
-    "scsgd_eigen_muon_both_sides": (lambda axes: sk.scsgd_eigen_muon(1e-3, sides="both", basis="gradients",
-                                                                     input_axes=axes, **SMALL), False),
-    "scsgd_two_sided": (lambda axes: sk.contrib.scsgd_two_sided(1e-3, input_axes=axes), True),
+    "scsgd": (lambda axes: sk.scsgd(0.05, sk.Conditioning(input_axes=axes)), False),
+    "scsgd_eigen": (lambda axes: sk.scsgd_eigen(1e-3, sk.Conditioning(input_axes=axes, **SMALL)), False),
+    "scsgd_eigen_muon": (lambda axes: sk.scsgd_eigen_muon(1e-3, sk.Conditioning(input_axes=axes, **SMALL)), False),
+    "scsgd_eigen_both_sides": (lambda axes: sk.scsgd_eigen(1e-3, sk.Conditioning(input_axes=axes, **SMALL), sides="both", basis="gradients"), False),
+    "scsgd_eigen_muon_both_sides": (lambda axes: sk.scsgd_eigen_muon(1e-3, sk.Conditioning(input_axes=axes, **SMALL), sides="both", basis="gradients"), False),
+    "scsgd_two_sided": (lambda axes: sk.contrib.scsgd_two_sided(1e-3, sk.Conditioning(input_axes=axes)), True),
 }
 IMAGES = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8, 8, 3)), jnp.float32)
 IDS = test_stacks.IDS
@@ -147,9 +145,9 @@ def test_state_shardings_follow_each_kernels_axes_and_the_parameters():
   specs = {"a": {"kernel": P("fsdp", "tp"), "bias": P("tp")}, "b": {"kernel": P("fsdp", None)},
            "s": {"kernel": P("stage", None, "tp")}}
   axes = {"s/kernel": sk.Layout((0,), 1)}
-  got = sk.state_shardings(sk.scsgd(0.1, input_axes=axes), params, specs)
+  got = sk.state_shardings(sk.scsgd(0.1, sk.Conditioning(input_axes=axes)), params, specs)
   inner, momentum = got[0], got[1][0].trace
-  state = sk.scsgd(0.1, input_axes=axes).init(params)[0]
+  state = sk.scsgd(0.1, sk.Conditioning(input_axes=axes)).init(params)[0]
   assert state.summary()["a/kernel"].startswith("dense C") and state.summary()["b/kernel"].startswith("streaming")
   assert inner.statistics["a/kernel"].moments == P("fsdp", "tp")
   assert inner.factors["a/kernel"].b_inv == P("fsdp", "tp")
@@ -161,7 +159,7 @@ def test_state_shardings_follow_each_kernels_axes_and_the_parameters():
   assert tp[0].statistics["t/kernel"].omega == P("tp", None) and tp[0].factors["t/kernel"].q == P("tp", None)
   assert inner.count == P() and inner.key == P() and inner.clipped_rows["a/kernel"] == P()
   assert momentum == specs
-  eigen = sk.state_shardings(sk.scsgd_eigen(1e-3, input_axes=axes), params, specs)[0]
+  eigen = sk.state_shardings(sk.scsgd_eigen(1e-3, sk.Conditioning(input_axes=axes)), params, specs)[0]
   # Adam's moment of U^T G: (n, p) at full rank, (k, p) sketched, a stack's per slice; b's p, which its kernel does
   # not shard (FSDP), along the kernel's axis that no other dimension took
   assert eigen.moments["a/kernel"].lead == P("fsdp", "tp")
@@ -176,7 +174,7 @@ def test_a_state_of_an_earlier_format_is_refused_at_the_first_update(fields):
   """A state keeping its statistics, factors or clipped-row counts as ``{kernel path: ...}`` dicts (the formats
   before banks, and before banked counts, as a restored checkpoint of those versions would) is refused in words."""
   params = {"a": {"kernel": jnp.ones((6, 5))}, "b": {"kernel": jnp.ones((6, 3))}}
-  tx = sk.scale_by_sketched_conditioning(2)
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=2))
   state = tx.init(params)
   old = state._replace(**{f: {p: getattr(state, f)[p] for p in getattr(state, f)} for f in fields})
   rows = {k: {"kernel": jnp.ones((4, 6))} for k in params}

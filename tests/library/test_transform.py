@@ -11,7 +11,6 @@ from flax import nnx
 
 import scsgd_jax as sk
 from tests import helpers
-from experiments.optim.options import grouped
 
 LR, NU = 0.1, 0.3
 # the paper's C_0 = I EMA, folded every step, refreshed every N from step 0
@@ -28,7 +27,7 @@ def _plain(rank=3, **kw):
   kw.setdefault("ema_rate", NU)
   kw.setdefault("update_every", 1)
   kw = {**PAPER, **kw}
-  return optax.chain(sk.scale_by_sketched_conditioning(rank, **grouped(dict(**kw))), optax.sgd(LR))
+  return optax.chain(sk.scale_by_sketched_conditioning(sk.Conditioning.from_flat(rank=rank, **kw)), optax.sgd(LR))
 
 
 def test_dense_step_equals_hand_computed_full_conditioner():
@@ -56,9 +55,9 @@ def test_the_estimator_keeps_the_statistics_and_factors_the_conditioning_reads()
   rng = np.random.default_rng(4)
   params = _params(rng)
   x, g = rng.standard_normal((16, 6)), rng.standard_normal((6, 3))
-  options = grouped(dict(conditioner="full", ema_rate=NU, update_every=1, **PAPER))
-  est = estimator_lib.Estimator(estimator_lib.settings(**options))
-  tx = sk.scale_by_sketched_conditioning(**options)
+  c = sk.Conditioning.from_flat(conditioner="full", ema_rate=NU, update_every=1, **PAPER)
+  est = estimator_lib.Estimator(c)
+  tx = sk.scale_by_sketched_conditioning(c)
   grads = {"dense": {"kernel": jnp.asarray(g, jnp.float32), "bias": jnp.ones(3, jnp.float32)}}
   rows = {"dense": {"kernel": jnp.asarray(x, jnp.float32)}}
   state, plans = est.update(grads, est.init(params), rows)
@@ -103,7 +102,7 @@ def test_normalized_step_is_the_conditioner_of_c_over_its_mean_eigenvalue(condit
     with pytest.raises(
         ValueError,
         match=re.escape(f"Conditioner.normalize must be one of ('none', 'embeddings', 'all'), got {bad!r}")):
-      sk.scsgd(0.1, conditioner=sk.Conditioner(normalize=bad))
+      sk.scsgd(0.1, sk.Conditioning(conditioner=sk.Conditioner(normalize=bad)))
 
 
 @pytest.mark.parametrize("normalize", ["none", "embeddings", "all"])
@@ -187,7 +186,7 @@ def test_conv_step_equals_explicit_im2col_with_stride2_same_padding():
 def test_refresh_only_every_update_every_steps():
   rng = np.random.default_rng(3)
   params = _params(rng)
-  tx = sk.scale_by_sketched_conditioning(3, **grouped(dict(update_every=3, ema_rate=0.5, conditioner="full", **PAPER)))
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning.from_flat(rank=3, update_every=3, ema_rate=0.5, conditioner="full", **PAPER))
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   step = jax.jit(tx.update)
@@ -203,9 +202,7 @@ def test_refresh_only_every_update_every_steps():
 def test_kernels_of_equal_dim_are_factored_together_and_match_singletons():
   rng = np.random.default_rng(4)
   params = {"a": {"kernel": jnp.zeros((20, 2))}, "b": {"kernel": jnp.zeros((20, 5))}}
-  tx = sk.scale_by_sketched_conditioning(4,
-                                         **grouped(dict(update_every=1, ema_rate=1.0, conditioner="sketched", **PAPER)),
-                                         seed=3)
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning.from_flat(rank=4, seed=3, update_every=1, ema_rate=1.0, conditioner="sketched", **PAPER))
   state = tx.init(params)
   xa = jnp.asarray(rng.standard_normal((64, 20)), jnp.float32)
   xb = jnp.asarray(rng.standard_normal((64, 20)) * np.linspace(0.1, 2, 20), jnp.float32)
@@ -272,7 +269,7 @@ def test_optax_wrappers_condition_exactly_as_the_unwrapped_transformation(wrappe
   """Each wrapper's conditioned kernel equals an oracle built from the unwrapped transformation, and that
   differs from plain Nesterov SGD's: a wrapper that skipped the conditioning would fail."""
   params = _params(np.random.default_rng(5))
-  base = sk.scsgd(0.01, rank=2, refresh=sk.Refresh(every=2))
+  base = sk.scsgd(0.01, sk.Conditioning(rank=2, refresh=sk.Refresh(every=2)))
   reference = _run(base, params, steps=6)[0]
   plain = _run(optax.sgd(0.01, momentum=0.9, nesterov=True), params, steps=6)[0]
   assert not np.allclose(reference["dense"]["kernel"], plain["dense"]["kernel"], rtol=1e-3)
@@ -285,9 +282,8 @@ def test_optax_wrappers_condition_exactly_as_the_unwrapped_transformation(wrappe
     tx = optax.chain(optax.masked(base, {"dense": {"kernel": True, "bias": False}}), optax.identity())
     reference = _kernel_only_oracle(base, params, lambda g: g)
   elif wrapper == "inject":
-    tx = optax.inject_hyperparams(sk.scsgd, static_args=sk.STATIC_ARGS)(learning_rate=0.01,
-                                                                        rank=2,
-                                                                        refresh=sk.Refresh(every=2))
+    tx = optax.inject_hyperparams(sk.scsgd)(learning_rate=0.01,
+                                            conditioning=sk.Conditioning(rank=2, refresh=sk.Refresh(every=2)))
   elif wrapper == "multisteps":
     tx = optax.MultiSteps(base, every_k_schedule=2)
     reference = _multisteps_oracle(base, params)
@@ -326,7 +322,7 @@ def test_schedule_and_convergence_on_least_squares():
   grid = [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
   sgd = min(run(lambda s: optax.with_extra_args_support(optax.sgd(s, momentum=0.9, nesterov=True)), lr) for lr in grid)
   cond = min(
-      run(lambda s: sk.scsgd(s, rank=2, conditioner=sk.Conditioner(kind="full"), refresh=sk.Refresh(every=10)), lr)
+      run(lambda s: sk.scsgd(s, sk.Conditioning(rank=2, conditioner=sk.Conditioner(kind="full"), refresh=sk.Refresh(every=10))), lr)
       for lr in grid)
   assert cond < 0.2 * sgd, (cond, sgd)
 
@@ -341,7 +337,7 @@ def test_nnx_optimizer_forwards_layer_inputs():
       return self.l2(nnx.relu(self.l1(x)))
 
   model = Net(nnx.Rngs(0))
-  opt = nnx.Optimizer(model, sk.scsgd(0.05, rank=2, refresh=sk.Refresh(every=1)), wrt=nnx.Param)
+  opt = nnx.Optimizer(model, sk.scsgd(0.05, sk.Conditioning(rank=2, refresh=sk.Refresh(every=1))), wrt=nnx.Param)
   x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 5)), jnp.float32)
 
   @nnx.jit
@@ -359,7 +355,7 @@ def test_nnx_optimizer_forwards_layer_inputs():
 
 def test_state_survives_lax_cond_and_bf16_keeps_dtype():
   params = {"dense": {"kernel": jnp.ones((6, 3), jnp.bfloat16), "bias": jnp.zeros(3, jnp.bfloat16)}}
-  tx = sk.scsgd(0.1, rank=2, refresh=sk.Refresh(every=1))
+  tx = sk.scsgd(0.1, sk.Conditioning(rank=2, refresh=sk.Refresh(every=1)))
   state = tx.init(params)
   grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
   li = {"dense": {"kernel": jnp.ones((4, 6), jnp.bfloat16)}}
@@ -405,22 +401,22 @@ def test_wrong_shape_names_kernel_and_shapes():
 
 def test_rank_at_least_n_names_kernel():
   with pytest.raises(ValueError, match="rank=6 must be < n=6.*'dense/kernel'"):
-    sk.scsgd(0.1, rank=6, conditioner=sk.Conditioner(kind="sketched")).init({"dense": {"kernel": jnp.zeros((6, 3))}})
+    sk.scsgd(0.1, sk.Conditioning(rank=6, conditioner=sk.Conditioner(kind="sketched"))).init({"dense": {"kernel": jnp.zeros((6, 3))}})
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2.5])
 def test_non_positive_update_every(bad):
   with pytest.raises(ValueError, match=r"Refresh\.every must be an int >= 1"):
-    sk.scsgd(0.1, refresh=sk.Refresh(every=bad))
+    sk.scsgd(0.1, sk.Conditioning(refresh=sk.Refresh(every=bad)))
 
 
 def test_bad_conditioner_and_rank_arguments():
   with pytest.raises(ValueError, match=r"Conditioner\.kind must be one of"):
-    sk.scsgd(0.1, conditioner=sk.Conditioner(kind="diag"))
+    sk.scsgd(0.1, sk.Conditioning(conditioner=sk.Conditioner(kind="diag")))
   with pytest.raises(ValueError, match="rank must be an int >= 1"):
-    sk.scsgd(0.1, rank=0)
+    sk.scsgd(0.1, sk.Conditioning(rank=0))
   with pytest.raises(ValueError, match="ema_rate must lie in"):
-    sk.scsgd(0.1, statistics=sk.Statistics(ema_rate=0.0))
+    sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(ema_rate=0.0)))
 
 
 # ---------------------------------------------------------------- numerics
@@ -442,11 +438,7 @@ def test_degenerate_inputs_keep_updates_finite(kind, conditioner, statistics, wa
   else:
     x = rng.standard_normal((16, n)) * 1e-20
   params = {"dense": {"kernel": jnp.zeros((n, 3)), "bias": jnp.zeros(3)}}
-  tx = sk.scsgd(0.1,
-                rank=3,
-                refresh=sk.Refresh(every=1, warm_start=warm_start),
-                statistics=sk.Statistics(ema_rate=1.0, kind=statistics),
-                conditioner=sk.Conditioner(kind=conditioner))
+  tx = sk.scsgd(0.1, sk.Conditioning(rank=3, refresh=sk.Refresh(every=1, warm_start=warm_start), statistics=sk.Statistics(ema_rate=1.0, kind=statistics), conditioner=sk.Conditioner(kind=conditioner)))
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   for _ in range(3):
@@ -460,10 +452,7 @@ def test_degenerate_inputs_keep_updates_finite(kind, conditioner, statistics, wa
 def test_non_finite_inputs_do_not_poison_statistics(bad):
   rng = np.random.default_rng(8)
   params = {"dense": {"kernel": jnp.zeros((6, 3)), "bias": jnp.zeros(3)}}
-  tx = sk.scale_by_sketched_conditioning(2,
-                                         refresh=sk.Refresh(every=1),
-                                         statistics=sk.Statistics(ema_rate=0.5, every=1),
-                                         conditioner=sk.Conditioner(kind="full"))
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=2, refresh=sk.Refresh(every=1), statistics=sk.Statistics(ema_rate=0.5, fold_every=1), conditioner=sk.Conditioner(kind="full")))
   grads = jax.tree.map(jnp.ones_like, params)
   good1, good2 = (jnp.asarray(rng.standard_normal((8, 6)), jnp.float32) for _ in range(2))
   poisoned = good1.at[3, 2].set(bad)
@@ -484,10 +473,9 @@ def test_non_finite_inputs_do_not_poison_statistics(bad):
 
 def test_statistics_every_folds_only_on_its_steps():
   params = {"dense": {"kernel": jnp.zeros((4, 2))}}
-  tx = sk.scale_by_sketched_conditioning(
-      2, **grouped(dict(update_every=100, ema_rate=0.5, conditioner="full", **{
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning.from_flat(rank=2, update_every=100, ema_rate=0.5, conditioner="full", **{
           **PAPER, "statistics_every": 3
-      })))
+      }))
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   x = jnp.full((2, 4), 2.0)
@@ -519,10 +507,7 @@ def test_custom_statistics_plug_in():
 
   stats = sk.sketch.CorrelationStatistics(init, update, factor, correlation, lambda s: jnp.trace(correlation(s)))
   params = {"dense": {"kernel": jnp.zeros((3, 2))}}
-  tx = sk.scale_by_sketched_conditioning(1,
-                                         conditioner=sk.Conditioner(kind="full"),
-                                         refresh=sk.Refresh(every=1),
-                                         statistics=stats)
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=1, conditioner=sk.Conditioner(kind="full"), refresh=sk.Refresh(every=1), statistics=stats))
   rng = np.random.default_rng(9)
   x = rng.standard_normal((20, 3))
   g = rng.standard_normal((3, 2))
@@ -540,7 +525,10 @@ def test_every_float_argument_is_checked_at_construction_naming_it(arg, value):
   """A NaN or out-of-range float once turned the method silently into plain SGD (or worse)."""
   owner = {"eigenvalue_floor": "Conditioner.", "outlier_threshold": "Statistics.", "ema_rate": "Statistics."}
   with pytest.raises(ValueError, match=rf"^{re.escape(owner.get(arg, ''))}{arg} must lie in "):
-    sk.scsgd(0.1, **grouped(dict(**{arg: value})))
+    if arg == "momentum":
+      sk.scsgd(0.1, momentum=value)
+    else:
+      sk.scsgd(0.1, sk.Conditioning.from_flat(**{arg: value}))
 
 
 @pytest.mark.parametrize("lr", [float("nan"), float("inf"), -0.1])
@@ -552,10 +540,7 @@ def test_learning_rate_must_be_finite_and_non_negative(lr):
 def test_outlier_threshold_inf_turns_the_guard_off():
   rng = np.random.default_rng(3)
   params = _params(rng)
-  tx = sk.scale_by_sketched_conditioning(3,
-                                         statistics=sk.Statistics(outlier_threshold=float("inf"), every=1, ema_rate=NU),
-                                         conditioner=sk.Conditioner(kind="full"),
-                                         refresh=sk.Refresh(every=1, warm_start=False))
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=3, statistics=sk.Statistics(outlier_threshold=float("inf"), fold_every=1, ema_rate=NU), conditioner=sk.Conditioner(kind="full"), refresh=sk.Refresh(every=1, warm_start=False)))
   state = tx.init(params)
   x = rng.standard_normal((8, 6)).astype(np.float32)
   x[0] *= 1e4  # far above 100x the running tr C: clipped by the default guard, kept here
@@ -571,11 +556,7 @@ def test_a_kernel_with_no_rows_skips_its_fold_and_the_others_fold(statistics):
   """Rows of shape (0, n) (an empty micro-batch, a fully masked layer) once failed inside jnp.median."""
   rng = np.random.default_rng(4)
   params = {"a": _params(rng, n=6, p=3)["dense"], "b": _params(rng, n=5, p=2)["dense"]}
-  tx = sk.scale_by_sketched_conditioning(
-      2,
-      statistics=sk.Statistics(kind=statistics, ema_rate=NU),
-      refresh=sk.Refresh(warm_start=False),
-      conditioner=sk.Conditioner(kind="sketched" if statistics != "diagonal" else "auto"))
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=2, statistics=sk.Statistics(kind=statistics, ema_rate=NU), refresh=sk.Refresh(warm_start=False), conditioner=sk.Conditioner(kind="sketched" if statistics != "diagonal" else "auto")))
   state = tx.init(params)
   xa = jnp.asarray(rng.standard_normal((7, 6)), jnp.float32)
   grads = jax.tree.map(jnp.ones_like, params)
@@ -596,8 +577,7 @@ def test_summary_names_every_kernel_left_unconditioned_and_why(caplog):
 
   params = {"a": {"kernel": jnp.zeros((40, 3))}, "b": {"kernel": jnp.zeros((300, 1))},
             "e": {"embedding": jnp.zeros((10, 4))}}
-  tx = sk.scale_by_sketched_conditioning(kernel_filter=lambda path, leaf: path != "e/embedding",
-                                         statistics=sk.Statistics(budget="kernel"))
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(kernel_filter=lambda path, leaf: path != "e/embedding", statistics=sk.Statistics(budget="kernel")))
   with caplog.at_level(logging.INFO, logger="scsgd_jax"):
     summary = tx.init(params).summary()
   assert summary == {"a/kernel": "diagonal C, n=40",
@@ -618,7 +598,7 @@ def test_a_rank_at_least_n_is_refused_with_advice_that_leads_somewhere(kwargs, a
 
   with pytest.raises(ValueError, match=re.escape(f"rank=8 must be < n=8, the input dimension of kernel 'd/kernel': "
                                                  f"lower rank below n, {advice}")):
-    sk.scale_by_sketched_conditioning(**grouped(dict(**kwargs))).init({"d": {"kernel": jnp.zeros((8, 3))}})
+    sk.scale_by_sketched_conditioning(sk.Conditioning.from_flat(**kwargs)).init({"d": {"kernel": jnp.zeros((8, 3))}})
 
 
 def test_kernels_alike_fold_as_one_bank_each_member_exactly_as_alone():
@@ -631,9 +611,7 @@ def test_kernels_alike_fold_as_one_bank_each_member_exactly_as_alone():
   n, p, m = 6, 3, 8
   params = {k: {"kernel": jnp.asarray(rng.standard_normal((n, p)), jnp.float32)} for k in ("a", "b", "c", "d")}
   params["s"] = {"kernel": jnp.asarray(rng.standard_normal((2, n, p)), jnp.float32)}  # a stack of two layers
-  tx = sk.scale_by_sketched_conditioning(
-      3, statistics=sk.Statistics(kind="dense", ema_rate=NU, every=1), refresh=sk.Refresh(warm_start=False),
-      input_axes={"s/kernel": sk.Layout((0,), stack=1)})
+  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=3, statistics=sk.Statistics(kind="dense", ema_rate=NU, fold_every=1), refresh=sk.Refresh(warm_start=False), input_axes={"s/kernel": sk.Layout((0,), stack=1)}))
   state = tx.init(params)
   rows = {k: rng.standard_normal((m, n)).astype(np.float32) for k in ("a", "b", "c")}
   rows["b"][0] *= 1e3  # an outlier: clipped in b alone

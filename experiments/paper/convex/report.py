@@ -9,10 +9,7 @@ import numpy as np
 from experiments.run import report
 from experiments.run.report import plt
 
-def write_report(result: dict[str, Any], out_dir: str, command: str) -> str:
-  dataset = result["config"]["dataset"]
-  report.write_results(out_dir, result, command, machine=result["machine"])
-
+def _spectrum_figure(result, out_dir) -> None:
   fig, ax = plt.subplots(figsize=(6, 4))
   ev = np.asarray(result["eigenvalues"])
   ax.semilogy(np.arange(1, len(ev) + 1), np.maximum(ev, 1e-12))
@@ -20,24 +17,27 @@ def write_report(result: dict[str, Any], out_dir: str, command: str) -> str:
     ax.axvline(k, color="gray", alpha=0.3)
   ax.set_xlabel("index i")
   ax.set_ylabel("eigenvalue of C")
-  ax.set_title(f"Spectrum of C ({dataset} pixels, n = {result['n']})")
+  ax.set_title(f"Spectrum of C ({result['config']['dataset']} pixels, n = {result['n']})")
   report.save_figure(fig, out_dir, "spectrum")
 
-  methods = result["methods"]
+
+def _suboptimality_figures(result, out_dir) -> None:
   for batch, _ in result["config"]["settings"]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, mth in methods.items():
+    for name, mth in result["methods"].items():
       run = mth["runs"][str(batch)]
       style = "-" if name in ("sgd", "full") else ("--" if name.startswith("lowrank") else ":")
       ax.loglog(run["eval_steps"], np.maximum(run["suboptimality"], 1e-6), style,
                 label=f"{name} (eta={run['best_step_size']:g})", lw=2 if name in ("sgd", "full") else 1)
     ax.set_xlabel("iteration t")
     ax.set_ylabel("L(W_bar_t) - L(W*)")
-    ax.set_title(f"Logistic regression on {dataset}, batch {batch}")
+    ax.set_title(f"Logistic regression on {result['config']['dataset']}, batch {batch}")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3, which="both")
     report.save_figure(fig, out_dir, f"suboptimality_batch{batch}")
 
+
+def _timing_figure(result, out_dir) -> None:
   fig, ax = plt.subplots(figsize=(6, 4))
   tm = result["timing"]
   ns = [r["n"] for r in tm]
@@ -50,8 +50,10 @@ def write_report(result: dict[str, Any], out_dir: str, command: str) -> str:
   ax.grid(alpha=0.3, which="both")
   report.save_figure(fig, out_dir, "timing")
 
-  single = str(result["config"]["settings"][0][0])
-  eps = result["config"]["epsilons"]
+
+def _opening(result, command) -> list[str]:
+  """The header, the problem, the plots and the spectrum's table."""
+  dataset = result["config"]["dataset"]
   lines = report.header(f"The convex case: multiclass logistic regression on {dataset}", command,
                         result["machine"]) + [
       f"Whole run {result['wall_seconds']:.0f} s.\n",
@@ -70,43 +72,60 @@ def write_report(result: dict[str, Any], out_dir: str, command: str) -> str:
   ]
   for s in result["spectral_decay"]:
     lines.append(f"| {s['k']} | {s['trace_sqrt_c_k']:.4g} | {s['decay_term']:.4g} | {s['decay_over_trace_sqrt_c']:.3f} |")
-  steps_single = result["config"]["settings"][0][1]
-  lines += [
+  return lines
+
+
+def _conditioners(result) -> list[str]:
+  """Lemma 1's bound terms and what SGD measured, per conditioner."""
+  settings, eps = result["config"]["settings"], result["config"]["epsilons"]
+  single = str(settings[0][0])
+  lines = [
       "\n## Conditioners: Lemma 1's bound terms and what SGD measured\n",
-      f"Bound = sigma rho / sqrt(T) (tr A + tr A^-1 C) at T = {steps_single} (single-example steps). "
+      f"Bound = sigma rho / sqrt(T) (tr A + tr A^-1 C) at T = {settings[0][1]} (single-example steps). "
       "Theorem 1: tr(A) tr(A^-1 C) >= tr(C^(1/2))^2 = "
       f"{result['trace_sqrt_c'] ** 2:.4g}, with equality for A = C^(1/2). Best step size per method from the grid "
       f"{list(result['config']['step_sizes'])} by the lowest L(W_bar_T).\n",
   ]
   head = ["conditioner", "tr A", "tr A^-1 C", "tr A + tr A^-1 C", "tr A * tr A^-1 C", "bound"]
-  for b, _ in result["config"]["settings"]:
+  for b, _ in settings:
     head += [f"eta (b={b})", f"L(W_bar_T) - L* (b={b})"] + [f"t to {e} (b={b})" for e in eps]
   lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-  for name, mth in methods.items():
+  for name, mth in result["methods"].items():
     cells = [name] + [report.fmt(v, ".4g", "not reached") for v in (
         mth["trace_a"], mth["trace_a_inv_c"], mth["bound_sum"], mth["trace_product"], mth["runs"][single]["bound"])]
-    for b, _ in result["config"]["settings"]:
+    for b, _ in settings:
       run = mth["runs"][str(b)]
       cells += [report.fmt(v, ".4g", "not reached") for v in (run["best_step_size"], run["suboptimality"][-1])]
       cells += [report.fmt(run["iterations_to_eps"][str(e)], ".4g", "not reached") for e in eps]
     lines.append("| " + " | ".join(cells) + " |")
-  lines += [
+  return lines
+
+
+def _iteration_ratio(result) -> list[str]:
+  """The introduction's predicted iteration ratio and the measured one per epsilon and batch."""
+  settings = result["config"]["settings"]
+  lines = [
       "\nIterations to epsilon are read off the evaluation grid (log-spaced steps), so they are upper bounds "
       "at that grid's resolution.\n",
       "## The introduction's iteration ratio\n",
       f"Predicted: tr(W*^T W*) tr(C) / (||W*^T W*||_sp tr(C^(1/2))^2) = **{result['intro_ratio_predicted']:.3g}**.\n",
       "Measured: iterations for SGD / iterations for A = C^(1/2) to first reach L(W_bar_t) - L* <= epsilon, "
       "each at its best step size.\n",
-      "| epsilon | " + " | ".join(f"batch {b}" for b, _ in result["config"]["settings"]) + " |",
-      "|" + " --- |" * (1 + len(result["config"]["settings"])),
+      "| epsilon | " + " | ".join(f"batch {b}" for b, _ in settings) + " |",
+      "|" + " --- |" * (1 + len(settings)),
   ]
-  for e in eps:
+  for e in result["config"]["epsilons"]:
     cells = []
-    for b, _ in result["config"]["settings"]:
+    for b, _ in settings:
       v = result["iteration_ratio_measured_sgd_over_full"][str(b)][str(e)]
       cells.append(report.fmt(v, ".3g", "not reached") if v is not None else "not reached by both")
     lines.append(f"| {e} | " + " | ".join(cells) + " |")
-  lines += [
+  return lines
+
+
+def _lemmas_and_timing(result) -> list[str]:
+  """Lemmas 3 and 4 measured, and Algorithm 1's cost against an exact eigendecomposition."""
+  lines = [
       "\n## Lemma 3 and Lemma 4, measured\n",
       f"Algorithm 1 from X (r = k + {result['config']['oversample']}, no power iterations), "
       f"{result['config']['lemma_seeds']} seeds per k.\n",
@@ -125,4 +144,13 @@ def write_report(result: dict[str, Any], out_dir: str, command: str) -> str:
   for r in result["timing"]:
     lines.append(f"| {r['n']} | {r['m']} | {r['k']} | {r['sketch_s']:.4f} | {r['form_c_s']:.4f} | {r['eigh_s']:.4f} | "
                  f"{r['eigh_over_sketch']:.2f}x | {r['form_plus_eigh_over_sketch']:.2f}x |")
+  return lines
+
+
+def write_report(result: dict[str, Any], out_dir: str, command: str) -> str:
+  report.write_results(out_dir, result, command, machine=result["machine"])
+  _spectrum_figure(result, out_dir)
+  _suboptimality_figures(result, out_dir)
+  _timing_figure(result, out_dir)
+  lines = _opening(result, command) + _conditioners(result) + _iteration_ratio(result) + _lemmas_and_timing(result)
   return report.write_markdown(out_dir, lines)
