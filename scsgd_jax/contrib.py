@@ -4,15 +4,15 @@ per-layer norm, and the pieces it is built from."""
 
 import importlib
 
-from scsgd_jax._src.alias import scsgd_two_sided as scsgd_two_sided
-from scsgd_jax._src.graft import FactoredRMSState as FactoredRMSState
-from scsgd_jax._src.graft import GraftState as GraftState
-from scsgd_jax._src.graft import scale_by_grafting as scale_by_grafting
-from scsgd_jax._src.graft import scale_by_normalized_factored_rms as scale_by_normalized_factored_rms
-from scsgd_jax._src.graft import scale_by_normalized_rms as scale_by_normalized_rms
-from scsgd_jax._src.output import default_output_axes as default_output_axes
-from scsgd_jax._src.output import output_kernel_filter as output_kernel_filter
-from scsgd_jax._src.output import scale_by_output_conditioning as scale_by_output_conditioning
+from scsgd_jax._src.contrib.graft import FactoredRMSState as FactoredRMSState
+from scsgd_jax._src.contrib.graft import GraftState as GraftState
+from scsgd_jax._src.contrib.graft import scale_by_grafting as scale_by_grafting
+from scsgd_jax._src.contrib.graft import scale_by_normalized_factored_rms as scale_by_normalized_factored_rms
+from scsgd_jax._src.contrib.graft import scale_by_normalized_rms as scale_by_normalized_rms
+from scsgd_jax._src.contrib.output import scale_by_output_conditioning as scale_by_output_conditioning
+from scsgd_jax._src.contrib.two_sided import scsgd_two_sided as scsgd_two_sided
+from scsgd_jax._src.output_rows import default_output_axes as default_output_axes
+from scsgd_jax._src.output_rows import output_kernel_filter as output_kernel_filter
 
 _LAZY = {"output_perturbations_linen": "scsgd_jax._src.capture_linen",
          "output_perturbations_nnx": "scsgd_jax._src.capture_nnx"}

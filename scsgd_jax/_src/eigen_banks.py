@@ -104,12 +104,6 @@ def gathered(banked: Banked, bank: Bank):
   return members(whole, bank)
 
 
-def changed(old, new) -> jax.Array:
-  """Per member (the leading axis), whether its factor differs between ``old`` and ``new``: a refresh moved it."""
-  per_leaf = [jnp.any(a != b, axis=tuple(range(1, a.ndim))) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))]
-  return jnp.any(jnp.stack(per_leaf), axis=0)
-
-
 def _rebased_one(plan, r, v, old, new):
   """One member's rotation and moments carried into its new factor's basis, each slice of a stack in its own."""
 
@@ -139,15 +133,15 @@ def _rebased(plan, r, v, old, new, moved):
   return jax.lax.cond(jnp.any(moved), loop, lambda rv: rv, (r, v))
 
 
-def one_side(plan, g, m_hat, v: EigenMoments, r, old, new, c: ek.Step):
+def one_side(plan, g, m_hat, v: EigenMoments, r, old, new, c: ek.Step, moved: jax.Array):
   """A bank's step in its members' input-side bases ``U = Q V`` (every argument member by member along a leading
   axis; ``r``: ``V``, ``None`` for a diagonal kind, the coordinate basis), each slice of a stack in its own:
   ``(direction, moments, rotation)``. ``old``, ``new``: the factors before and after this update's refresh; where
-  a member's differ, its basis moves to ``new``'s and its moments are carried into it
+  the refresh rebuilt a member's (``moved``, per member), its basis moves to ``new``'s and its moments are carried
+  into it
   (:func:`~eigen_math.carried`): before the direction, or after it for the gradients' basis (``c.late``)."""
   q = None
   if r is not None:
-    moved = changed(old, new)
     q = old.q if c.late else new.q
     if not c.late:
       r, v = _rebased(plan, r, v, old, new, moved)

@@ -16,7 +16,7 @@ import optax
 from scsgd_jax._src import defaults
 from scsgd_jax._src import eigen_math as em
 from scsgd_jax._src import inputs
-from scsgd_jax._src import output as output_lib
+from scsgd_jax._src import output_rows as output_lib
 from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import plan as plan_lib
 from scsgd_jax._src import sketch
@@ -108,21 +108,17 @@ def gradient_rows(updates, kernel_plans: dict[str, plan_lib.KernelPlan], input_a
   return inputs.CapturedInputs(rows, input_axes)
 
 
-def _differs(old, new) -> jax.Array:
-  """Whether two factors (trees of arrays, one structure) differ anywhere: a refresh changed the basis."""
-  return jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))]))
-
-
 def _when(changed: jax.Array, f):
   """``f`` applied to its operand where ``changed``, the operand as it is elsewhere (one ``lax.cond``)."""
   return lambda operand: jax.lax.cond(changed, f, lambda o: o, operand)
 
 
 def both_sides(plan: plan_lib.KernelPlan, g, m_hat, v: EigenMoments, r, r_out, old, new, old_out, new_out,
-               c: Step):
+               c: Step, moved: jax.Array):
   """One kernel's step rotated on both sides, ``U^T M U_out`` (one layer): ``(direction, moments, rotation,
   output rotation)``; the factors before (``None``: afresh) and after this update's refresh on each side, as
-  :func:`one_side`'s, both sides' bases moving together (:func:`~eigen_math.carried_both`)."""
+  :func:`one_side`'s, both sides' bases moving together (:func:`~eigen_math.carried_both`) where the refresh rebuilt
+  either (``moved``)."""
   q, q_out, rebase = new.q, new_out.q, None
   if old is not None:
 
@@ -132,7 +128,7 @@ def both_sides(plan: plan_lib.KernelPlan, g, m_hat, v: EigenMoments, r, r_out, o
       return fresh, fresh_out, em.carried_both(v, em.basis(new.q, fresh), em.basis(old.q, r),
                                                em.basis(new_out.q, fresh_out), em.basis(old_out.q, r_out))
 
-    rebase = _when(_differs((old, old_out), (new, new_out)), rebase_both)
+    rebase = _when(moved, rebase_both)
     if c.late:
       q, q_out = old.q, old_out.q
     else:
@@ -226,7 +222,7 @@ def rotations_of(factors, kernel_plans):
 
 def output_update(k: Kernels, basis: str, updates, state, output_grads):
   """The output side's conditioning state after this update (its statistics fed with the captured output
-  gradients, sampled, or with the gradient's columns)."""
+  gradients, sampled, or with the gradient's columns), and which of its factors the refresh rebuilt."""
   out = k.output_of(updates)
   if basis == "gradients":
     rows = gradient_rows(updates, out.plans(updates))
@@ -235,5 +231,5 @@ def output_update(k: Kernels, basis: str, updates, state, output_grads):
                                   "; or basis='gradients' (no capture)")
     key = jax.random.fold_in(jax.random.PRNGKey(k.c.seed + 2), state.count)  # made here, never at construction
     rows = output_lib.sample_rows(output_grads, key, defaults.MAX_ROWS)
-  output_state, _ = out.update(updates, state.output, rows)
-  return k.output_summary(updates, output_state)
+  output_state, _, rebuilt = out.update(updates, state.output, rows)
+  return k.output_summary(updates, output_state), rebuilt

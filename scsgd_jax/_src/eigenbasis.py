@@ -173,41 +173,8 @@ def scale_by_eigenbasis_adam(
   _check_eigenvectors_only(s.conditioner)
   checks.check_float("memory_share", memory_share, low=0.0, high=1.0, low_open=True)
   k = ek.Kernels(s, tail, sides, others, memory_share / 2 if sides == "both" else memory_share)
-  adam = _Adam(b1, b2, eps, nesterov)
-
-  def init_fn(params):
-    kernel_plans = k.plans(params)
-    conditioning_state = k.estimator.init(params)
-    two = k.both_sides(params, kernel_plans)
-    output_state = k.output_summary(params, k.output_of(params).init(params)) if sides == "both" else None
-    adam = k.adam_leaves(params, kernel_plans)  # Adam itself; the conditioned kernels' second moments are rotated
-    return ScaleByEigenbasisAdamState(
-        conditioning=conditioning_state,
-        mu=ek.zeros_at(params, adam | set(kernel_plans)),
-        nu=ek.zeros_at(params, adam),
-        moments=(moments := eb.fresh(params, kernel_plans, two, tail)),
-        rotations=eb.rotations(conditioning_state.factors, kernel_plans, moments.index),
-        output=output_state,
-        output_rotations=None if output_state is None else ek.rotations_of(output_state.factors, two))
-
-  def update_fn(updates, state, params=None, *, layer_inputs=None, output_grads=None, **extra_args):
-    del params, extra_args  # optax's; the estimator reads the captured rows (layer_inputs) alone
-    kernel_plans = k.plans(updates, getattr(layer_inputs, "input_axes", None), getattr(layer_inputs, "helper", HELPERS))
-    if basis == "gradients":  # the statistics of the gradient's own rows (SOAP's left factor), no capture read
-      layer_inputs = ek.gradient_rows(updates, kernel_plans, getattr(layer_inputs, "input_axes", None))
-    conditioning_state, _ = k.estimator.update(updates, state.conditioning, layer_inputs)
-    two = k.both_sides(updates, kernel_plans)
-    output_state = None if sides != "both" else ek.output_update(k, basis, updates, state, output_grads)
-    eb.checked(state, updates, kernel_plans, two, tail)
-    count = optax.safe_increment(state.count)  # the conditioning's count before this update
-    c = ek.Step(b2, 1.0 - b2**count, eps, em.adam_ratio_bound(b1, b2, count, nesterov), tail, basis == "gradients")
-    out, mu, nu, moments, rotations, out_rotations = _leaf_steps(updates, state, kernel_plans, two,
-                                                                 conditioning_state, output_state, adam, c, count)
-    return out, ScaleByEigenbasisAdamState(
-        conditioning=conditioning_state, mu=mu, nu=nu, moments=moments, rotations=rotations, output=output_state,
-        output_rotations=None if output_state is None else out_rotations)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  e = _EigenbasisAdam(k, _Adam(b1, b2, eps, nesterov), basis == "gradients")
+  return optax.GradientTransformationExtraArgs(e.init, e.update)
 
 
 def _check_arguments(b1, b2, eps, nesterov, tail, basis, sides, others) -> None:
@@ -246,6 +213,52 @@ class _Adam(NamedTuple):
   nesterov: bool
 
 
+class _EigenbasisAdam:
+  """:func:`scale_by_eigenbasis_adam`'s ``init`` and ``update`` over its kernels (:class:`eigen_kernels.Kernels`):
+  the conditioning's estimator, both sides' plans, and Adam's settings."""
+
+  def __init__(self, k: ek.Kernels, adam: "_Adam", gradient_basis: bool):
+    self.k, self.adam, self.gradient_basis = k, adam, gradient_basis
+
+  def init(self, params) -> ScaleByEigenbasisAdamState:
+    k = self.k
+    kernel_plans = k.plans(params)
+    conditioning_state = k.estimator.init(params)
+    two = k.both_sides(params, kernel_plans)
+    output_state = k.output_summary(params, k.output_of(params).init(params)) if k.sides == "both" else None
+    adam = k.adam_leaves(params, kernel_plans)  # Adam itself; the conditioned kernels' second moments are rotated
+    return ScaleByEigenbasisAdamState(
+        conditioning=conditioning_state,
+        mu=ek.zeros_at(params, adam | set(kernel_plans)),
+        nu=ek.zeros_at(params, adam),
+        moments=(moments := eb.fresh(params, kernel_plans, two, k.tail)),
+        rotations=eb.rotations(conditioning_state.factors, kernel_plans, moments.index),
+        output=output_state,
+        output_rotations=None if output_state is None else ek.rotations_of(output_state.factors, two))
+
+  def update(self, updates, state, params=None, *, layer_inputs=None, output_grads=None, **extra_args):
+    del params, extra_args  # optax's; the estimator reads the captured rows (layer_inputs) alone
+    k, adam = self.k, self.adam
+    axes = getattr(layer_inputs, "input_axes", None)
+    kernel_plans = k.plans(updates, axes, getattr(layer_inputs, "helper", HELPERS))
+    if self.gradient_basis:  # the statistics of the gradient's own rows (SOAP's left factor), no capture read
+      layer_inputs = ek.gradient_rows(updates, kernel_plans, axes)
+    conditioning_state, _, rebuilt = k.estimator.update(updates, state.conditioning, layer_inputs)
+    two = k.both_sides(updates, kernel_plans)
+    output_state, output_rebuilt = (None, None) if k.sides != "both" else ek.output_update(
+        k, "gradients" if self.gradient_basis else "inputs", updates, state, output_grads)
+    eb.checked(state, updates, kernel_plans, two, k.tail)
+    count = optax.safe_increment(state.count)  # the conditioning's count before this update
+    c = ek.Step(adam.b2, 1.0 - adam.b2**count, adam.eps, em.adam_ratio_bound(adam.b1, adam.b2, count, adam.nesterov),
+                k.tail, self.gradient_basis)
+    out, mu, nu, moments, rotations, out_rotations = _leaf_steps(updates, state, kernel_plans, two,
+                                                                 conditioning_state, output_state, adam, c, count,
+                                                                 (rebuilt, output_rebuilt))
+    return out, ScaleByEigenbasisAdamState(
+        conditioning=conditioning_state, mu=mu, nu=nu, moments=moments, rotations=rotations, output=output_state,
+        output_rotations=None if output_state is None else out_rotations)
+
+
 def _first_moment(m, g32, adam: _Adam, count):
   """Adam's bias-corrected first moment (NAdam's form with ``nesterov``)."""
   if adam.nesterov:
@@ -254,7 +267,7 @@ def _first_moment(m, g32, adam: _Adam, count):
 
 
 def _leaf_steps(updates, state, kernel_plans, two, conditioning_state, output_state, adam: _Adam, c: ek.Step,
-                count):
+                count, rebuilt):
   """Every leaf's step: passed through (``others='identity'``), Adam's, or its kernel's in its basis, a bank at a
   time (:func:`_bank_steps`); with the new moments and rotations."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
@@ -276,7 +289,7 @@ def _leaf_steps(updates, state, kernel_plans, two, conditioning_state, output_st
     out[path] = (m_hat / (jnp.sqrt(optax.tree.bias_correction(v, adam.b2, count)) + adam.eps)).astype(g.dtype)
     nus[-1] = v
   directions, moments, rotations, out_rotations = _bank_steps(state, kernel_plans, two, conditioned,
-                                                              conditioning_state, output_state, c)
+                                                              conditioning_state, output_state, c, rebuilt)
   ordered = []
   for p, g in flat:
     path = layout_lib.path_to_str(p)
@@ -285,7 +298,7 @@ def _leaf_steps(updates, state, kernel_plans, two, conditioning_state, output_st
           out_rotations)
 
 
-def _bank_steps(state, kernel_plans, two, conditioned, conditioning_state, output_state, c: ek.Step):
+def _bank_steps(state, kernel_plans, two, conditioned, conditioning_state, output_state, c: ek.Step, rebuilt):
   """The conditioned kernels' steps, a bank of the moments at a time (:func:`eigen_banks.one_side`); a kernel
   rotated on both sides alone (:func:`~eigen_kernels.both_sides`): ``(directions, moments, rotations, output
   rotations)``."""
@@ -298,19 +311,20 @@ def _bank_steps(state, kernel_plans, two, conditioned, conditioning_state, outpu
     r = eb.members(state.rotations.banks[rotation_index.banks.index(bank)], bank) if rotated else None
     old = eb.gathered(state.conditioning.factors, bank)
     new = eb.gathered(conditioning_state.factors, bank)
+    moved = jnp.any(eb.gathered(rebuilt[0], bank).reshape(len(bank.paths), -1), axis=1)  # the refresh says which
     if bank.paths[0] in two:  # rotated on both sides: U^T M U_out, one layer
       path = bank.paths[0]
       g, m_hat = conditioned[path]
       pick = lambda tree: jax.tree.map(lambda a: a[0], tree)
       direction, v, r, out_rotations[path] = ek.both_sides(
           plan, g, m_hat, pick(v), pick(r), state.output_rotations[path], pick(old), pick(new),
-          state.output.factors[path], output_state.factors[path], c)
+          state.output.factors[path], output_state.factors[path], c, moved[0] | jnp.any(rebuilt[1][path]))
       directions[path] = direction
       v, r = jax.tree.map(lambda a: a[None], (v, r))
     else:
       g = jnp.stack([conditioned[p][0] for p in bank.paths])
       m_hat = jnp.stack([conditioned[p][1] for p in bank.paths])
-      direction, v, r = eb.one_side(plan, g, m_hat, v, r, old, new, c)
+      direction, v, r = eb.one_side(plan, g, m_hat, v, r, old, new, c, moved)
       directions.update({p: direction[j] for j, p in enumerate(bank.paths)})
     moment_banks.append(eb.stored(v, bank))
     if rotated:

@@ -4,9 +4,7 @@ one object (kfac-jax's split of curvature estimation from its use). The input si
 
 from __future__ import annotations
 
-import math
 import warnings
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +12,7 @@ import numpy as np
 import optax
 
 from scsgd_jax._src import apart
+from scsgd_jax._src import banks as banks_lib
 from scsgd_jax._src import checks
 from scsgd_jax._src import fold as fold_lib
 from scsgd_jax._src import options
@@ -23,11 +22,6 @@ from scsgd_jax._src import state as state_lib
 from scsgd_jax._src.conditioning import Conditioning
 from scsgd_jax._src.inputs import HELPERS
 from scsgd_jax._src.state import ScaleBySketchedConditioningState
-
-
-def _flat_inputs(layer_inputs) -> dict[str, Any]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(layer_inputs)
-  return {layout_lib.path_to_str(p): leaf for p, leaf in flat}
 
 
 def _spec(c: Conditioning, layouts, default_axes, memory_share: float, extra) -> tuple[plan_lib.Spec, int]:
@@ -82,7 +76,7 @@ class Estimator:
     """What rebuilds the factors of ``kernel_plans`` on this estimator's schedule (fixed by the plans); a kernel
     that reads another's statistics has none to rebuild."""
     return apart.refresher(plan_lib.own_statistics(kernel_plans), self.c.refresh, self.fold_every,
-                           self.c.conditioner.normalize)
+                           self.c.conditioner.normalize, self.c.statistics.outlier_threshold, self.c.axis_name)
 
   def init(self, params) -> ScaleBySketchedConditioningState:
     """The plans of ``params``' kernels and their fresh statistics and factors."""
@@ -111,23 +105,20 @@ class Estimator:
     )
 
   def fold(self, state: ScaleBySketchedConditioningState, kernel_plans, rows):
-    """``(statistics, clipped rows)`` with ``rows`` (:func:`checked_rows`) folded in, at the steps the fold period
+    """``(statistics, clipped rows)`` with ``rows`` (:func:`fold.checked_rows`) folded in, at the steps the fold period
     says."""
-    fold = lambda operand: fold_lib.fold(kernel_plans, rows, *operand, self.c.statistics.outlier_threshold,
-                                         self.c.axis_name)
-    operand = (state.statistics, state.clipped_rows)
-    if self.fold_every == 1:
-      return fold(operand)
-    return jax.lax.cond(state.count % self.fold_every == 0, fold, lambda o: o, operand)
+    return self.refresher(kernel_plans).fold(state.statistics, state.clipped_rows, state.count, rows)
 
   def refresh(self, statistics, state: ScaleBySketchedConditioningState, kernel_plans):
-    """``(factors, key)``: the factors of ``kernel_plans`` due at this update rebuilt from ``statistics``."""
+    """``(factors, key, rebuilt)``: the factors of ``kernel_plans`` due at this update rebuilt from ``statistics``,
+    and which were (banked as the factors, per slice)."""
     return self.refresher(kernel_plans).rebuild(statistics, state.factors, state.key, state.count,
                                                 planned=kernel_plans)
 
   def update(self, updates, state: ScaleBySketchedConditioningState, layer_inputs):
-    """``(state, plans)``: ``state`` after this update's fold and refresh, and the plans of the kernels conditioned
-    in it (``updates``' kernels, less those the capture could not condition in this update)."""
+    """``(state, plans, rebuilt)``: ``state`` after this update's fold and refresh, the plans of the kernels
+    conditioned in it (``updates``' kernels, less those the capture could not condition in this update), and which
+    factors the refresh rebuilt (banked as the factors, per slice; none when the refreshes run apart)."""
     helper = getattr(layer_inputs, "helper", HELPERS)
     kernel_plans = self.plans(updates, getattr(layer_inputs, "input_axes", None), helper)
     if set(kernel_plans) != set(state.factors):
@@ -145,12 +136,13 @@ class Estimator:
                     "init.", stacklevel=4)
       kernel_plans = {p: plan for p, plan in kernel_plans.items() if p not in skipped}
     own = plan_lib.own_statistics(kernel_plans)  # a kernel reading another's statistics folds no rows of its own
-    statistics, clipped = self.fold(state, own, checked_rows(own, layer_inputs))
+    statistics, clipped = self.fold(state, own, fold_lib.checked_rows(own, layer_inputs))
     factors, key = state.factors, state.key
+    rebuilt = banks_lib.Banked(factors.index, [jnp.zeros(sum(b.sizes), bool) for b in factors.index.banks])
     if not self.c.refresh.apart:  # else refresh_conditioners rebuilds them, apart from this step
-      factors, key = self.refresh(statistics, state, own)
+      factors, key, rebuilt = self.refresh(statistics, state, own)
     return state._replace(count=optax.safe_increment(state.count), key=key, statistics=statistics, factors=factors,
-                          clipped_rows=clipped), kernel_plans
+                          clipped_rows=clipped), kernel_plans, rebuilt
 
 
 def warn_rank_cut(kernel_plans, asked: int) -> None:
@@ -235,50 +227,3 @@ def warn_raw_parameters(notes: dict[str, str], plain_step: str, input_axes_given
                   "scsgd_jax.sow_rows, pass scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model, x)) (Linen: "
                   "scsgd_jax.input_axes_linen(module, variables, x)), which reads their layouts; else " + route
                   + ".", stacklevel=4)
-
-
-def checked_rows(kernel_plans: dict[str, plan_lib.KernelPlan], layer_inputs) -> dict[str, jax.Array]:
-  """Each conditioned kernel's rows ``(m, n)`` (or ids), with a clear error naming the kernel on bad input."""
-  if layer_inputs is None:
-    raise ValueError(
-        "scale_by_sketched_conditioning.update needs the keyword argument `layer_inputs`: "
-        "the captured inputs of each conditioned layer (see scsgd_jax.capture_nnx / capture_linen), "
-        "e.g. tx.update(grads, state, params, layer_inputs=layer_inputs).")
-  inputs = _flat_inputs(layer_inputs)
-  rows = {}
-  for path, plan in kernel_plans.items():
-    n = plan.n
-    if path not in inputs:
-      raise ValueError(
-          f"layer_inputs has no entry for the conditioned kernel '{path}' (input dimension n={n}); "
-          f"it has entries for {sorted(inputs)}. Capture the layer's inputs, or exclude the kernel "
-          "with kernel_filter / optax.masked.")
-    x = inputs[path]
-    shape = getattr(x, "shape", None)
-    lead = plan.stack + ((plan.groups,) if plan.groups > 1 else ())  # a stacked kernel's rows: (*lead, ..., n)
-    if lead and (shape is None or tuple(shape[:len(lead)]) != lead):
-      raise ValueError(
-          f"layer_inputs['{path}'] has shape {shape}, expected leading axes {lead} (the kernel's "
-          + (f"stack {plan.stack}" if plan.stack else "") + (" and " if plan.stack and plan.groups > 1 else "")
-          + (f"{plan.groups} feature groups" if plan.groups > 1 else "") + "), one set of rows per slice, "
-          "as scsgd_jax.capture_nnx / capture_linen capture them.")
-    rows_shape = (-1,) if not lead else (math.prod(lead), -1)
-    if plan.statistics.takes_ids:
-      if shape is None or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(
-            f"layer_inputs['{path}'] must hold the integer token ids of embedding '{path}' "
-            f"(vocabulary n={n}), got {type(x).__name__} of dtype {getattr(x, 'dtype', None)}.")
-      rows[path] = jax.lax.stop_gradient(x).reshape(rows_shape)
-      continue
-    if shape is None or len(shape) < 2 + len(lead) or shape[-1] != n:
-      raise ValueError(
-          f"layer_inputs['{path}'] has shape {shape}, expected ({'*' + str(lead) + ', ' if lead else ''}rows, {n}) "
-          f"to match kernel '{path}' read with input axes {plan.input_axes} (n={n}). A conv kernel (kh, kw, cin, "
-          "cout) needs im2col rows of size kh*kw*cin; rows not captured by scsgd_jax.capture_nnx / capture_linen "
-          "(whose output says each kernel's layout) of a DenseGeneral/Einsum kernel whose input axes are not the "
-          "default, or of a stacked (scanned) kernel, need scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model)) (or "
-          "input_axes_linen).")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"layer_inputs['{path}'] must be floating point, got dtype {x.dtype}.")
-    rows[path] = jax.lax.stop_gradient(x).reshape(rows_shape + (n,)).astype(jnp.float32)
-  return rows

@@ -1,18 +1,29 @@
-"""Folding one step's captured rows into each kernel's statistics, guarded: outlier rows clipped,
-a non-finite result dropped, the replicas' folds averaged under ``pmap``/``shard_map``."""
+"""Folding one step's captured rows into each kernel's statistics, guarded: the rows checked against the plans
+(:func:`checked_rows`), outlier rows clipped, a non-finite result dropped, the replicas' folds averaged under
+``pmap``/``shard_map``."""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from scsgd_jax._src import banks as banks_lib
+from scsgd_jax._src import layout as layout_lib
+from scsgd_jax._src import plan as plan_lib
+
+
+def all_finite(tree) -> jax.Array:
+  """Whether every leaf of ``tree`` is finite."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
 
 
 def keep_if_finite(new, old):
   """``new`` if every leaf is finite, else ``old`` (a non-finite batch must not poison the state)."""
-  ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(new)]))
+  ok = all_finite(new)
   return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
@@ -107,3 +118,55 @@ def _fold_members(plan, bank: banks_lib.Bank, members: list[int], stats, rows, o
   if any(size > 1 for size in sizes):  # a stack's slices: one count for the kernel
     n_clipped = jnp.zeros(len(members), n_clipped.dtype).at[np.repeat(np.arange(len(members)), sizes)].add(n_clipped)
   return new, n_clipped
+
+
+def _flat_inputs(layer_inputs) -> dict[str, Any]:
+  flat, _ = jax.tree_util.tree_flatten_with_path(layer_inputs)
+  return {layout_lib.path_to_str(p): leaf for p, leaf in flat}
+
+
+def checked_rows(kernel_plans: dict[str, plan_lib.KernelPlan], layer_inputs) -> dict[str, jax.Array]:
+  """Each conditioned kernel's rows ``(m, n)`` (or ids), with a clear error naming the kernel on bad input."""
+  if layer_inputs is None:
+    raise ValueError(
+        "scale_by_sketched_conditioning.update needs the keyword argument `layer_inputs`: "
+        "the captured inputs of each conditioned layer (see scsgd_jax.capture_nnx / capture_linen), "
+        "e.g. tx.update(grads, state, params, layer_inputs=layer_inputs).")
+  inputs = _flat_inputs(layer_inputs)
+  rows = {}
+  for path, plan in kernel_plans.items():
+    n = plan.n
+    if path not in inputs:
+      raise ValueError(
+          f"layer_inputs has no entry for the conditioned kernel '{path}' (input dimension n={n}); "
+          f"it has entries for {sorted(inputs)}. Capture the layer's inputs, or exclude the kernel "
+          "with kernel_filter / optax.masked.")
+    x = inputs[path]
+    shape = getattr(x, "shape", None)
+    lead = plan.stack + ((plan.groups,) if plan.groups > 1 else ())  # a stacked kernel's rows: (*lead, ..., n)
+    if lead and (shape is None or tuple(shape[:len(lead)]) != lead):
+      raise ValueError(
+          f"layer_inputs['{path}'] has shape {shape}, expected leading axes {lead} (the kernel's "
+          + (f"stack {plan.stack}" if plan.stack else "") + (" and " if plan.stack and plan.groups > 1 else "")
+          + (f"{plan.groups} feature groups" if plan.groups > 1 else "") + "), one set of rows per slice, "
+          "as scsgd_jax.capture_nnx / capture_linen capture them.")
+    rows_shape = (-1,) if not lead else (math.prod(lead), -1)
+    if plan.statistics.takes_ids:
+      if shape is None or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(
+            f"layer_inputs['{path}'] must hold the integer token ids of embedding '{path}' "
+            f"(vocabulary n={n}), got {type(x).__name__} of dtype {getattr(x, 'dtype', None)}.")
+      rows[path] = jax.lax.stop_gradient(x).reshape(rows_shape)
+      continue
+    if shape is None or len(shape) < 2 + len(lead) or shape[-1] != n:
+      raise ValueError(
+          f"layer_inputs['{path}'] has shape {shape}, expected ({'*' + str(lead) + ', ' if lead else ''}rows, {n}) "
+          f"to match kernel '{path}' read with input axes {plan.input_axes} (n={n}). A conv kernel (kh, kw, cin, "
+          "cout) needs im2col rows of size kh*kw*cin; rows not captured by scsgd_jax.capture_nnx / capture_linen "
+          "(whose output says each kernel's layout) of a DenseGeneral/Einsum kernel whose input axes are not the "
+          "default, or of a stacked (scanned) kernel, need scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model)) (or "
+          "input_axes_linen).")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"layer_inputs['{path}'] must be floating point, got dtype {x.dtype}.")
+    rows[path] = jax.lax.stop_gradient(x).reshape(rows_shape + (n,)).astype(jnp.float32)
+  return rows

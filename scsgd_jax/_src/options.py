@@ -141,8 +141,8 @@ class Refresh:
       :func:`scsgd_jax.refresh_conditioners`, which the training loop calls after every update: it rebuilds the
       factors due then (on the schedule above), so the step only folds and conditions and compiles without the
       factorizations. A factor rebuilt after update ``t`` conditions from update ``t + 1`` on (in the step, from
-      update ``t``), so the first update, before any factor exists, takes the identity conditioner: plain SGD at
-      this rate for one step. The input side's conditioning only (:func:`scsgd_jax.scsgd`,
+      update ``t``), so the first update, before any factor exists, takes the identity conditioner (plain SGD at
+      this rate for one step) unless :func:`scsgd_jax.refresh_conditioners` primes it with its inputs. The input side's conditioning only (:func:`scsgd_jax.scsgd`,
       :func:`scsgd_jax.scale_by_sketched_conditioning`); the eigenbasis and the output side refuse it.
   """
 

@@ -46,17 +46,20 @@ def normalizes(normalize: str, plan: plan_lib.KernelPlan) -> bool:
 
 def refresh(kernel_plans, phases, stats: banks_lib.Banked, old_factors: banks_lib.Banked, key, count,
             refresh_due: Callable, normalize: str = defaults.NORMALIZE):
-  """New factors of the kernels whose refresh is due (``phases``: :func:`plan.slice_phases`), of ``C / (tr C / n)``
+  """``(factors, key, rebuilt)``: new factors of the kernels whose refresh is due (``phases``: :func:`plan.slice_phases`), of ``C / (tr C / n)``
   for the kernels ``normalize`` names (:func:`normalizes`, :func:`normalized`). Kernels without a plan here (left
   unconditioned in this update) keep theirs.
 
   A bank (:mod:`banks`: the kernels and stacked slices of one kind of statistics, ``n`` and rank) is refreshed by
   one compiled computation however many layers it holds: a loop over the members due at this step (one or a few
   with ``stagger``; all of them at the warm start's early refreshes or with ``stagger=False``), each rebuilt in
-  place in the stored bank.
+  place in the stored bank. ``rebuilt``, banked as the factors, says per slice whether its factor was rebuilt here
+  (due, and finite: a non-finite refresh keeps the old factor): what a transformation reading the factors' bases
+  (the eigenbasis) needs to know.
   """
+  rebuilt = [jnp.zeros(sum(bank.sizes), bool) for bank in old_factors.index.banks]
   if key is None:  # the state keeps no key only when init conditioned no kernel: nothing to refresh
-    return old_factors, key
+    return old_factors, key, banks_lib.Banked(old_factors.index, rebuilt)
   keyed = any(plan.statistics.keyed(plan.rank) for plan in kernel_plans.values())
   keys = jax.random.split(key, len(kernel_plans) + 1) if keyed else None  # factors that draw nothing: no keys
   key_of = dict(zip(kernel_plans, keys[1:])) if keyed else {}
@@ -81,24 +84,28 @@ def refresh(kernel_plans, phases, stats: banks_lib.Banked, old_factors: banks_li
         else jnp.zeros((size,) + key.shape, key.dtype)
         for p, size, lone in zip(bank.paths, bank.sizes, bank.lone)])
     due = refresh_due(count, jnp.asarray(member_phases)) & jnp.asarray(planned_slices)
-    renew = lambda f, s=stats.banks[i], due=due, member_keys=member_keys, make=make: _refresh_due_members(
-        s, f, due, member_keys, make)
-    factors[i] = jax.lax.cond(jnp.any(due), renew, lambda f: f, factors[i])
-  return banks_lib.Banked(old_factors.index, factors), keys[0] if keyed else key
+    renew = lambda operand, s=stats.banks[i], due=due, member_keys=member_keys, make=make: _refresh_due_members(
+        s, *operand, due, member_keys, make)
+    factors[i], rebuilt[i] = jax.lax.cond(jnp.any(due), renew, lambda o: o, (factors[i], rebuilt[i]))
+  return (banks_lib.Banked(old_factors.index, factors), keys[0] if keyed else key,
+          banks_lib.Banked(old_factors.index, rebuilt))
 
 
-def _refresh_due_members(s, f, due, member_keys, make):
-  """A bank's factors ``f`` with each member due rebuilt from its statistics in ``s``: one compiled loop over the
-  members."""
+def _refresh_due_members(s, f, rebuilt, due, member_keys, make):
+  """A bank's factors ``f`` with each member due rebuilt from its statistics in ``s``, and ``rebuilt`` marking the
+  members whose factor was replaced: one compiled loop over the members."""
 
-  def body(j, f):
+  def body(j, operand):
     # member j of a bank's stacked leaves (j is in range: no index wrapping or clamping to compile)
     pick = lambda tree: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), tree)
 
-    def renew(f):
-      new = fold_lib.keep_if_finite(make(pick(s), pick(member_keys)), pick(f))  # never a non-finite factor
-      return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, j, 0), f, new)
+    def renew(operand):
+      f, rebuilt = operand
+      made = make(pick(s), pick(member_keys))
+      new = fold_lib.keep_if_finite(made, pick(f))  # never a non-finite factor
+      f = jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, j, 0), f, new)
+      return f, rebuilt.at[j].set(fold_lib.all_finite(made))
 
-    return jax.lax.cond(due[j], renew, lambda f: f, f)
+    return jax.lax.cond(due[j], renew, lambda o: o, operand)
 
-  return jax.lax.fori_loop(0, len(due), body, f)
+  return jax.lax.fori_loop(0, len(due), body, (f, rebuilt))

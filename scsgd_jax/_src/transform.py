@@ -69,7 +69,7 @@ def conditioning_transform(est: estimator_lib.Estimator) -> optax.GradientTransf
 
   def update_fn(updates, state, params=None, *, layer_inputs=None, **extra_args):
     del params, extra_args
-    state, kernel_plans = est.update(updates, state, layer_inputs)
+    state, kernel_plans, _ = est.update(updates, state, layer_inputs)
     return _condition(updates, kernel_plans, state.factors), state
 
   return optax.GradientTransformationExtraArgs(est.init, update_fn)

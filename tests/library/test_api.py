@@ -116,6 +116,20 @@ def test_no_signature_block_is_written_twice_in_the_library():
   assert not offenders, offenders
 
 
+def test_the_core_never_imports_the_contrib_tier():
+  """The experimental tier (the output side, the two-sided alias, grafting) sits in modules of its own; the core's
+  modules import none of them (``scsgd_jax.contrib`` loads on first use)."""
+  offenders = []
+  for path in sorted((ROOT / "scsgd_jax").rglob("*.py")):
+    if "contrib" in path.relative_to(ROOT / "scsgd_jax").parts or path.name == "contrib.py":
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else [])
+      offenders += [(path.name, n) for n in names if n.startswith(("scsgd_jax.contrib", "scsgd_jax._src.contrib"))]
+  assert not offenders, offenders
+
+
 def test_the_library_tests_import_nothing_from_the_experiments():
   """The library's tests build the options themselves: a library change is tested without the experiments."""
   offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "library").rglob("*.py")

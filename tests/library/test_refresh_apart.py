@@ -203,3 +203,30 @@ def test_a_refresh_draws_keys_only_for_factors_that_read_them(kind, keyed):
   grads, rows = next(_batches())
   _, new = tx.update(grads, state, _params(), layer_inputs=rows)
   np.testing.assert_array_equal(new.key, jax.random.split(state.key, 4)[0] if keyed else state.key)
+
+
+def test_a_priming_call_conditions_the_first_update_as_the_step_would():
+  """``refresh_conditioners(state, layer_inputs=first)`` before the first update builds the factors that update's own
+  refresh would (from the statistics with its rows folded in, the statistics left to the update): the first update
+  is the default's, where without it the first update is plain (the identity conditioner). The sketched kernel
+  draws the same sketch (the same key), the others are exact."""
+  batches = list(_batches())
+  default = _run(_conditioning(False), apart=False)
+  tx = _conditioning(True)
+  state = sk.refresh_conditioners(tx.init(_params()), layer_inputs=batches[0][1])
+  assert jax.tree.structure(state) == jax.tree.structure(tx.init(_params()))
+  np.testing.assert_array_equal(state.statistics["small/kernel"].moments,
+                                tx.init(_params()).statistics["small/kernel"].moments)  # left to the update
+  updates, state = tx.update(batches[0][0], state, _params(), layer_inputs=batches[0][1])
+  _close(updates, default[0][0], tol=1e-5)
+  _close(state.statistics, default[0][1].statistics)
+  plain, _ = tx.update(batches[0][0], tx.init(_params()), _params(), layer_inputs=batches[0][1])
+  assert not np.allclose(plain["small"]["kernel"], default[0][0]["small"]["kernel"], atol=1e-3)
+
+
+def test_priming_refuses_rows_that_do_not_fit_the_plans():
+  tx = _conditioning(True)
+  rows = {"small": {"kernel": jnp.ones((4, 7))}, "wide": {"kernel": jnp.ones((4, 400))},
+          "stack": {"kernel": jnp.ones((3, 4, 5))}}
+  with pytest.raises(ValueError, match=r"layer_inputs\['small/kernel'\] has shape \(4, 7\)"):
+    sk.refresh_conditioners(tx.init(_params()), layer_inputs=rows)
