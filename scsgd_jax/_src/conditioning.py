@@ -95,6 +95,12 @@ class Conditioning:
     own = {k: v for k, v in settings.items() if k in FIELDS and k not in options.OPTIONS}
     return cls(**own, **objects, **{o: options.OPTIONS[o](**given) for o, given in fields.items()})
 
+  def __repr__(self) -> str:
+    """The settings that differ from the defaults (``Conditioning()`` for none)."""
+    changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+               if getattr(self, f.name) is not f.default and getattr(self, f.name) != f.default]
+    return f"Conditioning({', '.join(changed)})"
+
   def sketch_rank(self) -> int:
     """The rank as it runs: :attr:`rank`, or the library's default."""
     return defaults.RANK if self.rank is None else int(self.rank)

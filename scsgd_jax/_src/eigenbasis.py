@@ -318,7 +318,7 @@ def _bank_steps(state, kernel_plans, two, conditioned, conditioning_state, outpu
       pick = lambda tree: jax.tree.map(lambda a: a[0], tree)
       direction, v, r, out_rotations[path] = ek.both_sides(
           plan, g, m_hat, pick(v), pick(r), state.output_rotations[path], pick(old), pick(new),
-          state.output.factors[path], output_state.factors[path], c, moved[0] | jnp.any(rebuilt[1][path]))
+          state.output.factors[path], output_state.factors[path], c, moved[0] | rebuilt[1][path])
       directions[path] = direction
       v, r = jax.tree.map(lambda a: a[None], (v, r))
     else:

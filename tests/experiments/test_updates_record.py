@@ -1,0 +1,44 @@
+"""Every registry entry's updates on the tests' small models equal the record bit for bit
+(``updates_record.RECORD``, written before the face's refactor): a change meant to leave the arithmetic alone is
+proved to. The check runs in a process of its own under XLA's default flags, as the record was made (and as users'
+runs compile). The default suite checks one entry of each family, each on a model of another kind; the whole record
+(half an hour on two cores) runs on its own: ``pytest -m record``."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.experiments import updates_record
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECORDED = json.loads(updates_record.RECORD.read_text())
+# one entry of each family (the SGD side, the eigenbasis, Muon's, the two sides), each on a model of another kind
+SAMPLE = ["scsgd:cnn", "scsgd_eigen:transformer", "scsgd_eigen_muon:scanned", "scsgd_two_sided:mlp"]
+
+
+def _check(pairs) -> dict[str, list[str]]:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the default flags, as the record was made
+  done = subprocess.run([sys.executable, "-m", "tests.experiments.updates_record", "--check", *pairs], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=1800)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_record_holds_every_entry_on_every_model():
+  assert sorted(RECORDED) == sorted(updates_record.entries())
+  assert all(sorted(RECORDED[n]) == sorted(updates_record.MODELS) for n in RECORDED)
+
+
+def test_an_entry_of_each_family_updates_as_recorded():
+  changed = {pair: leaves for pair, leaves in _check(SAMPLE).items() if leaves}
+  assert not changed, changed
+
+
+@pytest.mark.record
+def test_every_entry_updates_as_recorded():
+  pairs = [f"{name}:{kind}" for name in updates_record.entries() for kind in updates_record.MODELS]
+  changed = {pair: leaves for pair, leaves in _check(pairs).items() if leaves}
+  assert not changed, changed
