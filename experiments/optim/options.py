@@ -59,7 +59,7 @@ def flat_parameters(fn, params) -> list[inspect.Parameter]:
 def conditioning(kwargs: dict[str, Any], **own) -> tuple[scsgd_jax.Conditioning, dict[str, Any]]:
   """``(Conditioning, the rest of kwargs)``: the settings of ``kwargs`` that are the Conditioning's (its fields, its
   options' flat names: :meth:`scsgd_jax.Conditioning.from_flat`), with ``own`` (e.g. ``seed=``)."""
-  mine = {k: v for k, v in kwargs.items() if k in FLAT or k in OWN}
+  mine = {k: v for k, v in kwargs.items() if k in FLAT or k in OWN or k in OPTIONS}
   return scsgd_jax.Conditioning.from_flat(**mine, **own), {k: v for k, v in kwargs.items() if k not in mine}
 
 

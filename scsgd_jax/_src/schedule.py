@@ -53,9 +53,9 @@ def refresh(kernel_plans, phases, stats: banks_lib.Banked, old_factors: banks_li
   A bank (:mod:`banks`: the kernels and stacked slices of one kind of statistics, ``n`` and rank) is refreshed by
   one compiled computation however many layers it holds: a loop over the members due at this step (one or a few
   with ``stagger``; all of them at the warm start's early refreshes or with ``stagger=False``), each rebuilt in
-  place in the stored bank. ``rebuilt``, banked as the factors, says per slice whether its factor was rebuilt here
-  (due, and finite: a non-finite refresh keeps the old factor): what a transformation reading the factors' bases
-  (the eigenbasis) needs to know.
+  place in the stored bank. ``rebuilt``, banked as the factors, says per slice whether its factor was rebuilt into
+  another here (due, finite, as a non-finite refresh keeps the old factor, and not the old one bit for bit): what a
+  transformation reading the factors' bases (the eigenbasis) needs to know.
   """
   rebuilt = [jnp.zeros(sum(bank.sizes), bool) for bank in old_factors.index.banks]
   if key is None:  # the state keeps no key only when init conditioned no kernel: nothing to refresh
@@ -93,7 +93,7 @@ def refresh(kernel_plans, phases, stats: banks_lib.Banked, old_factors: banks_li
 
 def _refresh_due_members(s, f, rebuilt, due, member_keys, make):
   """A bank's factors ``f`` with each member due rebuilt from its statistics in ``s``, and ``rebuilt`` marking the
-  members whose factor was replaced: one compiled loop over the members."""
+  members whose factor the rebuild changed: one compiled loop over the members."""
 
   def body(j, operand):
     # member j of a bank's stacked leaves (j is in range: no index wrapping or clamping to compile)
@@ -101,10 +101,13 @@ def _refresh_due_members(s, f, rebuilt, due, member_keys, make):
 
     def renew(operand):
       f, rebuilt = operand
-      made = make(pick(s), pick(member_keys))
-      new = fold_lib.keep_if_finite(made, pick(f))  # never a non-finite factor
+      made, old = make(pick(s), pick(member_keys)), pick(f)
+      new = fold_lib.keep_if_finite(made, old)  # never a non-finite factor
       f = jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, j, 0), f, new)
-      return f, rebuilt.at[j].set(fold_lib.all_finite(made))
+      # rebuilt into another factor: finite and not the old one (statistics unchanged since the last refresh, as on a
+      # step without a fold, rebuild a dense factor bit for bit)
+      moved = jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(old))]))
+      return f, rebuilt.at[j].set(fold_lib.all_finite(made) & moved)
 
     return jax.lax.cond(due[j], renew, lambda o: o, operand)
 
