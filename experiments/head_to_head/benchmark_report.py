@@ -262,7 +262,8 @@ def write_report(config, results: dict[str, dict], anchors: dict, results_dir: s
   settings = json.loads(config.to_json_best_effort())
   report.write_results(results_dir, {**summary, "settings": settings, "missing": list(missing)}, command, machine=m)
   figs = _figures(config, results, anchors, summary, results_dir)
-  lines = _opening(config, summary, anchors, figs, command, m) + _rows(summary) + [""] + _closing(config, summary, missing)
+  lines = _opening(config, summary, anchors, figs, command, m) + _rows(summary) + [""] + _closing(
+      config, summary, missing)
   return report.write_markdown(results_dir, lines)
 
 

@@ -181,7 +181,10 @@ def _scsgd_two_sided(lr, kwargs, config, forward):
   if not momentum_first:
     return scsgd_jax.contrib.scsgd_two_sided(lr, c, **rest)
   momentum = rest.pop("momentum", inspect.signature(scsgd_jax.contrib.scsgd_two_sided).parameters["momentum"].default)
-  return optax.chain(optax.trace(momentum, nesterov=True), scsgd_jax.contrib.scsgd_two_sided(lr, c, momentum=0.0, **rest))
+  return optax.chain(optax.trace(momentum, nesterov=True), scsgd_jax.contrib.scsgd_two_sided(lr,
+                                                                                             c,
+                                                                                             momentum=0.0,
+                                                                                             **rest))
 
 
 def _scsgd_eigen(lr, kwargs, config, forward):

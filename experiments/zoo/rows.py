@@ -53,20 +53,29 @@ def _eigen_muon(s, w, axes):
 
 
 ROWS: dict[str, Row] = {
-    "sgd": Row(lambda s, w, axes: optax.sgd(s, momentum=0.9, nesterov=True), 0.1, NESTEROV),
-    "scsgd": Row(lambda s, w, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes)), 0.1,
-                 "scsgd_jax.scsgd at its defaults, the README's recipe (input_axes read from the model); rate centre "
-                 "SGD's"),
-    "scsgd_no_axes": Row(lambda s, w, axes: sk.scsgd(s), 0.1,
-                         "scsgd_jax.scsgd at its defaults without input_axes (a new user's first try)"),
-    "adamw": Row(lambda s, w, axes: peers.adamw(s, **_adam(w)), 3e-3,
-                 f"transformers: {NANOGPT}; the other models: {ADAM}"),
-    "scsgd_eigen": Row(_eigen, 3e-3, "scsgd_jax.scsgd_eigen at AdamW's settings (SOAP's authors run SOAP so)"),
-    "muon": Row(lambda s, w, axes: peers.muon(s, **_muon_args(w)), 0.02, MUON),
-    "scsgd_eigen_muon": Row(_eigen_muon, 0.02, "scsgd_jax.scsgd_eigen_muon as Muon's recipe: " + MUON),
-    "scsgd_muon": Row(lambda s, w, axes: optax.chain(sk.scale_by_sketched_conditioning(sk.Conditioning(input_axes=axes)),
-                                                     peers.muon(s, **_muon_args(w))), 0.02,
-                      "scsgd_jax's conditioning in front of Muon as Muon's recipe: " + MUON),
+    "sgd":
+        Row(lambda s, w, axes: optax.sgd(s, momentum=0.9, nesterov=True), 0.1, NESTEROV),
+    "scsgd":
+        Row(
+            lambda s, w, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes)), 0.1,
+            "scsgd_jax.scsgd at its defaults, the README's recipe (input_axes read from the model); rate centre "
+            "SGD's"),
+    "scsgd_no_axes":
+        Row(lambda s, w, axes: sk.scsgd(s), 0.1,
+            "scsgd_jax.scsgd at its defaults without input_axes (a new user's first try)"),
+    "adamw":
+        Row(lambda s, w, axes: peers.adamw(s, **_adam(w)), 3e-3, f"transformers: {NANOGPT}; the other models: {ADAM}"),
+    "scsgd_eigen":
+        Row(_eigen, 3e-3, "scsgd_jax.scsgd_eigen at AdamW's settings (SOAP's authors run SOAP so)"),
+    "muon":
+        Row(lambda s, w, axes: peers.muon(s, **_muon_args(w)), 0.02, MUON),
+    "scsgd_eigen_muon":
+        Row(_eigen_muon, 0.02, "scsgd_jax.scsgd_eigen_muon as Muon's recipe: " + MUON),
+    "scsgd_muon":
+        Row(
+            lambda s, w, axes: optax.chain(sk.scale_by_sketched_conditioning(sk.Conditioning(input_axes=axes)),
+                                           peers.muon(s, **_muon_args(w))), 0.02,
+            "scsgd_jax's conditioning in front of Muon as Muon's recipe: " + MUON),
 }
 
 

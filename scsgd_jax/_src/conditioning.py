@@ -62,7 +62,8 @@ class Conditioning:
       options.static_int("Conditioning.rank", self.rank, 1)
     object.__setattr__(self, "statistics", _checked_options(self))
     if self.kernel_filter is not None and not callable(self.kernel_filter):
-      raise TypeError(f"Conditioning.kernel_filter must be a callable (path, leaf) -> bool, got {self.kernel_filter!r}.")
+      raise TypeError(
+          f"Conditioning.kernel_filter must be a callable (path, leaf) -> bool, got {self.kernel_filter!r}.")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise TypeError(f"Conditioning.seed must be an int, got {self.seed!r}.")
 

@@ -222,8 +222,9 @@ def warn_raw_parameters(notes: dict[str, str], plain_step: str, input_axes_given
                   f"{plain_step}: {named}. To condition one a model multiplies by (a mixture of experts' weights used "
                   f"with jnp.einsum), {route}; scsgd_jax.plans(state) lists every leaf.", stacklevel=4)
   else:
-    warnings.warn(f"scsgd_jax: no input_axes given, so {len(raw)} raw parameter(s) with two or more axes, no layer's "
-                  f"kernel, are not conditioned and {plain_step}: {named}. If the model hands their rows with "
-                  "scsgd_jax.sow_rows, pass scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model, x)) (Linen: "
-                  "scsgd_jax.input_axes_linen(module, variables, x)), which reads their layouts; else " + route
-                  + ".", stacklevel=4)
+    warnings.warn(
+        f"scsgd_jax: no input_axes given, so {len(raw)} raw parameter(s) with two or more axes, no layer's "
+        f"kernel, are not conditioned and {plain_step}: {named}. If the model hands their rows with "
+        "scsgd_jax.sow_rows, pass scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model, x)) (Linen: "
+        "scsgd_jax.input_axes_linen(module, variables, x)), which reads their layouts; else " + route + ".",
+        stacklevel=4)

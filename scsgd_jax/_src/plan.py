@@ -239,7 +239,8 @@ def make_plans(tree, spec: Spec, captured: Optional[Mapping[str, Any]] = None) -
     floats -= sum(count[p] * state_floats("embedding", dims[p], 0, 0)
                   for p, (kind, _) in decided.items() if kind == "embedding")
     # with spec.extra a kernel left unplanned keeps Adam's second moment: its share of the floats stays its own
-    for path, i in allot(shapes, opts, floats, spec.budget, spec.memory_share, unplanned_keeps=spec.extra is not None).items():
+    keeps = spec.extra is not None
+    for path, i in allot(shapes, opts, floats, spec.budget, spec.memory_share, unplanned_keeps=keeps).items():
       if i < len(opts[path]):  # else nothing fits: plain SGD
         decided[path] = (opts[path][i].kind, opts[path][i].rank)
   for owner, group in readers.items():

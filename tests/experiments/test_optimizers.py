@@ -68,7 +68,8 @@ def test_sub_config_reaches_the_optimizer_and_defaults_stay_the_librarys():
   assert config.optimizer.sgd.momentum == 0.9 and config.optimizer.adam.learning_rate == 1e-3  # set values kept
   params = {"dense": {"kernel": jnp.zeros((200, 1000))}}
   ours = jax.eval_shape(optimizers.create(config).tx.init, params)
-  library = jax.eval_shape(scsgd_jax.scsgd(optimizers.learning_rate(config), scsgd_jax.Conditioning(seed=config.seed)).init, params)
+  library = jax.eval_shape(
+      scsgd_jax.scsgd(optimizers.learning_rate(config), scsgd_jax.Conditioning(seed=config.seed)).init, params)
   assert jax.tree.structure(ours) == jax.tree.structure(library)
   assert [x.shape for x in jax.tree.leaves(ours)] == [x.shape for x in jax.tree.leaves(library)]
   config.optimizer.scsgd.rank = 8  # the library then derives full_max_dim = 4 * 8 = 32 < 200: sketched at rank 8
@@ -132,7 +133,9 @@ def test_eigen_two_sided_row_is_the_library_alias_on_both_sides():
   config.optimizer.scsgd_eigen_two_sided = optimizers.sub_config("scsgd_eigen_two_sided", update_every=1)
   opt = optimizers.create(config)
   assert opt.capture == "two_sided"
-  by_hand = scsgd_jax.scsgd_eigen(optimizers.learning_rate(config), scsgd_jax.Conditioning(refresh=scsgd_jax.Refresh(every=1), seed=config.seed), sides="both")
+  by_hand = scsgd_jax.scsgd_eigen(optimizers.learning_rate(config),
+                                  scsgd_jax.Conditioning(refresh=scsgd_jax.Refresh(every=1), seed=config.seed),
+                                  sides="both")
   params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
   rng = np.random.default_rng(0)
   grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
@@ -153,7 +156,8 @@ def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
   by_hand = optax.chain(
       scsgd_jax.contrib.scale_by_grafting(
           scsgd_jax.contrib.scale_by_normalized_rms(decay=0.9),
-          scsgd_jax.scale_by_sketched_conditioning(scsgd_jax.Conditioning(refresh=scsgd_jax.Refresh(every=1), seed=config.seed))),
+          scsgd_jax.scale_by_sketched_conditioning(
+              scsgd_jax.Conditioning(refresh=scsgd_jax.Refresh(every=1), seed=config.seed))),
       optax.sgd(optimizers.learning_rate(config), momentum=0.9, nesterov=True))
   rng = np.random.default_rng(0)
   params = {"dense": {"kernel": jnp.ones((6, 3)), "bias": jnp.zeros(3)}}
@@ -211,7 +215,8 @@ def test_scsgd_muon_is_the_conditioning_in_front_of_the_benchmarks_muon():
                                                       muon_adam_learning_rate=0.003)
   opt = optimizers.create(config)
   by_hand = optax.chain(
-      scsgd_jax.scale_by_sketched_conditioning(scsgd_jax.Conditioning(refresh=scsgd_jax.Refresh(every=1), seed=config.seed)),
+      scsgd_jax.scale_by_sketched_conditioning(
+          scsgd_jax.Conditioning(refresh=scsgd_jax.Refresh(every=1), seed=config.seed)),
       peers.muon(optimizers.learning_rate(config),
                  output_layer="head",
                  adam_learning_rate=optimizers.learning_rate(config, 0.003)))
@@ -376,9 +381,21 @@ def test_soap_anchor_row_is_the_library_alias_with_both_gradient_bases_at_full_r
   config.optimizer.scsgd_eigen_muon_soap = optimizers.sub_config("scsgd_eigen_muon_soap", muon_output_layer="head")
   got, state = run(optimizers.create(config).tx)
   lr = optimizers.learning_rate(config)
-  by_hand = scsgd_jax.scsgd_eigen_muon(lr, scsgd_jax.Conditioning(seed=config.seed, conditioner=scsgd_jax.Conditioner("full"), statistics=scsgd_jax.Statistics("dense"), refresh=scsgd_jax.Refresh(every=10)), output_layer="head", basis="gradients", sides="both")
+  by_hand = scsgd_jax.scsgd_eigen_muon(lr,
+                                       scsgd_jax.Conditioning(seed=config.seed,
+                                                              conditioner=scsgd_jax.Conditioner("full"),
+                                                              statistics=scsgd_jax.Statistics("dense"),
+                                                              refresh=scsgd_jax.Refresh(every=10)),
+                                       output_layer="head",
+                                       basis="gradients",
+                                       sides="both")
   want, _ = run(by_hand)
-  one_sided, _ = run(scsgd_jax.scsgd_eigen_muon(lr, scsgd_jax.Conditioning(seed=config.seed, conditioner=scsgd_jax.Conditioner("full"), statistics=scsgd_jax.Statistics("dense")), output_layer="head"))
+  one_sided, _ = run(
+      scsgd_jax.scsgd_eigen_muon(lr,
+                                 scsgd_jax.Conditioning(seed=config.seed,
+                                                        conditioner=scsgd_jax.Conditioner("full"),
+                                                        statistics=scsgd_jax.Statistics("dense")),
+                                 output_layer="head"))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
   assert not np.allclose(got[-1]["dense"]["kernel"], one_sided[-1]["dense"]["kernel"], rtol=1e-3)

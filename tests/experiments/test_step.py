@@ -28,9 +28,12 @@ class Net(nnx.Module):
 
 
 TXS = {
-    "none": lambda: optax.sgd(0.05, 0.9, nesterov=True),
-    "inputs": lambda: scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(refresh=scsgd_jax.Refresh(every=2))),
-    "two_sided": lambda: scsgd_jax.contrib.scsgd_two_sided(1e-2, scsgd_jax.Conditioning(refresh=scsgd_jax.Refresh(every=2)))
+    "none":
+        lambda: optax.sgd(0.05, 0.9, nesterov=True),
+    "inputs":
+        lambda: scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(refresh=scsgd_jax.Refresh(every=2))),
+    "two_sided":
+        lambda: scsgd_jax.contrib.scsgd_two_sided(1e-2, scsgd_jax.Conditioning(refresh=scsgd_jax.Refresh(every=2)))
 }
 
 

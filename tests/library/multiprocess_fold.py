@@ -29,7 +29,8 @@ def main(process_id: int, port: int):
   rng = np.random.default_rng(0)
   params = {"l1": {"kernel": jnp.asarray(rng.standard_normal((12, 6)), jnp.float32)},
             "l2": {"kernel": jnp.asarray(rng.standard_normal((40, 3)), jnp.float32)}}
-  tx = sk.scsgd(0.1, sk.Conditioning(rank=4, refresh=sk.Refresh(every=2), statistics=sk.Statistics(kind="dense")))  # l1: the full C^(1/2); l2: sketched
+  tx = sk.scsgd(0.1, sk.Conditioning(rank=4, refresh=sk.Refresh(every=2),
+                                     statistics=sk.Statistics(kind="dense")))  # l1: the full C^(1/2); l2: sketched
   local_device = jax.local_devices()[0]
   step = jax.jit(lambda g, s, x1, x2: tx.update(g, s, params, layer_inputs={"l1": {"kernel": x1}, "l2": {"kernel": x2}}))
   state_global = jax.device_put(tx.init(params), replicated)

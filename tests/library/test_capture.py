@@ -115,7 +115,8 @@ def test_linen_capture_feeds_scsgd_end_to_end():
   x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 7, 8, 3)), jnp.float32)
   variables = model.init(jax.random.PRNGKey(0), x)
   params = variables["params"]
-  tx = sk.scsgd(0.05, sk.Conditioning(rank=4, refresh=sk.Refresh(every=2), statistics=sk.Statistics(kind="dense")))  # every kernel, whatever its memory
+  tx = sk.scsgd(0.05, sk.Conditioning(rank=4, refresh=sk.Refresh(every=2),
+                                      statistics=sk.Statistics(kind="dense")))  # every kernel, whatever its memory
   state = tx.init(params)
 
   @jax.jit

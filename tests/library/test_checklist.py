@@ -13,17 +13,20 @@ import scsgd_jax as sk
 # each alias at a rate on its own scale (SGD's, Adam's), a small rank with the dense C so that the sketch is
 # exercised on the small kernel (the memory rule would leave it unconditioned)
 ALIASES = {
-    "scsgd": (lambda lr, **kw: sk.scsgd(lr, sk.Conditioning.from_flat(rank=2, statistics="dense", conditioner="sketched", **kw)),
-              0.05),
-    "scsgd_eigen":
-        (lambda lr, **kw: sk.scsgd_eigen(lr, sk.Conditioning.from_flat(rank=2, statistics="dense", conditioner="sketched", **kw)),
-         0.05),
+    "scsgd": (lambda lr, **kw: sk.scsgd(
+        lr, sk.Conditioning.from_flat(rank=2, statistics="dense", conditioner="sketched", **kw)), 0.05),
+    "scsgd_eigen": (lambda lr, **kw: sk.scsgd_eigen(
+        lr, sk.Conditioning.from_flat(rank=2, statistics="dense", conditioner="sketched", **kw)), 0.05),
     # the gradients' two-sided basis (SOAP's, sketched)
-    "scsgd_eigen_soap": (lambda lr, **kw: sk.scsgd_eigen(lr, sk.Conditioning.from_flat(rank=2, statistics="dense", conditioner="sketched", **kw), basis="gradients", sides="both"),
-                         0.05),
+    "scsgd_eigen_soap": (lambda lr, **kw: sk.scsgd_eigen(lr,
+                                                         sk.Conditioning.from_flat(
+                                                             rank=2, statistics="dense", conditioner="sketched", **kw),
+                                                         basis="gradients",
+                                                         sides="both"), 0.05),
     # Muon's orthogonalized step on the kernel (its fixed spectral size sets the rate: the end's jitter), its
     # AdamW part on the plain leaves
-    "scsgd_eigen_muon": (lambda lr, **kw: sk.scsgd_eigen_muon(lr, sk.Conditioning.from_flat(rank=2, statistics="dense", conditioner="sketched", **kw)), 0.02),
+    "scsgd_eigen_muon": (lambda lr, **kw: sk.scsgd_eigen_muon(
+        lr, sk.Conditioning.from_flat(rank=2, statistics="dense", conditioner="sketched", **kw)), 0.02),
 }
 RNG = np.random.default_rng(0)
 X = jnp.asarray(RNG.standard_normal((64, 8)) * np.linspace(0.3, 2.0, 8), jnp.float32)

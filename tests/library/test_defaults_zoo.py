@@ -93,8 +93,9 @@ class Attention(nnx.Module):
 def test_without_input_axes_init_says_in_one_line_that_query_key_value_are_planned_apart():
   model = Attention(nnx.Rngs(0))
   params = nnx.state(model, nnx.Param)
-  with pytest.warns(UserWarning, match=r"no input_axes given, so the query, key and value of 1 attention layer.*"
-                                       r"pass scsgd_jax.Conditioning\(input_axes=scsgd_jax.input_axes_nnx\(model, x\)\)"):
+  with pytest.warns(UserWarning,
+                    match=r"no input_axes given, so the query, key and value of 1 attention layer.*"
+                    r"pass scsgd_jax.Conditioning\(input_axes=scsgd_jax.input_axes_nnx\(model, x\)\)"):
     scsgd_jax.scsgd(0.1).init(params)
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # the recipe shares one dense statistic: nothing to say
@@ -120,4 +121,5 @@ def test_without_input_axes_init_says_einsum_kernels_are_read_by_name():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     axes = scsgd_jax.input_axes_nnx(model, jnp.ones((2, 3, 8)))
-    assert scsgd_jax.plans(scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(input_axes=axes)).init(params))["q_einsum/kernel"].endswith("n=8")
+    assert scsgd_jax.plans(scsgd_jax.scsgd(
+        0.1, scsgd_jax.Conditioning(input_axes=axes)).init(params))["q_einsum/kernel"].endswith("n=8")

@@ -58,7 +58,8 @@ def test_multisteps_conditions_with_the_last_micro_batch_only():
   """optax.MultiSteps calls the inner update once per k micro-batches, with that call's layer_inputs:
   the statistics see 1/k of the rows (pinned here; README documents it)."""
   k = 3
-  inner = sk.scale_by_sketched_conditioning(sk.Conditioning(statistics=sk.Statistics(kind="dense", ema_rate=1.0), conditioner=sk.Conditioner(kind="full")))
+  inner = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(statistics=sk.Statistics(kind="dense", ema_rate=1.0), conditioner=sk.Conditioner(kind="full")))
   tx = optax.MultiSteps(inner, every_k_schedule=k)
   state = tx.init(PARAMS)
   rng = np.random.default_rng(1)

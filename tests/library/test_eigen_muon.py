@@ -58,8 +58,17 @@ def _nbytes(tree):
 def test_hidden_kernel_is_newton_schulz_of_the_eigenbasis_adam_and_the_rest_adamw():
   """The hidden kernel's update is -lr NS(u), u the eigenbasis Adam's output (Nesterov, b1 = Muon's beta) at the
   same settings; the head, the embedding table and the bias take Muon's AdamW part's update (NAdamW, at its rate)."""
-  tx = sk.scsgd_eigen_muon(LR, sk.Conditioning.from_flat(conditioner="full", **EXACT), beta=BETA, b2=B2, output_layer="head", adam_learning_rate=ADAM_LR)
-  eigen = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(kernel_filter=lambda path, leaf: path == "hidden/kernel", conditioner="full", **EXACT), b1=BETA, b2=B2, nesterov=True)
+  tx = sk.scsgd_eigen_muon(LR,
+                           sk.Conditioning.from_flat(conditioner="full", **EXACT),
+                           beta=BETA,
+                           b2=B2,
+                           output_layer="head",
+                           adam_learning_rate=ADAM_LR)
+  eigen = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(
+      kernel_filter=lambda path, leaf: path == "hidden/kernel", conditioner="full", **EXACT),
+                                      b1=BETA,
+                                      b2=B2,
+                                      nesterov=True)
   adamw = optax.adamw(ADAM_LR, weight_decay=0.0, nesterov=True)  # Muon's AdamW part is Nesterov's
   got, _ = _run(tx)
   want, _ = _run(eigen)
@@ -93,7 +102,12 @@ def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_coun
   hidden = sk.muon_kernel_filter("head")
   adam_rate = (lambda step: ADAM_LR * rate(step) / LR) if callable(rate) else ADAM_LR
   chain = optax.chain(
-      sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(kernel_filter=hidden, **conditioning), b1=BETA, b2=B2, nesterov=True, others="identity", **basis),
+      sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(kernel_filter=hidden, **conditioning),
+                                  b1=BETA,
+                                  b2=B2,
+                                  nesterov=True,
+                                  others="identity",
+                                  **basis),
       optax.contrib.muon(rate,
                          beta=0.0,
                          adam_learning_rate=adam_rate,
@@ -110,7 +124,14 @@ def test_equals_the_chain_with_muon_at_momentum_zero_without_its_buffer_and_coun
                                  "embedding": None
                              }
                          }))
-  tx = sk.scsgd_eigen_muon(rate, sk.Conditioning.from_flat(**conditioning), beta=BETA, b2=B2, output_layer="head", adam_learning_rate=adam_rate, muon={"adam_b2": B2}, **basis)
+  tx = sk.scsgd_eigen_muon(rate,
+                           sk.Conditioning.from_flat(**conditioning),
+                           beta=BETA,
+                           b2=B2,
+                           output_layer="head",
+                           adam_learning_rate=adam_rate,
+                           muon={"adam_b2": B2},
+                           **basis)
   got, got_state = _run(tx, steps=6)
   if basis:  # the hidden kernel is rotated on both sides: the output side's basis is in the state
     assert set(got_state[0].output_rotations) == {"hidden/kernel"}

@@ -69,7 +69,11 @@ def test_full_rank_gradient_basis_equals_adam_in_the_eigenbasis_of_the_gradients
   rng = np.random.default_rng(7)
   n, p = 4, 6
   gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
-  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(conditioner="full", **EXACT), b1=B1, b2=B2, eps=EPS, basis="gradients")
+  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(conditioner="full", **EXACT),
+                                   b1=B1,
+                                   b2=B2,
+                                   eps=EPS,
+                                   basis="gradients")
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
   state = tx.init(params)
   m = v = np.zeros((n, p))
@@ -106,7 +110,12 @@ def test_both_sides_at_full_rank_is_soap():
   rng = np.random.default_rng(9)
   n = p = 5
   gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
-  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(conditioner="full", **AVERAGED), b1=B1, b2=B2, eps=EPS, basis="gradients", sides="both")
+  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(conditioner="full", **AVERAGED),
+                                   b1=B1,
+                                   b2=B2,
+                                   eps=EPS,
+                                   basis="gradients",
+                                   sides="both")
   left, right = np.eye(n), np.eye(p)
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
   state = tx.init(params)
@@ -132,7 +141,11 @@ def test_both_sides_of_the_captured_rows_at_full_rank_is_ekfac():
   moments carried by both overlaps first; three steps."""
   rng = np.random.default_rng(12)
   n, p, m_rows = 5, 4, 40
-  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(conditioner="full", **EXACT), b1=B1, b2=B2, eps=EPS, sides="both")
+  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(conditioner="full", **EXACT),
+                                   b1=B1,
+                                   b2=B2,
+                                   eps=EPS,
+                                   sides="both")
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
   state = tx.init(params)
   m, v = np.zeros((n, p)), np.zeros((n, p))
@@ -161,7 +174,13 @@ def test_both_sides_sketched_with_the_scalar_tail_equals_numpy():
   rng = np.random.default_rng(10)
   n, p = 6, 5
   gs = [rng.standard_normal((n, p)) * np.linspace(0.5, 3.0, n)[:, None] for _ in range(3)]
-  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, conditioner="sketched", **AVERAGED), b1=B1, b2=B2, eps=EPS, basis="gradients", sides="both", tail="scalar")
+  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, conditioner="sketched", **AVERAGED),
+                                   b1=B1,
+                                   b2=B2,
+                                   eps=EPS,
+                                   basis="gradients",
+                                   sides="both",
+                                   tail="scalar")
   params = {"dense": {"kernel": jnp.zeros((n, p))}}
   state = tx.init(params)
   m, lead, col = np.zeros((n, p)), np.zeros((2, 2)), 0.0
@@ -196,7 +215,10 @@ def test_both_sides_leave_a_stacked_kernel_to_its_input_side_and_the_inputs_basi
   sides='both' with the inputs' basis and no captured output gradients is refused, naming what it needs."""
   rng = np.random.default_rng(11)
   n, p = 6, 3
-  make = lambda sides: sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, input_axes={"dense/kernel": sk.Layout((0,), stack=1)}, conditioner="sketched", **EXACT), basis="gradients", sides=sides)
+  make = lambda sides: sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(
+      rank=2, input_axes={"dense/kernel": sk.Layout((0,), stack=1)}, conditioner="sketched", **EXACT),
+                                                   basis="gradients",
+                                                   sides=sides)
   params = {"dense": {"kernel": jnp.zeros((2, n, p))}}
   txs = [make("both"), make("input")]
   states = [tx.init(params) for tx in txs]
@@ -222,8 +244,15 @@ def test_both_sides_keep_output_statistics_only_for_the_kernels_they_rotate_on_b
   it alone (SOAP at full rank, tested against numpy above)."""
   rng = np.random.default_rng(12)
   n, p = 6, 3
-  make = lambda axes={"stack/kernel": sk.Layout((0,), stack=1)}: sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(input_axes=axes, kernel_filter=lambda path, leaf: path.endswith("kernel") and not path.
-                                             startswith("head"), conditioner="full", **EXACT), basis="gradients", sides="both")
+  make = lambda axes={
+      "stack/kernel": sk.Layout((0,), stack=1)
+  }: sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(input_axes=axes,
+                                                           kernel_filter=lambda path, leaf: path.endswith("kernel") and
+                                                           not path.startswith("head"),
+                                                           conditioner="full",
+                                                           **EXACT),
+                                 basis="gradients",
+                                 sides="both")
   params = {"plain": {"kernel": jnp.zeros((n, p))}, "stack": {"kernel": jnp.zeros((2, n, p))},
             "head": {"kernel": jnp.zeros((p, n))}}
   alone = {"plain": params["plain"]}
@@ -243,7 +272,10 @@ def test_both_sides_keep_output_statistics_only_for_the_kernels_they_rotate_on_b
 def test_both_sides_memory_rule_pools_only_the_kernels_rotated_on_both_sides():
   """Under the memory rule pooled over the model, a stacked kernel (rotated on its input side alone) lends the
   output side no memory: the plain kernel's output plan is the one it gets alone, and the stack has none."""
-  make = lambda axes={"stack/kernel": sk.Layout((0,), stack=1)}: sk.scale_by_eigenbasis_adam(sk.Conditioning(statistics=sk.Statistics(budget="model"), input_axes=axes), basis="gradients", sides="both")
+  make = lambda axes={
+      "stack/kernel": sk.Layout((0,), stack=1)
+  }: sk.scale_by_eigenbasis_adam(
+      sk.Conditioning(statistics=sk.Statistics(budget="model"), input_axes=axes), basis="gradients", sides="both")
   mixed = {"plain": {"kernel": jnp.zeros((96, 64))}, "stack": {"kernel": jnp.zeros((4, 96, 64))}}
   got = dict(make().init(mixed).output.plan.items)
   alone = dict(make({}).init({"plain": mixed["plain"]}).output.plan.items)  # input_axes names its tree's parameters
@@ -276,7 +308,11 @@ def test_sketched_basis_with_its_tail_equals_numpy(tail):
   mean per column)."""
   rng = np.random.default_rng(1)
   batches = _batches(rng, 3)
-  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, conditioner="sketched", **EXACT), b1=B1, b2=B2, eps=EPS, tail=tail)
+  tx = sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, conditioner="sketched", **EXACT),
+                                   b1=B1,
+                                   b2=B2,
+                                   eps=EPS,
+                                   tail=tail)
   params = {"dense": {"kernel": jnp.zeros((6, 3)), "bias": jnp.zeros(3)}}
   state = tx.init(params)
   m = np.zeros((6, 3))
@@ -372,7 +408,8 @@ def test_stacked_kernel_equals_each_slice_alone(basis):
   n, p = 6, 3
   xs = [rng.standard_normal((2, 20, n)) * np.linspace(0.5, 3, n) for _ in range(2)]
   gs = [rng.standard_normal((2, n, p)) for _ in range(2)]
-  make = lambda axes: sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(rank=2, input_axes=axes, conditioner="sketched", **EXACT), basis=basis)
+  make = lambda axes: sk.scale_by_eigenbasis_adam(
+      sk.Conditioning.from_flat(rank=2, input_axes=axes, conditioner="sketched", **EXACT), basis=basis)
   stacked = make({"dense/kernel": sk.Layout((0,), stack=1)})
   params = {"dense": {"kernel": jnp.zeros((2, n, p))}}
   state = stacked.init(params)
@@ -486,7 +523,8 @@ def test_kernel_diagnostics_equal_the_dense_inverse_spectrum(kw):
   rank = kw.pop("rank", None)
   rng = np.random.default_rng(5)
   outs = []
-  for tx in (sk.scsgd(0.1, sk.Conditioning.from_flat(rank=rank, **kw)), sk.scsgd_eigen(1e-3, sk.Conditioning.from_flat(rank=rank, **kw))):
+  for tx in (sk.scsgd(0.1, sk.Conditioning.from_flat(rank=rank, **kw)),
+             sk.scsgd_eigen(1e-3, sk.Conditioning.from_flat(rank=rank, **kw))):
     _, state = _run(tx, _batches(rng, 2))
     diag = sk.kernel_diagnostics(state)["dense/kernel"]
     factor = (state[0].conditioning if hasattr(state[0], "conditioning") else state[0]).factors["dense/kernel"]
@@ -532,7 +570,8 @@ def test_memory_rule_takes_the_largest_rank_whose_whole_state_fits_adams(tail):
   summary = state[0].summary()["dense/kernel"]
   assert "streaming" in summary, summary
   k = int(summary.split("rank ")[1].split(",")[0])
-  fixed = lambda rank: sk.scsgd_eigen(1e-3, sk.Conditioning(rank=rank, statistics=sk.Statistics(kind="streaming")), tail=tail).init(params)
+  fixed = lambda rank: sk.scsgd_eigen(
+      1e-3, sk.Conditioning(rank=rank, statistics=sk.Statistics(kind="streaming")), tail=tail).init(params)
   assert _floats(state) == _floats(fixed(k)) <= 2 * n * p < _floats(fixed(k + 1))
 
 

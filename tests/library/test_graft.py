@@ -44,7 +44,10 @@ def test_conditioned_sgd_grafted_onto_normalized_rmsprop_first_two_steps():
   tx = optax.chain(
       sk.contrib.scale_by_grafting(
           sk.contrib.scale_by_normalized_rms(decay, eps),
-          sk.scale_by_sketched_conditioning(sk.Conditioning(conditioner=sk.Conditioner(kind="full"), statistics=sk.Statistics(kind="dense", ema_rate=nu, fold_every=1), refresh=sk.Refresh(warm_start=False, every=1)))),
+          sk.scale_by_sketched_conditioning(
+              sk.Conditioning(conditioner=sk.Conditioner(kind="full"),
+                              statistics=sk.Statistics(kind="dense", ema_rate=nu, fold_every=1),
+                              refresh=sk.Refresh(warm_start=False, every=1)))),
       optax.sgd(lr, momentum=mom, nesterov=True))
   state = tx.init(params)
   c, v, trace = np.eye(5), {"kernel": np.zeros((5, 2)), "bias": np.zeros(2)}, {"kernel": 0.0, "bias": 0.0}

@@ -80,7 +80,11 @@ def _one_dense_step(layer, x, input_axes=None):
   """One step of the full conditioner from this batch alone (ema_rate = 1) on the loss sum(layer(x) * target):
   the gradients, the captured rows, the updates and the new state."""
   tx = optax.chain(
-      sk.scale_by_sketched_conditioning(sk.Conditioning(conditioner=sk.Conditioner(kind="full"), statistics=sk.Statistics(kind="dense", ema_rate=1.0), refresh=sk.Refresh(every=1), input_axes=input_axes)), optax.sgd(LR))
+      sk.scale_by_sketched_conditioning(
+          sk.Conditioning(conditioner=sk.Conditioner(kind="full"),
+                          statistics=sk.Statistics(kind="dense", ema_rate=1.0),
+                          refresh=sk.Refresh(every=1),
+                          input_axes=input_axes)), optax.sgd(LR))
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
   target = jnp.asarray(RNG.standard_normal(layer(x).shape), jnp.float32)
 
@@ -128,7 +132,8 @@ def test_attention_kernels_read_by_true_input_axes():
   attn = nnx.MultiHeadAttention(num_heads=4, in_features=16, qkv_features=32, out_features=8, decode=False,
                                 rngs=nnx.Rngs(0))
   params = nnx.as_pure(nnx.state(attn, nnx.Param))
-  state = sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense"), conditioner=sk.Conditioner(kind="full"))).init(params)
+  state = sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense"),
+                                        conditioner=sk.Conditioner(kind="full"))).init(params)
   dims = {p: f.dim for p, f in state[0].factors.items()}
   assert dims == {"query/kernel": 16, "key/kernel": 16, "value/kernel": 16, "out/kernel": 32}
   assert sk.input_axes_nnx(attn) == {f"{p}/kernel": sk.Layout(ax) for p, ax in
@@ -163,7 +168,8 @@ def test_wrong_input_axes_are_reported_naming_the_kernel():
                      r"planned as Layout\(input_axes=\(0,\).*\(n=6\).*input_axes_nnx"):
     jax.jit(tx.update)(grads, tx.init(params), params, layer_inputs=li)
   # told up front, init plans n = 8 and the state keeps it
-  told = sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense", fold_every=1), input_axes=sk.input_axes_nnx(layer)))
+  told = sk.scsgd(
+      0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense", fold_every=1), input_axes=sk.input_axes_nnx(layer)))
   _, state = jax.jit(told.update)(grads, told.init(params), params, layer_inputs=li)
   assert state[0].summary() == {"kernel": "dense C, full C^(1/2), n=8"}
   assert state[0].statistics["kernel"].moments.shape == (8, 8)

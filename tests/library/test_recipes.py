@@ -110,7 +110,9 @@ def _nnx_train_step(model, optimizer, x, y, key):  # the README's NNX recipe (al
 
 def test_nnx_model_with_batchnorm_trains_with_the_readme_recipe():
   model = NNXNet(nnx.Rngs(0))
-  tx = scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model, _data(0)[0])))  # the README's, given a batch
+  tx = scsgd_jax.scsgd(
+      0.05, scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model,
+                                                                       _data(0)[0])))  # the README's, given a batch
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   train_step = lambda *a: _nnx_train_step(*a)[0]
 
@@ -174,8 +176,10 @@ def test_gemma_style_nnx_model_trains_with_the_layouts_read_from_the_model():
       GemmaStyle(nnx.Rngs(0)))
   dense = dict(statistics=scsgd_jax.Statistics(kind="dense"), conditioner=scsgd_jax.Conditioner(kind="full"))
   with pytest.raises(ValueError, match=r"fixed at init.*'kv/kernel' .*'q/kernel' .*input_axes_nnx"):
-    _train_gemma(scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(**dense)), 1)  # without them init reads the defaults: refused at the update
-  tx = scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(GemmaStyle(nnx.Rngs(0))), **dense))
+    _train_gemma(scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(**dense)),
+                 1)  # without them init reads the defaults: refused at the update
+  tx = scsgd_jax.scsgd(0.05,
+                       scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(GemmaStyle(nnx.Rngs(0))), **dense))
   model, optimizer, first, out = _train_gemma(tx, 3)
   state = nnx.as_pure(optimizer.opt_state)[0]
   dims = {p: f.dim for p, f in state.factors.items() if p != "embed/embedding"}
@@ -195,7 +199,11 @@ def test_gemma_style_nnx_model_trains_with_the_layouts_read_from_the_model():
   np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
   # and the whole run equals one told the axes by hand (bitwise)
   explicit, _, _, _ = _train_gemma(
-      scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(statistics=scsgd_jax.Statistics(kind="dense"), conditioner=scsgd_jax.Conditioner(kind="full"), input_axes=GEMMA_AXES)), 3)
+      scsgd_jax.scsgd(
+          0.05,
+          scsgd_jax.Conditioning(statistics=scsgd_jax.Statistics(kind="dense"),
+                                 conditioner=scsgd_jax.Conditioner(kind="full"),
+                                 input_axes=GEMMA_AXES)), 3)
   for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(explicit, nnx.Param))):
     np.testing.assert_array_equal(a, b)
 
@@ -255,7 +263,8 @@ def test_linen_einsum_model_trains_with_the_layouts_read_from_the_model():
 
   dense = dict(statistics="dense", conditioner="full")
   with pytest.raises(ValueError, match=r"fixed at init.*'q/kernel' .*input_axes_linen"):
-    run(scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning.from_flat(**dense)))  # init alone reads the defaults: refused at the update
+    run(scsgd_jax.scsgd(
+        0.05, scsgd_jax.Conditioning.from_flat(**dense)))  # init alone reads the defaults: refused at the update
   read = scsgd_jax.input_axes_linen(model, {"params": params}, ids)  # the recipe: the same run as told by hand
   recipe, explicit = run(scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning.from_flat(input_axes=read, **dense))), run(
       scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning.from_flat(input_axes=axes, **dense)))

@@ -92,7 +92,8 @@ def test_eigenbasis_refuses_arguments_that_reach_only_the_eigenvalues(name, valu
       make(1e-3, sk.Conditioning(conditioner=conditioner))
   with pytest.raises(TypeError, match=rf"Conditioner\({name}="):
     sk.scale_by_eigenbasis_adam(sk.Conditioning(conditioner=conditioner))
-  optax.chain(sk.scale_by_sketched_conditioning(sk.Conditioning(conditioner=conditioner)), optax.adamw(1e-3))  # where it acts: taken
+  optax.chain(sk.scale_by_sketched_conditioning(sk.Conditioning(conditioner=conditioner)),
+              optax.adamw(1e-3))  # where it acts: taken
 
 
 def test_a_rank_the_memory_rule_cuts_is_said_in_the_summary():
@@ -122,7 +123,9 @@ def test_options_a_custom_statistics_object_does_not_read_are_refused():
   x = jnp.arange(12.0).reshape(3, 4)
   held = {}
   for every in (1, 3):
-    tx = sk.scale_by_sketched_conditioning(sk.Conditioning(statistics=sk.Statistics(kind=sk.sketch.ema_correlation(0.5), fold_every=every), conditioner=sk.Conditioner(kind="full")))
+    tx = sk.scale_by_sketched_conditioning(
+        sk.Conditioning(statistics=sk.Statistics(kind=sk.sketch.ema_correlation(0.5), fold_every=every),
+                        conditioner=sk.Conditioner(kind="full")))
     state = tx.init(params)
     for t in range(3):
       _, state = tx.update(params, state, params, layer_inputs={"d": {"kernel": (t + 1.0) * x}})
@@ -136,7 +139,9 @@ def test_options_a_custom_statistics_object_does_not_read_are_refused():
     (lambda: sk.Statistics(kind="streaming", power_iterations=2), "{'power_iterations': 2}"),
     (lambda: sk.Statistics(kind="dense", budget="kernel"), "{'budget': 'kernel'}"),
     (lambda: sk.Conditioner(kind="sketched", full_max_dim=64), "{'full_max_dim': 64}"),
-    (lambda: sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense", oversample=4), conditioner=sk.Conditioner(kind="full"))),
+    (lambda: sk.scsgd(
+        0.1,
+        sk.Conditioning(statistics=sk.Statistics(kind="dense", oversample=4), conditioner=sk.Conditioner(kind="full"))),
      "{'Statistics.oversample': 4}"),
 ])
 def test_each_option_refuses_a_setting_its_choice_does_not_read(make, unread):

@@ -38,7 +38,11 @@ def _batches(seed=0):
 
 
 def _conditioning(apart, **refresh):
-  return sk.scale_by_sketched_conditioning(sk.Conditioning(rank=2, refresh=sk.Refresh(every=3, apart=apart, **refresh), statistics=sk.Statistics(kind="auto"), input_axes=AXES))
+  return sk.scale_by_sketched_conditioning(
+      sk.Conditioning(rank=2,
+                      refresh=sk.Refresh(every=3, apart=apart, **refresh),
+                      statistics=sk.Statistics(kind="auto"),
+                      input_axes=AXES))
 
 
 def _run(tx, apart):
@@ -70,7 +74,8 @@ def test_the_factors_apart_are_the_steps_and_an_update_uses_those_of_the_update_
     _close(s_in.factors, s_ap.factors, 1e-5)
     _close(s_in.statistics, s_ap.statistics)
     np.testing.assert_array_equal(s_in.key, s_ap.key)
-  first = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=2, input_axes=AXES)).init(_params()).factors  # A = I before any refresh
+  first = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=2, input_axes=AXES)).init(
+      _params()).factors  # A = I before any refresh
   grads = [g for g, _ in _batches()]
   for t, (updates, _) in enumerate(apart):
     factors = first if t == 0 else inline[t - 1][1].factors
@@ -166,7 +171,9 @@ def test_an_nnx_optimizer_refreshes_apart_in_place_as_in_its_step():
 
   def run(apart):
     model = Model(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, sk.scsgd(0.1, sk.Conditioning(refresh=sk.Refresh(every=2, apart=apart))), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model,
+                              sk.scsgd(0.1, sk.Conditioning(refresh=sk.Refresh(every=2, apart=apart))),
+                              wrt=nnx.Param)
 
     @nnx.jit
     def step(model, optimizer, x):

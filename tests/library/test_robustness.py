@@ -25,14 +25,26 @@ FAST = dict(update_every=3)  # refreshes at steps 1, 2, 4 (warm start) and every
 # (transformation at rate 1 of a model, b1, nesterov): Adam in the eigenbasis as each alias runs it
 EIGENBASES = {
     "scsgd_eigen": (lambda m: sk.scsgd_eigen(1.0, sk.Conditioning.from_flat(input_axes=axes(m), **FAST)), 0.9, False),
-    "full_rank": (lambda m: sk.scsgd_eigen(1.0, sk.Conditioning.from_flat(input_axes=axes(m), conditioner="full", statistics="dense", **FAST)), 0.9, False),
+    "full_rank": (lambda m: sk.scsgd_eigen(
+        1.0, sk.Conditioning.from_flat(input_axes=axes(m), conditioner="full", statistics="dense", **FAST)), 0.9, False
+                 ),
     # scsgd_eigen_muon's first stage (Nesterov, b1 = Muon's beta), every leaf Adam so every leaf is bounded
     "eigen_muon_stage": (lambda m: optax.chain(
-        sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(kernel_filter=sk.muon_kernel_filter("head"), input_axes=axes(m), **FAST), b1=0.95, nesterov=True), optax.scale(-1.0)), 0.95, True),
+        sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(
+            kernel_filter=sk.muon_kernel_filter("head"), input_axes=axes(m), **FAST),
+                                    b1=0.95,
+                                    nesterov=True), optax.scale(-1.0)), 0.95, True),
     # the same stage rotated on both sides by the gradients' bases at full rank (SOAP's, scsgd_eigen_muon's option)
     "soap_stage": (lambda m: optax.chain(
-        sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(kernel_filter=sk.muon_kernel_filter("head"), input_axes=axes(m), conditioner="full", statistics="dense", **FAST), b1=0.95, nesterov=True, basis="gradients", sides="both"),
-        optax.scale(-1.0)), 0.95, True),
+        sk.scale_by_eigenbasis_adam(sk.Conditioning.from_flat(kernel_filter=sk.muon_kernel_filter("head"),
+                                                              input_axes=axes(m),
+                                                              conditioner="full",
+                                                              statistics="dense",
+                                                              **FAST),
+                                    b1=0.95,
+                                    nesterov=True,
+                                    basis="gradients",
+                                    sides="both"), optax.scale(-1.0)), 0.95, True),
 }
 
 
@@ -219,7 +231,9 @@ def test_the_reported_mlp_trains_with_scsgd_eigen_at_every_adam_rate_to_adamws_b
     return np.asarray([float(stepped(x, y, jnp.float32(rate), key, capture, False)[0]) for x, y in data])
 
   rates = (1e-4, 3e-4, 1e-3, 3e-3)
-  eigen = {r: losses(lambda m: sk.scsgd_eigen(1.0, sk.Conditioning(input_axes=sk.input_axes_nnx(m))), True, r) for r in rates}
+  eigen = {
+      r: losses(lambda m: sk.scsgd_eigen(1.0, sk.Conditioning(input_axes=sk.input_axes_nnx(m))), True, r) for r in rates
+  }
   adamw = {r: losses(lambda m: optax.adamw(1.0), False, r) for r in rates}
   assert all(_stable(run) for run in eigen.values()), {r: run[-3:] for r, run in eigen.items()}
   final_loss = lambda runs: {r: round(float(np.mean(run[-10:])), 4) for r, run in runs.items()}

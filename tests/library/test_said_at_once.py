@@ -29,7 +29,8 @@ def test_an_input_axes_key_naming_no_parameter_is_refused_with_the_closest_paths
 def test_layout_axes_beyond_the_kernel_are_refused_quoting_what_was_passed():
   with pytest.raises(ValueError, match=r"input axes \(5,\) of kernel 'layers/0/kernel' \(24, 8\): each must lie in"):
     scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(input_axes={"layers/0/kernel": scsgd_jax.Layout((5,))})).init(PARAMS)
-  scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(input_axes={"layers/0/kernel": scsgd_jax.Layout((-2,))})).init(PARAMS)  # in range: taken
+  scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(input_axes={"layers/0/kernel": scsgd_jax.Layout((-2,))})).init(
+      PARAMS)  # in range: taken
 
 
 def test_an_asked_rank_the_plan_cuts_is_warned_naming_kernel_asked_and_planned():
@@ -131,7 +132,8 @@ def test_the_readme_linen_recipe_runs_as_written_with_batchnorm_and_dropout_and_
   data = [(jnp.asarray(x), jnp.asarray(label(x))) for x in xs]
   x = data[0][0]
   variables = model.init(jax.random.PRNGKey(0), x, train=False)
-  tx = scsgd_jax.scsgd(0.05, scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_linen(model, variables, x, train=True)))
+  tx = scsgd_jax.scsgd(0.05,
+                       scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_linen(model, variables, x, train=True)))
   state = TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
                             batch_stats=variables["batch_stats"])
   scope = {"jax": jax, "optax": optax, "scsgd_jax": scsgd_jax, "model": model}
@@ -146,5 +148,12 @@ def test_the_readme_linen_recipe_runs_as_written_with_batchnorm_and_dropout_and_
 
 def test_input_axes_may_name_a_parameter_that_optax_masked_hides():
   params = {"a": {"kernel": jnp.ones((8, 4))}, "b": {"kernel": jnp.ones((4, 2))}}
-  tx = optax.masked(scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(input_axes={"b/kernel": (0,)})), {"a": {"kernel": True}, "b": {"kernel": False}})
+  tx = optax.masked(scsgd_jax.scsgd(0.1, scsgd_jax.Conditioning(input_axes={"b/kernel": (0,)})), {
+      "a": {
+          "kernel": True
+      },
+      "b": {
+          "kernel": False
+      }
+  })
   assert set(scsgd_jax.plans(tx.init(params))) == {"a/kernel"}

@@ -155,7 +155,8 @@ def test_state_shardings_and_refreshes_apart_take_the_shared_state():
   specs = jax.tree.map(lambda a: P(*([None] * (a.ndim - 1) + ["tp"])) if a.ndim >= 2 else P(), params)
   is_spec = lambda s: isinstance(s, P)
   for tx in (sk.scsgd(0.1, sk.Conditioning(input_axes=axes)), sk.scsgd_eigen(1e-3, sk.Conditioning(input_axes=axes)),
-             sk.scsgd_eigen_muon(1e-3, sk.Conditioning(input_axes=axes)), sk.contrib.scsgd_two_sided(1e-3, sk.Conditioning(input_axes=axes))):
+             sk.scsgd_eigen_muon(1e-3, sk.Conditioning(input_axes=axes)),
+             sk.contrib.scsgd_two_sided(1e-3, sk.Conditioning(input_axes=axes))):
     state, got = tx.init(params), sk.state_shardings(tx, params, specs)
     assert jax.tree.structure(got, is_leaf=is_spec) == jax.tree.structure(state)
   tx = sk.scsgd(0.1, sk.Conditioning(input_axes=axes, refresh=sk.Refresh(apart=True)))

@@ -22,7 +22,9 @@ IDS = jax.random.randint(jax.random.PRNGKey(1), (4, 6), 0, V)
 
 def _tx(input_axes):
   # dense statistics, one refresh phase: the plans of a stack's slices and of the unstacked layers are equal
-  return sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="dense"), refresh=sk.Refresh(stagger=False), input_axes=input_axes))
+  return sk.scsgd(
+      0.1,
+      sk.Conditioning(statistics=sk.Statistics(kind="dense"), refresh=sk.Refresh(stagger=False), input_axes=input_axes))
 
 
 def _loss(logits):
@@ -341,5 +343,3 @@ def test_linen_scan_without_the_collection_is_planned_plain_naming_the_fix_and_t
     np.testing.assert_allclose(updates["blocks"]["up"]["kernel"], -0.19 * grads["blocks"]["up"]["kernel"], rtol=1e-5)
     said = [str(w.message) for w in caught if "blocks/up/kernel" in str(w.message)]
     assert len(said) == (1 if given is None else 0), said  # zero-config planned it: the first update says so
-
-

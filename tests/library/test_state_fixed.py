@@ -22,8 +22,11 @@ ALIASES = {
     "scsgd": (lambda axes: sk.scsgd(0.05, sk.Conditioning(input_axes=axes)), False),
     "scsgd_eigen": (lambda axes: sk.scsgd_eigen(1e-3, sk.Conditioning(input_axes=axes, **SMALL)), False),
     "scsgd_eigen_muon": (lambda axes: sk.scsgd_eigen_muon(1e-3, sk.Conditioning(input_axes=axes, **SMALL)), False),
-    "scsgd_eigen_both_sides": (lambda axes: sk.scsgd_eigen(1e-3, sk.Conditioning(input_axes=axes, **SMALL), sides="both", basis="gradients"), False),
-    "scsgd_eigen_muon_both_sides": (lambda axes: sk.scsgd_eigen_muon(1e-3, sk.Conditioning(input_axes=axes, **SMALL), sides="both", basis="gradients"), False),
+    "scsgd_eigen_both_sides":
+        (lambda axes: sk.scsgd_eigen(1e-3, sk.Conditioning(input_axes=axes, **SMALL), sides="both", basis="gradients"),
+         False),
+    "scsgd_eigen_muon_both_sides": (lambda axes: sk.scsgd_eigen_muon(
+        1e-3, sk.Conditioning(input_axes=axes, **SMALL), sides="both", basis="gradients"), False),
     "scsgd_two_sided": (lambda axes: sk.contrib.scsgd_two_sided(1e-3, sk.Conditioning(input_axes=axes)), True),
 }
 IMAGES = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8, 8, 3)), jnp.float32)

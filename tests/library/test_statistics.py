@@ -113,7 +113,11 @@ def _floats(tree):
 @pytest.mark.parametrize("kind,k", [("dense", None), ("dense", 7), ("streaming", 7), ("diagonal", 0)])
 def test_memory_rule_counts_the_real_state(kind, k):
   n, p = 40, 200
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=k or 7, statistics=sk.Statistics(kind=kind, oversample=None if kind == "diagonal" or k is None else 5), conditioner=sk.Conditioner(kind="full" if k is None else "sketched" if kind != "diagonal" else "auto")))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(
+          rank=k or 7,
+          statistics=sk.Statistics(kind=kind, oversample=None if kind == "diagonal" or k is None else 5),
+          conditioner=sk.Conditioner(kind="full" if k is None else "sketched" if kind != "diagonal" else "auto")))
   state = jax.eval_shape(tx.init, {"kernel": jnp.zeros((n, p))})
   real = _floats((state.statistics, state.factors))
   assert real == budget.state_floats(kind, n, k, min((k or 0) + 5, n))
@@ -128,12 +132,14 @@ def test_default_state_is_at_most_adams_for_every_kernel_shape(budget):
   for n in N_GRID:
     for p in P_GRID:
       params = {"dense": {"kernel": jnp.zeros((n, p)), "bias": jnp.zeros((p,))}}
-      ours = _floats(jax.eval_shape(sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(budget=budget))).init, params))
+      ours = _floats(
+          jax.eval_shape(sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(budget=budget))).init, params))
       adam = _floats(jax.eval_shape(optax.adam(1e-3).init, params))
       assert ours <= adam, (n, p, ours, adam)
       if budget == "model":  # no bias: the bound is the kernel's alone
         kernel = {"kernel": jnp.zeros((n, p))}
-        ours = _floats(jax.eval_shape(sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(budget=budget))).init, kernel))
+        ours = _floats(
+            jax.eval_shape(sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(budget=budget))).init, kernel))
         assert ours <= _floats(jax.eval_shape(optax.adam(1e-3).init, kernel)), (n, p)
 
 
@@ -172,13 +178,15 @@ def test_model_budget_spends_the_leftover_floats_on_the_smallest_n_first():
       "dense1/kernel": "streaming C Omega, rank 32, n=800", "dense2/kernel": "streaming C Omega, rank 32, n=500"}
   assert _floats((state.statistics, state.factors)) <= _floats(params)
   alone = {}  # budget='kernel' gives each kernel of the model what it gets alone
-  assert kernel_lines(jax.eval_shape(sk.scale_by_sketched_conditioning(sk.Conditioning(statistics=sk.Statistics(budget="kernel"))).init,
-                                    params).summary()) == {
-                            "conv1/kernel": "diagonal C, n=25",
-                            "conv2/kernel": "streaming C Omega, rank 9, n=500, rank 32 asked: cut by the memory rule",
-                            "dense1/kernel": "streaming C Omega, rank 32, n=800",
-                            "dense2/kernel": "diagonal C, n=500"
-                        }
+  assert kernel_lines(
+      jax.eval_shape(
+          sk.scale_by_sketched_conditioning(sk.Conditioning(statistics=sk.Statistics(budget="kernel"))).init,
+          params).summary()) == {
+              "conv1/kernel": "diagonal C, n=25",
+              "conv2/kernel": "streaming C Omega, rank 9, n=500, rank 32 asked: cut by the memory rule",
+              "dense1/kernel": "streaming C Omega, rank 32, n=800",
+              "dense2/kernel": "diagonal C, n=500"
+          }
   for k in shapes:
     alone.update(
         jax.eval_shape(
@@ -191,8 +199,9 @@ def test_model_budget_spends_the_leftover_floats_on_the_smallest_n_first():
       "dense1/kernel": "streaming C Omega, rank 32, n=800", "dense2/kernel": "diagonal C, n=500"}
   # A narrower dense1 leaves too little for conv2's dense C: conv2 takes its next best option (streaming).
   small = dict(params, dense1={"kernel": jnp.zeros((800, 300)), "bias": jnp.zeros(300)})
-  kinds = jax.eval_shape(sk.scale_by_sketched_conditioning(sk.Conditioning(statistics=sk.Statistics(budget="model"))).init,
-                         small).summary()
+  kinds = jax.eval_shape(
+      sk.scale_by_sketched_conditioning(sk.Conditioning(statistics=sk.Statistics(budget="model"))).init,
+      small).summary()
   assert kinds["conv1/kernel"] == "dense C, full C^(1/2), n=25"
   assert kinds["conv2/kernel"] == kinds["dense2/kernel"] == "streaming C Omega, rank 32, n=500"
 
@@ -210,8 +219,9 @@ def test_model_budget_plans_the_same_layer_of_each_block_alike():
       "streaming C Omega, rank 22, n=64, rank 32 asked: cut by the memory rule")
   assert _floats((state.statistics, state.factors)) <= _floats(params)
   # rank 23 for both would not fit beside the wide kernel's plan and the counters (count, key, one per kernel)
-  more = jax.eval_shape(sk.scale_by_sketched_conditioning(sk.Conditioning(rank=23, statistics=sk.Statistics(kind="streaming"))).init,
-                        params)
+  more = jax.eval_shape(
+      sk.scale_by_sketched_conditioning(sk.Conditioning(rank=23, statistics=sk.Statistics(kind="streaming"))).init,
+      params)
   assert _floats((more.statistics["block0/q/kernel"], more.factors["block0/q/kernel"])) * 2 + _floats(
       (state.statistics["wide/kernel"], state.factors["wide/kernel"])) + 2 + 3 > _floats(params)
   other = dict(params, block1={"k": params["block1"]["q"]})
@@ -224,7 +234,8 @@ def test_summary_names_embeddings_custom_statistics_and_the_forced_kinds():
   params = {"embed": {"embedding": jnp.zeros((100, 16))}, "head": {"kernel": jnp.zeros((16, 100))}}
   assert jax.eval_shape(sk.scale_by_sketched_conditioning().init, params).summary() == {
       "embed/embedding": "token frequencies, n=100", "head/kernel": "dense C, full C^(1/2), n=16"}
-  custom = sk.scale_by_sketched_conditioning(sk.Conditioning(statistics=sk.sketch.ema_correlation(), conditioner=sk.Conditioner(kind="sketched"), rank=4))
+  custom = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(statistics=sk.sketch.ema_correlation(), conditioner=sk.Conditioner(kind="sketched"), rank=4))
   assert jax.eval_shape(custom.init, {"d": {"kernel": jnp.zeros((16, 3))}}).summary() == {
       "d/kernel": "custom statistics, rank 4, n=16"}  # the plan says what was asked for
   forced = sk.scale_by_sketched_conditioning(sk.Conditioning(statistics=sk.Statistics(kind="diagonal")))
@@ -249,12 +260,21 @@ def _factor_history(tx, n, steps, rng):
 
 def test_warm_start_refreshes_after_1_2_4_8_folds_then_every_period():
   rng = np.random.default_rng(3)
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(conditioner=sk.Conditioner(kind="full"), statistics=sk.Statistics(kind="dense", fold_every=1), refresh=sk.Refresh(every=10)))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(conditioner=sk.Conditioner(kind="full"),
+                      statistics=sk.Statistics(kind="dense", fold_every=1),
+                      refresh=sk.Refresh(every=10)))
   assert _factor_history(tx, 4, 25, rng) == [0, 1, 3, 7, 10, 20]
   # the default folds every other step (0, 2, 4, ...): after 1, 2, 4 folds are steps 0, 2, 6
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(conditioner=sk.Conditioner(kind="full"), statistics=sk.Statistics(kind="dense"), refresh=sk.Refresh(every=10)))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(conditioner=sk.Conditioner(kind="full"),
+                      statistics=sk.Statistics(kind="dense"),
+                      refresh=sk.Refresh(every=10)))
   assert _factor_history(tx, 4, 25, rng) == [0, 2, 6, 10, 20]
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(conditioner=sk.Conditioner(kind="full"), statistics=sk.Statistics(kind="dense"), refresh=sk.Refresh(every=10, warm_start=False)))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(conditioner=sk.Conditioner(kind="full"),
+                      statistics=sk.Statistics(kind="dense"),
+                      refresh=sk.Refresh(every=10, warm_start=False)))
   assert _factor_history(tx, 4, 25, rng) == [0, 10, 20]
 
 
@@ -266,7 +286,8 @@ def test_warm_start_conditions_the_first_step_with_the_first_batch():
   x = rng.standard_normal((32, n)) * np.linspace(0.2, 4, n)
   g = rng.standard_normal((n, 2))
   params = {"d": {"kernel": jnp.zeros((n, 2))}}
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(conditioner=sk.Conditioner(kind="full"), statistics=sk.Statistics(kind="dense")))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(conditioner=sk.Conditioner(kind="full"), statistics=sk.Statistics(kind="dense")))
   u, _ = tx.update({"d": {"kernel": jnp.asarray(g, jnp.float32)}}, tx.init(params), params,
                    layer_inputs={"d": {"kernel": jnp.asarray(x, jnp.float32)}})
   b = x.T @ x / 32
@@ -287,7 +308,10 @@ def test_staggered_refreshes_spread_kernels_over_the_window(warm_start, kernels,
                                                             expected):
   """Kernel ``i`` of ``K`` refreshes at steps ``phase_i + j N`` (``phase_i = i N // K``), and, warm, also at the
   warm start's steps; read off the factors that change (each refresh sees newly folded rows)."""
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(statistics=sk.Statistics(kind="dense", fold_every=statistics_every), conditioner=sk.Conditioner(kind="full"), refresh=sk.Refresh(every=update_every, warm_start=warm_start)))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(statistics=sk.Statistics(kind="dense", fold_every=statistics_every),
+                      conditioner=sk.Conditioner(kind="full"),
+                      refresh=sk.Refresh(every=update_every, warm_start=warm_start)))
   params = {f"l{i}": {"kernel": jnp.zeros((3, 4))} for i in range(kernels)}
   state = tx.init(params)
   step = jax.jit(tx.update)
@@ -393,7 +417,10 @@ def test_guard_matches_float64_with_zero_tiny_or_huge_rows_among_ordinary_ones(o
 @pytest.mark.parametrize("warm_start", [False, True])
 def test_state_can_be_donated(warm_start):
   """No buffer appears twice in the state (the paper-mode streaming state once held Omega twice)."""
-  tx = sk.scsgd(0.1, sk.Conditioning(statistics=sk.Statistics(kind="streaming"), refresh=sk.Refresh(warm_start=warm_start), rank=2))
+  tx = sk.scsgd(
+      0.1, sk.Conditioning(statistics=sk.Statistics(kind="streaming"),
+                           refresh=sk.Refresh(warm_start=warm_start),
+                           rank=2))
   params = {"d": {"kernel": jnp.zeros((12, 3))}}
   state = tx.init(params)
   step = jax.jit(lambda g, s, li: tx.update(g, s, params, layer_inputs=li), donate_argnums=(1,))

@@ -186,7 +186,8 @@ def test_conv_step_equals_explicit_im2col_with_stride2_same_padding():
 def test_refresh_only_every_update_every_steps():
   rng = np.random.default_rng(3)
   params = _params(rng)
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning.from_flat(rank=3, update_every=3, ema_rate=0.5, conditioner="full", **PAPER))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning.from_flat(rank=3, update_every=3, ema_rate=0.5, conditioner="full", **PAPER))
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   step = jax.jit(tx.update)
@@ -202,7 +203,8 @@ def test_refresh_only_every_update_every_steps():
 def test_kernels_of_equal_dim_are_factored_together_and_match_singletons():
   rng = np.random.default_rng(4)
   params = {"a": {"kernel": jnp.zeros((20, 2))}, "b": {"kernel": jnp.zeros((20, 5))}}
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning.from_flat(rank=4, seed=3, update_every=1, ema_rate=1.0, conditioner="sketched", **PAPER))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning.from_flat(rank=4, seed=3, update_every=1, ema_rate=1.0, conditioner="sketched", **PAPER))
   state = tx.init(params)
   xa = jnp.asarray(rng.standard_normal((64, 20)), jnp.float32)
   xb = jnp.asarray(rng.standard_normal((64, 20)) * np.linspace(0.1, 2, 20), jnp.float32)
@@ -322,7 +324,9 @@ def test_schedule_and_convergence_on_least_squares():
   grid = [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
   sgd = min(run(lambda s: optax.with_extra_args_support(optax.sgd(s, momentum=0.9, nesterov=True)), lr) for lr in grid)
   cond = min(
-      run(lambda s: sk.scsgd(s, sk.Conditioning(rank=2, conditioner=sk.Conditioner(kind="full"), refresh=sk.Refresh(every=10))), lr)
+      run(
+          lambda s: sk.scsgd(
+              s, sk.Conditioning(rank=2, conditioner=sk.Conditioner(kind="full"), refresh=sk.Refresh(every=10))), lr)
       for lr in grid)
   assert cond < 0.2 * sgd, (cond, sgd)
 
@@ -401,7 +405,10 @@ def test_wrong_shape_names_kernel_and_shapes():
 
 def test_rank_at_least_n_names_kernel():
   with pytest.raises(ValueError, match="rank=6 must be < n=6.*'dense/kernel'"):
-    sk.scsgd(0.1, sk.Conditioning(rank=6, conditioner=sk.Conditioner(kind="sketched"))).init({"dense": {"kernel": jnp.zeros((6, 3))}})
+    sk.scsgd(0.1, sk.Conditioning(rank=6, conditioner=sk.Conditioner(kind="sketched"))).init(
+        {"dense": {
+            "kernel": jnp.zeros((6, 3))
+        }})
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2.5])
@@ -438,7 +445,12 @@ def test_degenerate_inputs_keep_updates_finite(kind, conditioner, statistics, wa
   else:
     x = rng.standard_normal((16, n)) * 1e-20
   params = {"dense": {"kernel": jnp.zeros((n, 3)), "bias": jnp.zeros(3)}}
-  tx = sk.scsgd(0.1, sk.Conditioning(rank=3, refresh=sk.Refresh(every=1, warm_start=warm_start), statistics=sk.Statistics(ema_rate=1.0, kind=statistics), conditioner=sk.Conditioner(kind=conditioner)))
+  tx = sk.scsgd(
+      0.1,
+      sk.Conditioning(rank=3,
+                      refresh=sk.Refresh(every=1, warm_start=warm_start),
+                      statistics=sk.Statistics(ema_rate=1.0, kind=statistics),
+                      conditioner=sk.Conditioner(kind=conditioner)))
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   for _ in range(3):
@@ -452,7 +464,11 @@ def test_degenerate_inputs_keep_updates_finite(kind, conditioner, statistics, wa
 def test_non_finite_inputs_do_not_poison_statistics(bad):
   rng = np.random.default_rng(8)
   params = {"dense": {"kernel": jnp.zeros((6, 3)), "bias": jnp.zeros(3)}}
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=2, refresh=sk.Refresh(every=1), statistics=sk.Statistics(ema_rate=0.5, fold_every=1), conditioner=sk.Conditioner(kind="full")))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(rank=2,
+                      refresh=sk.Refresh(every=1),
+                      statistics=sk.Statistics(ema_rate=0.5, fold_every=1),
+                      conditioner=sk.Conditioner(kind="full")))
   grads = jax.tree.map(jnp.ones_like, params)
   good1, good2 = (jnp.asarray(rng.standard_normal((8, 6)), jnp.float32) for _ in range(2))
   poisoned = good1.at[3, 2].set(bad)
@@ -473,9 +489,14 @@ def test_non_finite_inputs_do_not_poison_statistics(bad):
 
 def test_statistics_every_folds_only_on_its_steps():
   params = {"dense": {"kernel": jnp.zeros((4, 2))}}
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning.from_flat(rank=2, update_every=100, ema_rate=0.5, conditioner="full", **{
-          **PAPER, "statistics_every": 3
-      }))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning.from_flat(rank=2,
+                                update_every=100,
+                                ema_rate=0.5,
+                                conditioner="full",
+                                **{
+                                    **PAPER, "statistics_every": 3
+                                }))
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   x = jnp.full((2, 4), 2.0)
@@ -507,7 +528,8 @@ def test_custom_statistics_plug_in():
 
   stats = sk.sketch.CorrelationStatistics(init, update, factor, correlation, lambda s: jnp.trace(correlation(s)))
   params = {"dense": {"kernel": jnp.zeros((3, 2))}}
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=1, conditioner=sk.Conditioner(kind="full"), refresh=sk.Refresh(every=1), statistics=stats))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(rank=1, conditioner=sk.Conditioner(kind="full"), refresh=sk.Refresh(every=1), statistics=stats))
   rng = np.random.default_rng(9)
   x = rng.standard_normal((20, 3))
   g = rng.standard_normal((3, 2))
@@ -540,7 +562,11 @@ def test_learning_rate_must_be_finite_and_non_negative(lr):
 def test_outlier_threshold_inf_turns_the_guard_off():
   rng = np.random.default_rng(3)
   params = _params(rng)
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=3, statistics=sk.Statistics(outlier_threshold=float("inf"), fold_every=1, ema_rate=NU), conditioner=sk.Conditioner(kind="full"), refresh=sk.Refresh(every=1, warm_start=False)))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(rank=3,
+                      statistics=sk.Statistics(outlier_threshold=float("inf"), fold_every=1, ema_rate=NU),
+                      conditioner=sk.Conditioner(kind="full"),
+                      refresh=sk.Refresh(every=1, warm_start=False)))
   state = tx.init(params)
   x = rng.standard_normal((8, 6)).astype(np.float32)
   x[0] *= 1e4  # far above 100x the running tr C: clipped by the default guard, kept here
@@ -556,7 +582,11 @@ def test_a_kernel_with_no_rows_skips_its_fold_and_the_others_fold(statistics):
   """Rows of shape (0, n) (an empty micro-batch, a fully masked layer) once failed inside jnp.median."""
   rng = np.random.default_rng(4)
   params = {"a": _params(rng, n=6, p=3)["dense"], "b": _params(rng, n=5, p=2)["dense"]}
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=2, statistics=sk.Statistics(kind=statistics, ema_rate=NU), refresh=sk.Refresh(warm_start=False), conditioner=sk.Conditioner(kind="sketched" if statistics != "diagonal" else "auto")))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(rank=2,
+                      statistics=sk.Statistics(kind=statistics, ema_rate=NU),
+                      refresh=sk.Refresh(warm_start=False),
+                      conditioner=sk.Conditioner(kind="sketched" if statistics != "diagonal" else "auto")))
   state = tx.init(params)
   xa = jnp.asarray(rng.standard_normal((7, 6)), jnp.float32)
   grads = jax.tree.map(jnp.ones_like, params)
@@ -577,7 +607,9 @@ def test_summary_names_every_kernel_left_unconditioned_and_why(caplog):
 
   params = {"a": {"kernel": jnp.zeros((40, 3))}, "b": {"kernel": jnp.zeros((300, 1))},
             "e": {"embedding": jnp.zeros((10, 4))}}
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(kernel_filter=lambda path, leaf: path != "e/embedding", statistics=sk.Statistics(budget="kernel")))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(kernel_filter=lambda path, leaf: path != "e/embedding",
+                      statistics=sk.Statistics(budget="kernel")))
   with caplog.at_level(logging.INFO, logger="scsgd_jax"):
     summary = tx.init(params).summary()
   assert summary == {"a/kernel": "diagonal C, n=40",
@@ -611,7 +643,11 @@ def test_kernels_alike_fold_as_one_bank_each_member_exactly_as_alone():
   n, p, m = 6, 3, 8
   params = {k: {"kernel": jnp.asarray(rng.standard_normal((n, p)), jnp.float32)} for k in ("a", "b", "c", "d")}
   params["s"] = {"kernel": jnp.asarray(rng.standard_normal((2, n, p)), jnp.float32)}  # a stack of two layers
-  tx = sk.scale_by_sketched_conditioning(sk.Conditioning(rank=3, statistics=sk.Statistics(kind="dense", ema_rate=NU, fold_every=1), refresh=sk.Refresh(warm_start=False), input_axes={"s/kernel": sk.Layout((0,), stack=1)}))
+  tx = sk.scale_by_sketched_conditioning(
+      sk.Conditioning(rank=3,
+                      statistics=sk.Statistics(kind="dense", ema_rate=NU, fold_every=1),
+                      refresh=sk.Refresh(warm_start=False),
+                      input_axes={"s/kernel": sk.Layout((0,), stack=1)}))
   state = tx.init(params)
   rows = {k: rng.standard_normal((m, n)).astype(np.float32) for k in ("a", "b", "c")}
   rows["b"][0] *= 1e3  # an outlier: clipped in b alone

@@ -99,8 +99,10 @@ def test_one_two_sided_step_equals_dense_oracle(name, make, _, x, axes):
   args = dict(conditioner="full", statistics="dense", ema_rate=1.0, update_every=1, statistics_every=1)
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
   out_axes = tuple(a for a in range(params["kernel"].ndim) if a not in axes)  # plans are fixed at init: told
-  tx = optax.chain(sk.scale_by_sketched_conditioning(sk.Conditioning.from_flat(input_axes={"kernel": sk.Layout(axes)}, **args)),
-                   sk.contrib.scale_by_output_conditioning(sk.Conditioning.from_flat(**args), output_axes={"kernel": sk.Layout(out_axes)}), optax.sgd(LR))
+  tx = optax.chain(
+      sk.scale_by_sketched_conditioning(sk.Conditioning.from_flat(input_axes={"kernel": sk.Layout(axes)}, **args)),
+      sk.contrib.scale_by_output_conditioning(sk.Conditioning.from_flat(**args),
+                                              output_axes={"kernel": sk.Layout(out_axes)}), optax.sgd(LR))
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params, layer_inputs=li, output_grads=deltas)
   rows, delta = np.asarray(li["kernel"], np.float64), np.asarray(deltas["kernel"], np.float64)
   c, d = rows.T @ rows / rows.shape[0], delta.T @ delta / delta.shape[0]
@@ -179,7 +181,11 @@ def test_scsgd_two_sided_two_steps_by_hand(magnitude):
   model = MLP(nnx.Rngs(0))
   rng = np.random.default_rng(3)
   batches = [(rng.standard_normal((32, 5)), rng.standard_normal((32, 3))) for _ in range(2)]
-  tx = sk.contrib.scsgd_two_sided(LR, sk.Conditioning(conditioner=sk.Conditioner(kind="full"), statistics=sk.Statistics(kind="dense", ema_rate=1.0, fold_every=1), refresh=sk.Refresh(every=1)), magnitude=magnitude)
+  tx = sk.contrib.scsgd_two_sided(LR,
+                                  sk.Conditioning(conditioner=sk.Conditioner(kind="full"),
+                                                  statistics=sk.Statistics(kind="dense", ema_rate=1.0, fold_every=1),
+                                                  refresh=sk.Refresh(every=1)),
+                                  magnitude=magnitude)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit
