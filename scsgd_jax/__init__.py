@@ -19,6 +19,7 @@ from scsgd_jax._src.eigenbasis import ScaleByEigenbasisAdamState as ScaleByEigen
 from scsgd_jax._src.eigenbasis import scale_by_eigenbasis_adam as scale_by_eigenbasis_adam
 from scsgd_jax._src.inputs import CapturedInputs as CapturedInputs
 from scsgd_jax._src.muon import muon_kernel_filter as muon_kernel_filter
+from scsgd_jax._src.muon import muon_without_momentum as muon_without_momentum
 from scsgd_jax._src.options import Conditioner as Conditioner
 from scsgd_jax._src.options import Refresh as Refresh
 from scsgd_jax._src.options import Statistics as Statistics
@@ -57,6 +58,7 @@ __all__ = sorted([
     "default_kernel_filter",
     "kernel_diagnostics",
     "muon_kernel_filter",
+    "muon_without_momentum",
     "plans",
     "refresh_conditioners",
     "scale_by_eigenbasis_adam",

@@ -219,7 +219,7 @@ def _scsgd_eigen_muon(lr, kwargs, config, forward):
   return scsgd_jax.scsgd_eigen_muon(lr, c, muon=muon_args, **own, **rest)
 
 
-LEAN = {"magnitude": "sign", "split_budget": True}  # scsgd_two_sided at Adam's memory
+LEAN = {"magnitude": "sign", "memory_share": 0.5}  # scsgd_two_sided at Adam's memory
 POLAR3 = peers.polar_express(3)
 POLAR3_IN_FRONT = {f"muon_{k}": v for k, v in POLAR3.items()}
 POLAR3_NOTE = ("three Newton-Schulz steps at Polar Express's coefficients (Amsel et al. 2025, arXiv:2505.16932, the "
@@ -274,7 +274,7 @@ REGISTRY: dict[str, Entry] = {
     "scsgd_two_sided_lean": Entry(
         lambda lr, kwargs, config, forward: _scsgd_two_sided(lr, {**kwargs, **LEAN}, config, forward),
         CONDITIONING, "two_sided", lambda kind: Recipe(
-            3.16e-4, {}, "scsgd_jax.contrib.scsgd_two_sided at Adam's memory (magnitude='sign', split_budget=True): both "
+            3.16e-4, {}, "scsgd_jax.contrib.scsgd_two_sided at Adam's memory (magnitude='sign', memory_share=0.5): both "
             "sides' conditioning at the per-layer norm of sign(g), distributed Shampoo's SQRT_N grafting (Anil et "
             "al. 2020), Nesterov 0.9; " + DEVELOPED), fixed=LEAN),
     "scsgd_eigen": Entry(_scsgd_eigen, scsgd_jax.scsgd_eigen, "inputs", _eigen_recipe(False)),

@@ -95,11 +95,6 @@ def scsgd_eigen(
       optax.scale_by_learning_rate(learning_rate))
 
 
-# optax.contrib.muon's arguments that scsgd_eigen_muon sets itself
-_MUON_OWN = ("learning_rate", "beta", "nesterov", "mu_dtype", "muon_weight_dimension_numbers", "adam_learning_rate",
-             "weight_decay")
-
-
 @refuses_moved_keywords
 def scsgd_eigen_muon(
     learning_rate: optax.ScalarOrSchedule,
@@ -119,14 +114,14 @@ def scsgd_eigen_muon(
   (the SOAP-Muon layout, with the eigenbasis sketched)::
 
     optax.chain(scale_by_eigenbasis_adam(conditioning.replace(kernel_filter=hidden), b1=beta, b2=b2, eps=eps,
-                                         nesterov=True, others='identity'),
-                optax.contrib.muon(learning_rate, beta=0, adam_learning_rate=adam_learning_rate,
-                                   weight_decay=weight_decay, **muon))
+                                         nesterov=True, basis=basis, sides=sides, others='identity'),
+                muon_without_momentum(learning_rate, hidden, input_axes=conditioning.input_axes,
+                                      output_layer=output_layer, adam_learning_rate=adam_learning_rate,
+                                      weight_decay=weight_decay, **muon))
 
-  with Muon's momentum buffer left out of the state (:func:`behind`: at ``beta=0`` it is never
-  read; the eigenbasis Adam's Nesterov first moment, at Muon's ``beta``, takes its place), and Muon's counters
-  and Newton-Schulz coefficients too (each counter reads the eigenbasis' count, the coefficients come from
-  Muon's constructor): the same updates as the chain bit for bit. The hidden kernels
+  where :func:`muon_without_momentum` is ``optax.contrib.muon(learning_rate, beta=0, ...)`` less the momentum
+  buffer that it never reads at ``beta=0`` (the eigenbasis Adam's Nesterov first moment, at Muon's ``beta``, takes
+  its place): the same updates bit for bit, one float per hidden parameter less. The hidden kernels
   (``conditioning.kernel_filter``, default every kernel of :func:`default_kernel_filter` but the embedding tables and the
   layer whose path contains ``output_layer``, as Muon's authors prescribe) are conditioned and orthogonalized,
   each as the matrix of its input axes (a layer stack's slices each their own); Muon's AdamW part (rate
@@ -134,8 +129,8 @@ def scsgd_eigen_muon(
   scale. ``update`` takes ``layer_inputs=`` as :func:`scsgd` does.
 
   State: :func:`scale_by_eigenbasis_adam`'s for the hidden kernels (within Adam's for the sketched basis), Adam's
-  moments for the rest, one counter: within AdamW's under the default memory rule. Cost: the eigenbasis's five
-  ``(k x n) (n x p)`` products and Muon's Newton-Schulz iterations.
+  moments for the rest, a counter per transform: within AdamW's floats under the default memory rule. Cost: the
+  eigenbasis's five ``(k x n) (n x p)`` products and Muon's Newton-Schulz iterations.
 
   Args:
     learning_rate: Muon's rate.
@@ -154,22 +149,12 @@ def scsgd_eigen_muon(
   if not callable(learning_rate):
     checks.check_float("learning_rate", learning_rate, low=0.0)
   checks.check_float("weight_decay", weight_decay, low=0.0)
-  muon = dict(muon or {})
-  for name in muon:
-    if name in _MUON_OWN:
-      raise TypeError(f"scsgd_eigen_muon sets optax.contrib.muon's {name}= itself; pass it as scsgd_eigen_muon's "
-                      f"argument where it has one ({', '.join(_MUON_OWN)}).")
   c = checked(conditioning, "scsgd_eigen_muon")
-  chosen = c.kernel_filter or muon_lib.muon_kernel_filter(output_layer, c.input_axes)
-  hidden = muon_lib.muon_kernels(chosen, c.input_axes)
-  return muon_lib.checked_output_layer(
-      output_layer,
-      muon_lib.behind(
-          eigenbasis.scale_by_eigenbasis_adam(c.replace(kernel_filter=hidden), b1=beta, b2=b2, eps=eps,
-                                              nesterov=True, basis=basis, sides=sides, others="identity"),
-          optax.contrib.muon(learning_rate,
-                             beta=0.0,
-                             adam_learning_rate=adam_learning_rate,
-                             weight_decay=weight_decay,
-                             muon_weight_dimension_numbers=muon_lib.muon_dimension_numbers(hidden, c.input_axes),
-                             **muon)))
+  hidden = muon_lib.muon_kernels(c.kernel_filter or muon_lib.muon_kernel_filter(output_layer, c.input_axes),
+                                 c.input_axes)
+  return optax.chain(
+      eigenbasis.scale_by_eigenbasis_adam(c.replace(kernel_filter=hidden), b1=beta, b2=b2, eps=eps, nesterov=True,
+                                          basis=basis, sides=sides, others="identity"),
+      muon_lib.muon_without_momentum(learning_rate, hidden, input_axes=c.input_axes, output_layer=output_layer,
+                                     adam_learning_rate=adam_learning_rate, weight_decay=weight_decay,
+                                     **(muon or {})))

@@ -128,12 +128,14 @@ class Estimator:
     # layers the capture cannot condition: plain updates, their state untouched, the summary says so
     skipped = {p: f"not conditioned: {why}" for p, why in getattr(layer_inputs, "unconditioned", {}).items()
                if p in kernel_plans}
+    # and, without input_axes, those init could only guess and guessed wrong (an Einsum's, a DenseGeneral's)
+    skipped |= {p: f"not conditioned: its layer reads it {how}" for p, how in self.plans.misread.items()}
     state = state_lib.noted(state, kernel_plans, skipped, self.c.sketch_rank())
-    if skipped:  # planned at init, unread by the capture: said once per trace
-      warnings.warn("scsgd_jax: the capture could not read these kernels init planned, so they get plain updates: "
-                    + "; ".join(f"{p} ({why})" for p, why in skipped.items())
-                    + f". Set input_axes={helper} in the optimizer's scsgd_jax.Conditioning to plan them plain at "
-                    "init.", stacklevel=4)
+    if skipped:  # planned at init, unread by the capture or read otherwise: said once per trace
+      warnings.warn("scsgd_jax: these kernels init planned get plain updates, as the capture could not read them "
+                    "by the layout planned: " + "; ".join(f"{p} ({why})" for p, why in skipped.items())
+                    + f". Set input_axes={helper} in the optimizer's scsgd_jax.Conditioning to plan each by its "
+                    "layer's layout at init.", stacklevel=4)
       kernel_plans = {p: plan for p, plan in kernel_plans.items() if p not in skipped}
     own = plan_lib.own_statistics(kernel_plans)  # a kernel reading another's statistics folds no rows of its own
     statistics, clipped = self.fold(state, own, fold_lib.checked_rows(own, layer_inputs))
@@ -174,7 +176,8 @@ def warn_shared_inputs_unknown(kernel_plans) -> None:
   if einsums:
     warnings.warn(
         f"scsgd_jax: no input_axes given, so {len(einsums)} Einsum kernel(s) (e.g. '{einsums[0]}') are planned by "
-        "Flax's name-based axes, which an Einsum's equation may contradict (the first update then refuses them): "
+        "Flax's name-based axes, which an Einsum's equation may contradict (the first update then steps those it "
+        "does plainly and names them): "
         "pass scsgd_jax.Conditioning(input_axes=scsgd_jax.input_axes_nnx(model, x)) (Linen: "
         "scsgd_jax.input_axes_linen(module, variables, x)), which reads each equation.", stacklevel=4)
   groups = [g for g in attention_siblings(kernel_plans)

@@ -1,5 +1,5 @@
 """Muon's orthogonalization behind the eigenbasis Adam: which kernels it takes, and Muon without its momentum
-buffer (:func:`behind`)."""
+buffer (:func:`muon_without_momentum`)."""
 
 from __future__ import annotations
 
@@ -61,76 +61,71 @@ def _is_muon(x) -> bool:
   return isinstance(x, optax.contrib.MuonState)
 
 
-def _has_count(x) -> bool:
-  return isinstance(x, tuple) and "count" in getattr(x, "_fields", ())
+def _without_momentum(state):
+  """Muon's state less what it never reads at ``beta = 0``: each ``MuonState``'s momentum buffer."""
+  lean = lambda s: s._replace(mu=None)
+  return jax.tree.map(lambda s: lean(s) if _is_muon(s) else s, state, is_leaf=_is_muon)
 
 
-def _with_counts(state, count):
-  """``state`` with every optax state's ``count`` field (Muon's, its AdamW part's, a schedule's) set to ``count``."""
-
-  def one(s):
-    return type(s)(*(count if f == "count" else _with_counts(v, count) for f, v in zip(s._fields, s)))
-
-  return jax.tree.map(lambda s: one(s) if _has_count(s) else s, state, is_leaf=_has_count)
+def _refilled(kept, fresh):
+  """``kept`` (a :func:`_without_momentum` state) with each buffer it left out taken from ``fresh`` (``init``'s
+  zeros)."""
+  return jax.tree.map(lambda k, f: f if k is None else k, kept, fresh, is_leaf=lambda x: x is None)
 
 
-def _lean(state, counts: bool):
-  """Muon's state less its momentum buffers and, with ``counts``, its Newton-Schulz coefficients (constants of its
-  constructor) and its counters (each the number of updates applied so far)."""
-  drop = {"mu": None, **({"ns_coeffs": None} if counts else {})}
-  state = jax.tree.map(lambda s: s._replace(**drop) if _is_muon(s) else s, state, is_leaf=_is_muon)
-  return _with_counts(state, None) if counts else state
+def _check_output_layer(params, output_layer: str) -> None:
+  """Refuse an ``output_layer`` that no kernel's path contains (a typo would send the head to Newton-Schulz), naming
+  the kernels it could name."""
+  kernels = layout_lib.kernel_paths(params, layout_lib.default_kernel_filter)
+  if output_layer and not any(output_layer in path for path in kernels):
+    raise ValueError(f"output_layer={output_layer!r} is in no kernel's path; the kernels are {sorted(kernels)}: "
+                     "pass a part of the head's path (or output_layer='' for none).")
 
 
-def _refilled(kept, fresh, count=None):
-  """``kept`` (a :func:`_lean` state) with each field it left out taken from ``fresh`` (Muon's ``init``: zero
-  momentum, its coefficients) and, given ``count``, every counter set to it."""
-  full = jax.tree.map(lambda k, f: f if k is None else k, kept, fresh, is_leaf=lambda x: x is None)
-  return full if count is None else _with_counts(full, count)
+# optax.contrib.muon's arguments that muon_without_momentum sets itself
+_MUON_OWN = ("beta", "nesterov", "mu_dtype", "muon_weight_dimension_numbers")
 
 
-def behind(first: optax.GradientTransformation, muon: optax.GradientTransformation
-           ) -> optax.GradientTransformationExtraArgs:
-  """``optax.chain(first, muon)`` (``muon`` an ``optax.contrib.muon`` built with ``beta=0``) whose Muon part keeps
-  only its AdamW part's moments.
+def muon_without_momentum(learning_rate: optax.ScalarOrSchedule,
+                          kernel_filter: Callable[[str, Any], bool],
+                          *,
+                          input_axes: layout_lib.InputAxes = None,
+                          output_layer: str = "",
+                          **muon: Any) -> optax.GradientTransformationExtraArgs:
+  """``optax.contrib.muon(learning_rate, beta=0, **muon)`` without the momentum buffer it never reads, for a
+  transform in front that keeps the momentum (:func:`scsgd_eigen_muon`'s eigenbasis Adam).
 
   At ``beta = 0`` Muon's momentum is the incoming update itself (``0 * mu + g``, Nesterov's ``0 * mu + g``, bias
-  corrections of ``1``), so the buffer it keeps is never read: the state holds each ``MuonState`` with ``mu=None``
-  and the update hands Muon zeros in its place (the eigenbasis in front keeps the momentum).
+  corrections of ``1``): the state holds each ``MuonState`` with ``mu=None`` and the update hands Muon zeros in its
+  place, the same arithmetic as ``optax.contrib.muon`` bit for bit, one float per orthogonalized parameter less.
+  The kernels ``kernel_filter`` keeps (narrowed by :func:`muon_kernels`) are orthogonalized as the matrices of
+  their input axes (:func:`muon_dimension_numbers`); every other leaf goes to Muon's AdamW part. ``init`` refuses
+  an ``output_layer`` that no kernel's path contains.
 
-  ``first``'s state has a ``count`` (updates applied so far; the eigenbasis Adam's is its conditioning's). Every
-  counter of Muon's state (Muon's own, unread at ``beta = 0``; its AdamW part's bias correction; a schedule's)
-  counts the same updates, so the state keeps none and the update hands Muon ``first``'s; its Newton-Schulz
-  coefficients come from ``muon.init``. The same arithmetic bit for bit as the chain, with one counter in the
-  state where AdamW keeps its own (the state is a tuple, ``(first's, Muon's)``, as the chain's)."""
-  first, muon = optax.with_extra_args_support(first), optax.with_extra_args_support(muon)
+  Args:
+    learning_rate: Muon's rate.
+    kernel_filter: ``(path, leaf) -> bool``, the kernels to orthogonalize (e.g. :func:`muon_kernel_filter`).
+    input_axes: the conditioning's ``input_axes`` (how each kernel is read as a matrix).
+    output_layer: the head's name, checked at ``init`` to name a kernel (``""``: not checked).
+    **muon: ``optax.contrib.muon``'s other arguments (``adam_learning_rate``, ``weight_decay``, ``ns_steps``, ...).
+  """
+  for name in muon:
+    if name in _MUON_OWN:
+      raise TypeError(f"muon_without_momentum sets optax.contrib.muon's {name}= itself (it runs at beta=0 behind "
+                      f"a transform that keeps the momentum); {', '.join(_MUON_OWN)} are not taken.")
+  kernels = muon_kernels(kernel_filter, input_axes)
+  tx = optax.with_extra_args_support(
+      optax.contrib.muon(learning_rate,
+                         beta=0.0,
+                         muon_weight_dimension_numbers=muon_dimension_numbers(kernels, input_axes),
+                         **muon))
 
   def init(params):
-    return first.init(params), _lean(muon.init(params), counts=True)
+    _check_output_layer(params, output_layer)
+    return _without_momentum(tx.init(params))
 
   def update(updates, state, params=None, **extra):
-    first_state, muon_state = state
-    count = first_state.count  # before this update: what each of Muon's counters would hold
-    updates, first_state = first.update(updates, first_state, params, **extra)
-    full = _refilled(muon_state, muon.init(updates), count)
-    updates, full = muon.update(updates, full, params, **extra)
-    return updates, (first_state, _lean(full, counts=True))
+    updates, full = tx.update(updates, _refilled(state, tx.init(updates)), params, **extra)
+    return updates, _without_momentum(full)
 
   return optax.GradientTransformationExtraArgs(init, update)
-
-
-def checked_output_layer(output_layer: str, tx: optax.GradientTransformationExtraArgs
-                         ) -> optax.GradientTransformationExtraArgs:
-  """``tx`` whose ``init`` refuses an ``output_layer`` that no kernel's path contains (a typo would send the head to
-  Newton-Schulz), naming the kernels it could name."""
-  if not output_layer:
-    return tx
-
-  def init(params):
-    kernels = layout_lib.kernel_paths(params, layout_lib.default_kernel_filter)
-    if not any(output_layer in path for path in kernels):
-      raise ValueError(f"output_layer={output_layer!r} is in no kernel's path; the kernels are {sorted(kernels)}: "
-                       "pass a part of the head's path (or output_layer='' for none).")
-    return tx.init(params)
-
-  return optax.GradientTransformationExtraArgs(init, tx.update)

@@ -295,21 +295,30 @@ def slice_phases(kernel_plans: Mapping[str, KernelPlan], update_every: int, stag
   return out
 
 
-def check_layouts(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[str, Any], helper: str) -> None:
-  """Refuses a kernel whose layer reads it by another layout (input axes, a stack, feature groups) than ``init``
-  planned from the parameters alone: the plans, and so the state's shapes, are fixed at ``init``. The fix, named
-  in the error: ``input_axes``, which ``init`` reads."""
+def misread(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[str, Any]) -> dict[str, str]:
+  """``{path: how}`` of the kernels whose layers read them by another layout (input axes, a stack, feature groups)
+  than ``init`` planned from the parameters alone."""
   leaves = kernel_paths(tree, spec.kernel_filter)
   wrong = {}
   for path, plan in planned.items():
     layout = layout_of(path, leaves[path], spec.layouts, captured, spec.default_axes)
     if layout != plan.layout():
-      wrong[path] = (tuple(leaves[path].shape), layout, _input_dim(leaves[path], layout), plan)
-  if wrong:
+      wrong[path] = (f"{tuple(leaves[path].shape)} read as {layout} (n={_input_dim(leaves[path], layout)}), planned "
+                     f"as {plan.layout()} (n={plan.n})")
+  return wrong
+
+
+def check_layouts(planned: dict[str, KernelPlan], tree, spec: Spec, captured: Mapping[str, Any],
+                  helper: str) -> dict[str, str]:
+  """The kernels whose layers read them by another layout than ``init`` planned (:func:`misread`): the plans, and
+  so the state's shapes, are fixed at ``init``. Without ``input_axes`` (``init`` could only guess an Einsum's or a
+  DenseGeneral's layout from its shape) they are returned, to be stepped plainly; with it (the layers contradict
+  what it says) they are refused. The fix, named in the error: ``input_axes``, which ``init`` reads."""
+  wrong = misread(planned, tree, spec, captured)
+  if wrong and spec.layouts is not None:
     raise ValueError(
-        "the layers read these kernels by another layout than init planned from the parameters alone (plans, and "
-        "the state's shapes, are fixed at init): " + "; ".join(
-            f"'{p}' {shape} read as {layout} (n={n}), planned as {plan.layout()} (n={plan.n})"
-            for p, (shape, layout, n, plan) in wrong.items())
+        "the layers read these kernels by another layout than init planned from input_axes (plans, and the state's "
+        "shapes, are fixed at init): " + "; ".join(f"'{p}' {how}" for p, how in wrong.items())
         + f". Set input_axes={helper} in the optimizer's scsgd_jax.Conditioning, so that init plans each kernel by "
         "its layer's layout.")
+  return wrong

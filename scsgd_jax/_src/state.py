@@ -110,11 +110,13 @@ def _one_initial_factor(plan: plan_lib.KernelPlan) -> sketch.Factor:
 class PlanCache:
   """The plans of a parameter tree, computed once per tree of shapes (at ``init``) and reused by every update,
   which checks once per captured layout that the layers read their kernels as planned
-  (:func:`plan.check_layouts`)."""
+  (:func:`plan.check_layouts`; without ``input_axes`` those they do not are kept in ``misread``)."""
 
   def __init__(self, spec: plan_lib.Spec):
-    self._spec, self._plans, self._notes = spec, {}, {}
+    self._spec, self._plans, self._notes, self._misread = spec, {}, {}, {}
     self.notes: dict[str, str] = {}  # the kernels of the last tree planned left unconditioned, and why
+    # the last call's kernels planned at init that its layers read by another layout (only without input_axes)
+    self.misread: dict[str, str] = {}
 
   def __call__(self, tree, captured=None, helper: str = HELPERS) -> dict[str, plan_lib.KernelPlan]:
     flat, treedef = jax.tree_util.tree_flatten(tree)
@@ -129,13 +131,14 @@ class PlanCache:
       if cut:
         logging.getLogger("scsgd_jax").info("kernels planned below the rank asked (%d): %s", self._spec.rank,
                                             "; ".join(f"{p} ({d})" for p, d in cut.items()))
-    self.notes = self._notes[key]
+    self.notes, self.misread = self._notes[key], {}
     if not captured:
       return self._plans[key]
     key_captured = key + (tuple(sorted(captured.items())),)
     if key_captured not in self._plans:  # once per tree of shapes and layouts
-      plan_lib.check_layouts(self._plans[key], tree, self._spec, captured, helper)
+      self._misread[key_captured] = plan_lib.check_layouts(self._plans[key], tree, self._spec, captured, helper)
       self._plans[key_captured] = self._plans[key]
+    self.misread = self._misread[key_captured]
     return self._plans[key_captured]
 
 

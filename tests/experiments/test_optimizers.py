@@ -177,7 +177,7 @@ def test_scsgd_graft_is_the_library_recipe_with_its_graft_settings():
 
 
 @pytest.mark.parametrize("name,fixed", [("scsgd_two_sided", {}),
-                                        ("scsgd_two_sided_lean", {"magnitude": "sign", "split_budget": True})])
+                                        ("scsgd_two_sided_lean", {"magnitude": "sign", "memory_share": 0.5})])
 def test_scsgd_two_sided_is_the_library_alias_with_its_settings(name, fixed):
   """The factory's scsgd_two_sided (and its Adam-memory row, whose builder fixes two arguments) equals
   scsgd_jax.contrib.scsgd_two_sided built by hand (the sub-config's graft and conditioning settings reach it), asks the

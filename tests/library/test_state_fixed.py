@@ -1,6 +1,7 @@
 """The state is fixed at ``init``: for every layer kind a user writes and every alias, the state after updates has
-``init``'s structure, shapes and dtypes, and restores into a freshly built optimizer; a layout ``init`` cannot read
-from the parameters is refused at the first update, naming the kernel and the fix."""
+``init``'s structure, shapes and dtypes, and restores into a freshly built optimizer; without ``input_axes`` a layout
+``init`` could not read from the parameters is stepped plainly from the first update, which names the kernel and the
+fix; with them, a layer that contradicts the plans is refused."""
 
 import functools
 
@@ -128,13 +129,49 @@ def test_shared_statistics_keep_inits_layout(alias):
   assert summary["scan/blocks/attn/value/kernel"].endswith("statistics shared with scan/blocks/attn/query/kernel")
 
 
-def test_a_layout_init_cannot_read_is_refused_naming_each_kernel_and_the_fix():
-  """Without ``input_axes``, ``init`` reads a grouped conv, an Einsum, a stack or an ensemble by the name-based
-  defaults; the first update, whose capture says the layer's layout, refuses them (the state never changes shape)."""
+MISREAD = ("convs/dw/kernel", "einsums/q/kernel", "ensemble/members/l1/kernel", "scan/blocks/up/kernel")
+
+
+def test_without_input_axes_a_layout_init_could_not_read_is_stepped_plainly_and_named():
+  """Zero-config never refuses: without ``input_axes``, ``init`` reads a grouped conv, an Einsum, a stack or an
+  ensemble by the name-based defaults; the first update, whose capture says the layer's layout, steps each kernel
+  it read otherwise plainly (Nesterov SGD on its raw gradient, to the float), says so once naming each and the fix,
+  and the plans show it; the state keeps ``init``'s layout."""
   tx, params, run = _updated("scsgd", updates=1, told=False)
+  with pytest.warns(UserWarning, match=r"plain updates.*'?convs/dw/kernel.*einsums/q/kernel.*ensemble/members/l1/"
+                    r"kernel.*scan/blocks/up/kernel.*input_axes=scsgd_jax.input_axes_nnx\(model, x\)"):
+    state = run(params)
+  fresh = tx.init(params)
+  assert _layout(state) == _layout(fresh)
+  plans = sk.plans(state)
+  for path in MISREAD:
+    assert plans[path].startswith("not conditioned: its layer reads it"), (path, plans[path])
+    assert not sk.plans(fresh)[path].startswith("not conditioned"), path  # planned at init
+  model = _model()
+  grads = nnx.grad(lambda m: sk.capture_nnx(m, IMAGES, IDS, max_rows=None)[0])(model)
+  grads = nnx.to_pure_dict(nnx.state(grads, nnx.Param))
+  inputs = sk.capture_nnx(model, IMAGES, IDS, max_rows=None)[1]
+  with pytest.warns(UserWarning, match="plain updates"):
+    updates, _ = tx.update(grads, fresh, params, layer_inputs=inputs)
+  path = lambda key: jax.tree_util.keystr(key).replace("']['", "/").strip("[']")
+  flat_u, flat_g = ({path(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)} for t in (updates, grads))
+  for p in MISREAD:  # Nesterov's first step on the raw gradient: -rate (1 + momentum) g
+    np.testing.assert_allclose(flat_u[p], -0.05 * (1 + 0.9) * flat_g[p], rtol=1e-6, atol=1e-9)
+  assert not np.allclose(flat_u["dense/l1/kernel"], -0.05 * 1.9 * flat_g["dense/l1/kernel"])  # conditioned
+
+
+def test_a_layout_contradicting_the_input_axes_given_is_refused_naming_each_kernel_and_the_fix():
+  """With ``input_axes`` given (here one layer's only), ``init`` plans by it and the defaults; a layer the capture
+  reads by another layout than planned is refused at the first update, naming each kernel and the fix."""
+  model = _model()
+  tx = sk.scsgd(0.05, sk.Conditioning(input_axes={"dense/l1/kernel": (0,)}))
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  state = tx.init(params)
+  loss, inputs = sk.capture_nnx(model, IMAGES, IDS, max_rows=None)
+  grads = jax.tree.map(jnp.zeros_like, params)
   with pytest.raises(ValueError, match=r"fixed at init.*'convs/dw/kernel' .*'einsums/q/kernel' .*'ensemble/members/"
                      r"l1/kernel' .*'scan/blocks/up/kernel' .*input_axes=scsgd_jax.input_axes_nnx\(model, x\)"):
-    jax.eval_shape(run, params)
+    tx.update(grads, state, params, layer_inputs=inputs)
 
 
 def test_state_shardings_follow_each_kernels_axes_and_the_parameters():

@@ -258,15 +258,14 @@ class TinyLM(nnx.Module):
     self.norm, self.head = nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, v, rngs=rngs)
 
 
-@pytest.mark.parametrize("magnitude,split_budget,within_adam", [("sign", True, True), ("rms", True, False),
-                                                                  ("sign", False, False)])
-def test_two_sided_state_is_within_adams_with_sign_magnitude_and_split_budget(magnitude, split_budget, within_adam):
-  """``magnitude='sign', split_budget=True``: momentum plus both sides' statistics fit in Adam's two floats per
+@pytest.mark.parametrize("magnitude,share,within_adam", [("sign", 0.5, True), ("rms", 0.5, False), ("sign", 1.0, False)])
+def test_two_sided_state_is_within_adams_with_sign_magnitude_and_half_shares(magnitude, share, within_adam):
+  """``magnitude='sign', memory_share=0.5``: momentum plus both sides' statistics fit in Adam's two floats per
   parameter (the sides take half the memory rule's budget each); the base step's state or a side each do not."""
   params = nnx.as_pure(nnx.state(TinyLM(nnx.Rngs(0)), nnx.Param))
   floats = lambda state: sum(np.size(x) for x in jax.tree.leaves(state))
   adam = floats(optax.adam(0.1).init(params))
-  state = sk.contrib.scsgd_two_sided(LR, magnitude=magnitude, split_budget=split_budget).init(params)
+  state = sk.contrib.scsgd_two_sided(LR, magnitude=magnitude, memory_share=share).init(params)
   assert (floats(state) <= adam) == within_adam, (floats(state), adam)
   if within_adam:  # and the sides spend the budget: every kernel (but the embedding's output) on both sides
     sides = state[0].direction
@@ -294,7 +293,7 @@ def test_sign_magnitude_gives_an_unconditioned_leaf_its_normalized_gradient():
   target = jnp.asarray(RNG.standard_normal((2, 5, 6)), jnp.float32)
   params = nnx.as_pure(nnx.state(layer, nnx.Param))
   li, grads, deltas = _nnx_grads(layer, X3, target)
-  tx = sk.contrib.scsgd_two_sided(LR, magnitude="sign", split_budget=True)
+  tx = sk.contrib.scsgd_two_sided(LR, magnitude="sign", memory_share=0.5)
   bias = tx.update(grads, tx.init(params), params, layer_inputs=li, output_grads=deltas)[0]["bias"]
   g = np.asarray(grads["bias"], np.float64)
   np.testing.assert_allclose(bias, -LR * (1 + defaults.MOMENTUM) * g * np.sqrt(g.size) / np.linalg.norm(g),

@@ -26,7 +26,7 @@ def scsgd_two_sided(
     *,
     momentum: float = defaults.MOMENTUM,
     magnitude: Literal["rms", "factored", "sign"] = "factored",
-    split_budget: bool = False,
+    memory_share: float = 1.0,
     graft_decay: float = defaults.GRAFT_DECAY,
     graft_eps: float = defaults.GRAFT_EPS,
 ) -> optax.GradientTransformationExtraArgs:
@@ -34,11 +34,10 @@ def scsgd_two_sided(
   layer's inputs, output side from its back-propagated output rows), at the per-layer norm of a base step,
   then Nesterov momentum (Shampoo's grafting layout; rates on Adam's scale)::
 
-    share = 0.5 if split_budget else 1.0
     optax.chain(scale_by_grafting(<magnitude>,
-                                  optax.chain(scale_by_sketched_conditioning(conditioning, memory_share=share),
+                                  optax.chain(scale_by_sketched_conditioning(conditioning, memory_share=memory_share),
                                               scale_by_output_conditioning(conditioning.replace(seed=conditioning.seed + 1),
-                                                                           memory_share=share))),
+                                                                           memory_share=memory_share))),
                 optax.sgd(learning_rate, momentum=momentum, nesterov=True))
 
   ``update`` takes ``layer_inputs=`` and ``output_grads=`` (see :func:`output_perturbations_nnx`). Leaves
@@ -48,12 +47,12 @@ def scsgd_two_sided(
 
   Memory: momentum's float per parameter, plus the base step's state (the default ``'factored'``: ``n + p``
   floats per large kernel), plus each side's statistics, each side within the memory rule's budget of one float
-  per parameter (``split_budget=True``: half of it each). ``magnitude='sign', split_budget=True`` keeps the
+  per parameter (``memory_share=0.5``: half of it each). ``magnitude='sign', memory_share=0.5`` keeps the
   whole state within Adam's two floats per parameter; ``'rms'`` (a float per parameter) takes up to twice Adam's.
 
   Args:
     learning_rate: the rate (or schedule) of the Nesterov SGD that ends the chain.
-    rank: sketch rank ``k`` of both sides (default 32).
+    conditioning: both sides' :class:`Conditioning`.
     momentum: Nesterov momentum.
     magnitude: the base step whose per-layer norm the direction takes: ``'factored'``, normalized RMSprop
       with Adafactor's factored second moment (:func:`scale_by_normalized_factored_rms`: ``n + p`` floats for a
@@ -61,7 +60,8 @@ def scsgd_two_sided(
       (:func:`scale_by_normalized_rms`, distributed Shampoo's ``RMSPROP_NORMALIZED``; a float per parameter), or
       ``'sign'``, ``optax.scale_by_sign`` (distributed Shampoo's ``SQRT_N``: every layer's step has norm
       :math:`\sqrt{\text{size}}` times the rate; no state).
-    split_budget: the two sides split the memory rule's budget, half each (``Statistics(kind='auto')``).
+    memory_share: each side's share of the memory rule's budget (``Statistics(kind='auto')``; ``0.5``: the two
+      sides split it).
     graft_decay, graft_eps: normalized RMSprop's (``magnitude='factored'``, whose squares take ``graft_eps**2``,
       or ``'rms'``).
   """
@@ -70,15 +70,12 @@ def scsgd_two_sided(
   checks.check_float("momentum", momentum, low=0.0, high=1.0, high_open=True)
   if magnitude not in ("rms", "factored", "sign"):
     raise ValueError(f"magnitude must be 'rms', 'factored' or 'sign', got {magnitude!r}.")
-  if not isinstance(split_budget, bool):
-    raise ValueError(f"split_budget must be a bool, got {split_budget!r}.")
   c = checked(conditioning, "scsgd_two_sided")
-  share = 0.5 if split_budget else 1.0
   base = {"rms": lambda: graft.scale_by_normalized_rms(graft_decay, graft_eps),
           "factored": lambda: graft.scale_by_normalized_factored_rms(graft_decay, graft_eps),
           "sign": optax.scale_by_sign}[magnitude]()
   return optax.chain(
       graft.scale_by_grafting(base, optax.chain(
-          transform.scale_by_sketched_conditioning(c, memory_share=share),
-          output.scale_by_output_conditioning(c.replace(seed=c.seed + 1), memory_share=share))),
+          transform.scale_by_sketched_conditioning(c, memory_share=memory_share),
+          output.scale_by_output_conditioning(c.replace(seed=c.seed + 1), memory_share=memory_share))),
       optax.sgd(learning_rate, momentum=momentum, nesterov=True))
