@@ -19,7 +19,7 @@ import jax
 import optax
 
 import scsgd_jax as sk
-from experiments.zoo import report, rows as rows_lib, run, train
+from experiments.zoo import bounds, report, rows as rows_lib, run, train
 
 NOT_EMBEDDINGS = lambda path, leaf: sk.default_kernel_filter(path, leaf) and not path.endswith("embedding")
 VARIANTS = {
@@ -33,11 +33,29 @@ VARIANTS = {
 }
 
 
-def probe(workload: str, rate: float, variant: str, data_dir: str) -> list[dict]:
-  cell = train.Cell(workload, "scsgd", data_dir)
+# step bounds around the whole optimizer (experiments.zoo.bounds): built at the probe's rate, as they read the step
+_RECIPE = lambda s, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes))
+BOUNDS = {
+    "relative_step_0.1": lambda s, axes: bounds.relative_step(_RECIPE(s, axes), tau=0.1),
+    "predicted_decrease_0.5": lambda s, axes: bounds.predicted_decrease(_RECIPE(s, axes), nats=0.5),
+    "amplification_4": lambda s, axes: bounds.amplification(_RECIPE(s, axes), s, kappa=4.0),
+}
+
+
+def _variant_tx(cell, rate: float, variant: str):
+  """The probe's optimizer: ``scsgd`` with one default changed (scaled by ``update``'s ``rate=``), or a bound
+  around the recipe built at ``rate`` itself (its update ignores ``rate=``)."""
+  if variant in BOUNDS:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, rate, max(1, round(0.1 * cell.w.steps)), cell.w.steps, 0.0)
+    return BOUNDS[variant](schedule, cell.axes)
   options = VARIANTS[variant]
   variant_row = rows_lib.Row(lambda s, w, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes, **options)), rate, variant)
-  cell.tx = rows_lib.build_row(variant_row, cell.w, cell.axes)
+  return rows_lib.build_row(variant_row, cell.w, cell.axes)
+
+
+def probe(workload: str, rate: float, variant: str, data_dir: str) -> list[dict]:
+  cell = train.Cell(workload, "scsgd", data_dir)
+  cell.tx = _variant_tx(cell, rate, variant)
   cell._step = jax.jit(cell._train_step)
   out = []
   for seed in run.SEEDS:
@@ -75,7 +93,7 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workload", required=True)
   parser.add_argument("--rate", type=float, required=True)
-  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--variants", default=",".join(VARIANTS))  # or BOUNDS' names
   parser.add_argument("--data_dir", default="../shared/tfds")
   parser.add_argument("--out", required=True)
   parser.add_argument("--trace", action="append", default=[], help="ROW:RATE:SEED, a run followed kernel by kernel")

@@ -171,9 +171,10 @@ def test_state_planned_at_init_never_changes_shape_and_restores_into_a_fresh_opt
   assert conditioned and conditioned == {p: fresh[0].summary()[p] for p in conditioned}  # the plan in use is init's
 
 
-def test_stack_without_input_axes_is_refused_naming_the_fix():
+def test_stack_without_input_axes_is_stepped_plainly_naming_the_fix():
   """init reads a stacked kernel by the default axes (one matrix); the capture says a stack of layers: plans are
-  fixed at init, so the first update refuses it, naming the kernel and input_axes_nnx."""
+  fixed at init, so the first update steps it plainly (Nesterov SGD's first step), naming the kernel and
+  input_axes_nnx."""
   model = ScannedLM(nnx.Rngs(0))
   tx = sk.scsgd(0.1)
   params = nnx.as_pure(nnx.state(model, nnx.Param))
@@ -183,9 +184,11 @@ def test_stack_without_input_axes_is_refused_naming_the_fix():
     return _loss(logits), li
 
   (_, li), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-  with pytest.raises(ValueError, match=r"fixed at init.*'blocks/up/kernel' \(3, 8, 16\) read as Layout\("
-                     r"input_axes=\(0,\), stack=1, groups=1\) \(n=8\).*input_axes_nnx"):
-    tx.update(grads, tx.init(params), params, layer_inputs=li)
+  with pytest.warns(UserWarning, match=r"plain updates.*blocks/up/kernel .*\(3, 8, 16\) read as Layout\("
+                    r"input_axes=\(0,\), stack=1, groups=1\) \(n=8\).*input_axes_nnx"):
+    updates, _ = tx.update(grads, tx.init(params), params, layer_inputs=li)
+  np.testing.assert_allclose(updates["blocks"]["up"]["kernel"], -0.1 * 1.9 * grads["blocks"]["up"]["kernel"],
+                             rtol=1e-6)
 
 
 class Member(nnx.Module):

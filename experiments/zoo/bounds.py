@@ -1,0 +1,74 @@
+"""Candidate step bounds for the paper's method at its edge of stability, measured by :mod:`experiments.zoo.probe`.
+
+Each wraps a whole optimizer (its updates are the final steps, the rate included) and sees the raw gradients and
+the parameters:
+
+- :func:`relative_step`: each layer's step at most ``tau`` times its weight's norm (LARS/LAMB's trust ratio, as a
+  clip: it acts only on a step above the bound);
+- :func:`predicted_decrease`: the whole step's first-order predicted decrease ``-<step, g>`` at most ``nats``
+  (kfac-jax's ``norm_constraint``, in the loss's units);
+- :func:`amplification`: each layer's step at most ``kappa`` times Nesterov SGD's at the same rate (what the
+  conditioning may add to a raw gradient step).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def _norm(x):
+  return jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32))))
+
+
+def _bounded(inner: optax.GradientTransformation, bound) -> optax.GradientTransformationExtraArgs:
+  """``inner`` whose updates pass through ``bound(updates, grads, params)``."""
+  inner = optax.with_extra_args_support(inner)
+
+  def update(grads, state, params=None, **extra):
+    updates, state = inner.update(grads, state, params, **extra)
+    return bound(updates, grads, params), state
+
+  return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def relative_step(inner, tau: float = 0.1, floor_rms: float = 1e-2):
+  """Each leaf of two or more axes: ``|step| <= tau * max(|W|, floor_rms * sqrt(size))`` (the floor lets a
+  zero-initialised head move)."""
+
+  def one(u, w):
+    if u.ndim < 2:
+      return u
+    limit = tau * jnp.maximum(_norm(w), floor_rms * jnp.sqrt(u.size))
+    return u * jnp.minimum(1.0, limit / jnp.maximum(_norm(u), 1e-30))
+
+  return _bounded(inner, lambda updates, grads, params: jax.tree.map(one, updates, params))
+
+
+def predicted_decrease(inner, nats: float = 0.5):
+  """The whole step scaled by ``min(1, nats / -<step, g>)``: no step predicts more than ``nats`` of decrease."""
+
+  def bound(updates, grads, params):
+    del params
+    decrease = -sum(jnp.sum(u.astype(jnp.float32) * g.astype(jnp.float32))
+                    for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(grads)))
+    scale = jnp.where(decrease > nats, nats / jnp.maximum(decrease, 1e-30), 1.0)
+    return jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
+
+  return _bounded(inner, bound)
+
+
+def amplification(inner, schedule, kappa: float = 4.0, momentum: float = 0.9):
+  """Each leaf: ``|step| <= kappa * (1 + momentum) * rate * |g|`` (Nesterov SGD's first step at that rate)."""
+  def init(params):
+    return (inner.init(params), jnp.zeros([], jnp.int32))
+
+  def update(grads, state, params=None, **extra):
+    inner_state, step = state
+    updates, inner_state = optax.with_extra_args_support(inner).update(grads, inner_state, params, **extra)
+    rate = schedule(step)
+    one = lambda u, g: u * jnp.minimum(1.0, kappa * (1 + momentum) * rate * _norm(g) / jnp.maximum(_norm(u), 1e-30))
+    return jax.tree.map(one, updates, grads), (inner_state, optax.safe_increment(step))
+
+  return optax.GradientTransformationExtraArgs(init, update)
