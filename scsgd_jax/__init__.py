@@ -12,6 +12,7 @@ from scsgd_jax._src.alias import scsgd as scsgd
 from scsgd_jax._src.apart import refresh_conditioners as refresh_conditioners
 from scsgd_jax._src.alias import scsgd_eigen as scsgd_eigen
 from scsgd_jax._src.alias import scsgd_eigen_muon as scsgd_eigen_muon
+from scsgd_jax._src.bound import clip_by_relative_norm as clip_by_relative_norm
 from scsgd_jax._src.conditioning import Conditioning as Conditioning
 from scsgd_jax._src.diagnostics import kernel_diagnostics as kernel_diagnostics
 from scsgd_jax._src.diagnostics import update_diagnostics as update_diagnostics
@@ -55,6 +56,7 @@ __all__ = sorted([
     "ScaleByEigenbasisAdamState",
     "ScaleBySketchedConditioningState",
     "Statistics",
+    "clip_by_relative_norm",
     "default_kernel_filter",
     "kernel_diagnostics",
     "muon_kernel_filter",

@@ -35,19 +35,20 @@ VARIANTS = {
 
 # step bounds around the whole optimizer (experiments.zoo.bounds): built at the probe's rate, as they read the step
 _RECIPE = lambda s, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes))
-BOUNDS = {
-    "relative_step_0.1": lambda s, axes: bounds.relative_step(_RECIPE(s, axes), tau=0.1),
-    "predicted_decrease_0.5": lambda s, axes: bounds.predicted_decrease(_RECIPE(s, axes), nats=0.5),
-    "amplification_4": lambda s, axes: bounds.amplification(_RECIPE(s, axes), s, kappa=4.0),
+BOUNDS = {  # name_<value>: the bound at that value
+    "relative_step": lambda s, axes, v: bounds.relative_step(_RECIPE(s, axes), tau=v),
+    "predicted_decrease": lambda s, axes, v: bounds.predicted_decrease(_RECIPE(s, axes), nats=v),
+    "amplification": lambda s, axes, v: bounds.amplification(_RECIPE(s, axes), s, kappa=v),
 }
 
 
 def _variant_tx(cell, rate: float, variant: str):
   """The probe's optimizer: ``scsgd`` with one default changed (scaled by ``update``'s ``rate=``), or a bound
   around the recipe built at ``rate`` itself (its update ignores ``rate=``)."""
-  if variant in BOUNDS:
+  name, _, value = variant.rpartition("_")
+  if name in BOUNDS:
     schedule = optax.warmup_cosine_decay_schedule(0.0, rate, max(1, round(0.1 * cell.w.steps)), cell.w.steps, 0.0)
-    return BOUNDS[variant](schedule, cell.axes)
+    return BOUNDS[name](schedule, cell.axes, float(value))
   options = VARIANTS[variant]
   variant_row = rows_lib.Row(lambda s, w, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes, **options)), rate, variant)
   return rows_lib.build_row(variant_row, cell.w, cell.axes)

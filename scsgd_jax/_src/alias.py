@@ -7,6 +7,7 @@ from typing import Any, Optional
 import optax
 import optax.contrib
 
+from scsgd_jax._src import bound
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
 from scsgd_jax._src import eigenbasis
@@ -26,13 +27,15 @@ def scsgd(
     *,
     momentum: Optional[float] = defaults.MOMENTUM,
     nesterov: bool = True,
+    max_relative_step: Optional[float] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SCSGD: SGD (Nesterov momentum by default) on input-side conditioned gradients.
 
   ``optax.chain(scale_by_sketched_conditioning(...), optax.sgd(learning_rate, momentum, nesterov))``,
   so momentum accumulates the conditioned gradients
   :math:`\delta (A^{-1} x)^\top` of Section 3. ``conditioning``: the settings, a :class:`Conditioning` (see
-  :func:`scale_by_sketched_conditioning`).
+  :func:`scale_by_sketched_conditioning`). ``max_relative_step``: when given, the chain ends with
+  :func:`clip_by_relative_norm` at that ratio (each layer's step at most that share of its weight's norm).
 
   Example:
     >>> import jax.numpy as jnp, optax, scsgd_jax
@@ -53,8 +56,9 @@ def scsgd(
   if momentum is not None:
     checks.check_float("momentum", momentum, low=0.0, high=1.0, high_open=True)
   c = checked(conditioning, "scsgd")
+  bounded = () if max_relative_step is None else (bound.clip_by_relative_norm(max_relative_step),)
   return optax.chain(transform.scale_by_sketched_conditioning(c),
-                     optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))
+                     optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov), *bounded)
 
 
 @refuses_moved_keywords
