@@ -3,8 +3,9 @@
 Each wraps a whole optimizer (its updates are the final steps, the rate included) and sees the raw gradients and
 the parameters:
 
-- :func:`relative_step`: each layer's step at most ``tau`` times its weight's norm (LARS/LAMB's trust ratio, as a
-  clip: it acts only on a step above the bound);
+- ``relative_step``: each layer's step at most ``tau`` times its weight's norm (LARS/LAMB's trust ratio, as a
+  clip: it acts only on a step above the bound): the library's ``scsgd(max_relative_step=tau)``
+  (:func:`scsgd_jax.clip_by_relative_norm`);
 - :func:`predicted_decrease`: the whole step's first-order predicted decrease ``-<step, g>`` at most ``nats``
   (kfac-jax's ``norm_constraint``, in the loss's units);
 - :func:`amplification`: each layer's step at most ``kappa`` times Nesterov SGD's at the same rate (what the
@@ -31,19 +32,6 @@ def _bounded(inner: optax.GradientTransformation, bound) -> optax.GradientTransf
     return bound(updates, grads, params), state
 
   return optax.GradientTransformationExtraArgs(inner.init, update)
-
-
-def relative_step(inner, tau: float = 0.1, floor_rms: float = 1e-2):
-  """Each leaf of two or more axes: ``|step| <= tau * max(|W|, floor_rms * sqrt(size))`` (the floor lets a
-  zero-initialised head move)."""
-
-  def one(u, w):
-    if u.ndim < 2:
-      return u
-    limit = tau * jnp.maximum(_norm(w), floor_rms * jnp.sqrt(u.size))
-    return u * jnp.minimum(1.0, limit / jnp.maximum(_norm(u), 1e-30))
-
-  return _bounded(inner, lambda updates, grads, params: jax.tree.map(one, updates, params))
 
 
 def predicted_decrease(inner, nats: float = 0.5):

@@ -36,7 +36,7 @@ VARIANTS = {
 # step bounds around the whole optimizer (experiments.zoo.bounds): built at the probe's rate, as they read the step
 _RECIPE = lambda s, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes))
 BOUNDS = {  # name_<value>: the bound at that value
-    "relative_step": lambda s, axes, v: bounds.relative_step(_RECIPE(s, axes), tau=v),
+    "relative_step": lambda s, axes, v: sk.scsgd(s, sk.Conditioning(input_axes=axes), max_relative_step=v),
     "predicted_decrease": lambda s, axes, v: bounds.predicted_decrease(_RECIPE(s, axes), nats=v),
     "amplification": lambda s, axes, v: bounds.amplification(_RECIPE(s, axes), s, kappa=v),
 }
