@@ -9,7 +9,8 @@ the parameters:
 - :func:`predicted_decrease`: the whole step's first-order predicted decrease ``-<step, g>`` at most ``nats``
   (kfac-jax's ``norm_constraint``, in the loss's units);
 - :func:`amplification`: each layer's step at most ``kappa`` times Nesterov SGD's at the same rate (what the
-  conditioning may add to a raw gradient step).
+  conditioning may add to a raw gradient step);
+- :func:`outlier_step`: each layer's relative step at most ``kappa`` times the layers' median (no absolute scale).
 """
 
 from __future__ import annotations
@@ -60,3 +61,25 @@ def amplification(inner, schedule, kappa: float = 4.0, momentum: float = 0.9):
     return jax.tree.map(one, updates, grads), (inner_state, optax.safe_increment(step))
 
   return optax.GradientTransformationExtraArgs(init, update)
+
+
+def outlier_step(inner, kappa: float = 4.0, floor_rms: float = 1e-2):
+  """Each leaf of two or more axes: its relative step ``|step| / max(|W|, floor_rms sqrt(size))`` at most ``kappa``
+  times the median of all such leaves' (a layer running far above the others, as a softmax head at the edge does,
+  is brought back to them; layers moving alike are untouched)."""
+
+  def bound(updates, grads, params):
+    del grads
+    leaves = [(u, w) for u, w in zip(jax.tree.leaves(updates), jax.tree.leaves(params)) if u.ndim >= 2]
+    ratio = lambda u, w: _norm(u) / jnp.maximum(_norm(w), floor_rms * jnp.sqrt(jnp.float32(u.size)))
+    limit = kappa * jnp.median(jnp.stack([ratio(u, w) for u, w in leaves]))
+
+    def one(u, w):
+      if u.ndim < 2:
+        return u
+      r = ratio(u, w)
+      return u * jnp.where(r > limit, limit / jnp.maximum(r, 1e-30), 1.0).astype(u.dtype)
+
+    return jax.tree.map(one, updates, params)
+
+  return _bounded(inner, bound)

@@ -39,6 +39,7 @@ BOUNDS = {  # name_<value>: the bound at that value
     "relative_step": lambda s, axes, v: sk.scsgd(s, sk.Conditioning(input_axes=axes), max_relative_step=v),
     "predicted_decrease": lambda s, axes, v: bounds.predicted_decrease(_RECIPE(s, axes), nats=v),
     "amplification": lambda s, axes, v: bounds.amplification(_RECIPE(s, axes), s, kappa=v),
+    "outlier_step": lambda s, axes, v: bounds.outlier_step(_RECIPE(s, axes), kappa=v),
 }
 
 
