@@ -10,7 +10,9 @@ the parameters:
   (kfac-jax's ``norm_constraint``, in the loss's units);
 - :func:`amplification`: each layer's step at most ``kappa`` times Nesterov SGD's at the same rate (what the
   conditioning may add to a raw gradient step);
-- :func:`outlier_step`: each layer's relative step at most ``kappa`` times the layers' median (no absolute scale).
+- :func:`outlier_step`: each layer's relative step at most ``kappa`` times the layers' median (no absolute scale);
+- :func:`head_step`: the library's relative step bound on the output layer alone (the tied table where the head is
+  the embedding).
 """
 
 from __future__ import annotations
@@ -83,3 +85,18 @@ def outlier_step(inner, kappa: float = 4.0, floor_rms: float = 1e-2):
     return jax.tree.map(one, updates, params)
 
   return _bounded(inner, bound)
+
+
+def head_step(inner, head: str, tau: float):
+  """:func:`scsgd_jax.clip_by_relative_norm` at ``tau`` on the leaves whose path contains ``head`` (``""``: the
+  embedding tables, a tied head), every other step as ``inner`` gives it."""
+  import scsgd_jax as sk
+  from scsgd_jax._src import layout
+
+  def mask(params):
+    def one(path, leaf):
+      name = layout.path_to_str(path)
+      return (head in name) if head else layout.is_embedding(name)
+    return jax.tree_util.tree_map_with_path(one, params)
+
+  return optax.chain(inner, optax.masked(sk.clip_by_relative_norm(tau), mask))

@@ -35,11 +35,12 @@ VARIANTS = {
 
 # step bounds around the whole optimizer (experiments.zoo.bounds): built at the probe's rate, as they read the step
 _RECIPE = lambda s, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes))
-BOUNDS = {  # name_<value>: the bound at that value
-    "relative_step": lambda s, axes, v: sk.scsgd(s, sk.Conditioning(input_axes=axes), max_relative_step=v),
-    "predicted_decrease": lambda s, axes, v: bounds.predicted_decrease(_RECIPE(s, axes), nats=v),
-    "amplification": lambda s, axes, v: bounds.amplification(_RECIPE(s, axes), s, kappa=v),
-    "outlier_step": lambda s, axes, v: bounds.outlier_step(_RECIPE(s, axes), kappa=v),
+BOUNDS = {  # name_<value>: the bound at that value (w: the workload)
+    "relative_step": lambda s, axes, v, w: sk.scsgd(s, sk.Conditioning(input_axes=axes), max_relative_step=v),
+    "predicted_decrease": lambda s, axes, v, w: bounds.predicted_decrease(_RECIPE(s, axes), nats=v),
+    "amplification": lambda s, axes, v, w: bounds.amplification(_RECIPE(s, axes), s, kappa=v),
+    "outlier_step": lambda s, axes, v, w: bounds.outlier_step(_RECIPE(s, axes), kappa=v),
+    "head_step": lambda s, axes, v, w: bounds.head_step(_RECIPE(s, axes), w.head, v),
 }
 
 
@@ -49,7 +50,7 @@ def _variant_tx(cell, rate: float, variant: str):
   name, _, value = variant.rpartition("_")
   if name in BOUNDS:
     schedule = optax.warmup_cosine_decay_schedule(0.0, rate, max(1, round(0.1 * cell.w.steps)), cell.w.steps, 0.0)
-    return BOUNDS[name](schedule, cell.axes, float(value))
+    return BOUNDS[name](schedule, cell.axes, float(value), cell.w)
   options = VARIANTS[variant]
   variant_row = rows_lib.Row(lambda s, w, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes, **options)), rate, variant)
   return rows_lib.build_row(variant_row, cell.w, cell.axes)
