@@ -91,12 +91,11 @@ def head_step(inner, head: str, tau: float):
   """:func:`scsgd_jax.clip_by_relative_norm` at ``tau`` on the leaves whose path contains ``head`` (``""``: the
   embedding tables, a tied head), every other step as ``inner`` gives it."""
   import scsgd_jax as sk
-  from scsgd_jax._src import layout
 
   def mask(params):
     def one(path, leaf):
-      name = layout.path_to_str(path)
-      return (head in name) if head else layout.is_embedding(name)
+      name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+      return (head in name) if head else name.endswith("embedding")
     return jax.tree_util.tree_map_with_path(one, params)
 
   return optax.chain(inner, optax.masked(sk.clip_by_relative_norm(tau), mask))
