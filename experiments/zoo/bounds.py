@@ -52,12 +52,14 @@ def predicted_decrease(inner, nats: float = 0.5):
 
 def amplification(inner, schedule, kappa: float = 4.0, momentum: float = 0.9):
   """Each leaf: ``|step| <= kappa * (1 + momentum) * rate * |g|`` (Nesterov SGD's first step at that rate)."""
+  inner = optax.with_extra_args_support(inner)
+
   def init(params):
     return (inner.init(params), jnp.zeros([], jnp.int32))
 
   def update(grads, state, params=None, **extra):
     inner_state, step = state
-    updates, inner_state = optax.with_extra_args_support(inner).update(grads, inner_state, params, **extra)
+    updates, inner_state = inner.update(grads, inner_state, params, **extra)
     rate = schedule(step)
     one = lambda u, g: u * jnp.minimum(1.0, kappa * (1 + momentum) * rate * _norm(g) / jnp.maximum(_norm(u), 1e-30))
     return jax.tree.map(one, updates, grads), (inner_state, optax.safe_increment(step))

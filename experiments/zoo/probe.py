@@ -49,8 +49,7 @@ def _variant_tx(cell, rate: float, variant: str):
   around the recipe built at ``rate`` itself (its update ignores ``rate=``)."""
   name, _, value = variant.rpartition("_")
   if name in BOUNDS:
-    schedule = optax.warmup_cosine_decay_schedule(0.0, rate, max(1, round(0.1 * cell.w.steps)), cell.w.steps, 0.0)
-    return BOUNDS[name](schedule, cell.axes, float(value), cell.w)
+    return BOUNDS[name](rows_lib.schedule(cell.w, rate), cell.axes, float(value), cell.w)
   options = VARIANTS[variant]
   variant_row = rows_lib.Row(lambda s, w, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes, **options)), rate, variant)
   return rows_lib.build_row(variant_row, cell.w, cell.axes)

@@ -100,8 +100,12 @@ def build(name: str, w: Workload, axes: dict) -> optax.GradientTransformationExt
   return build_row(row(name), w, axes)
 
 
+def schedule(w: Workload, peak: float = 1.0, warmup_fraction: float = 0.1) -> optax.Schedule:
+  """The zoo's rate schedule for ``w``: warmup over ``warmup_fraction`` of its steps to ``peak``, then cosine to 0."""
+  return optax.warmup_cosine_decay_schedule(0.0, peak, max(1, round(warmup_fraction * w.steps)), w.steps, 0.0)
+
+
 def build_row(r: Row, w: Workload, axes: dict, warmup_fraction: float = 0.1) -> optax.GradientTransformationExtraArgs:
-  """Row ``r`` (a registry's or any other) for ``w`` at peak rate 1 under warmup + cosine, then
+  """Row ``r`` (a registry's or any other) for ``w`` at peak rate 1 under warmup + cosine (:func:`schedule`), then
   :func:`scaled_by_rate`."""
-  schedule = optax.warmup_cosine_decay_schedule(0.0, 1.0, max(1, round(warmup_fraction * w.steps)), w.steps, 0.0)
-  return optax.chain(r.build(schedule, w, axes), scaled_by_rate())
+  return optax.chain(r.build(schedule(w, 1.0, warmup_fraction), w, axes), scaled_by_rate())

@@ -55,6 +55,8 @@ def scsgd(
     checks.check_float("learning_rate", learning_rate, low=0.0)
   if momentum is not None:
     checks.check_float("momentum", momentum, low=0.0, high=1.0, high_open=True)
+  if max_relative_step is not None:  # named as the caller passed it (clip_by_relative_norm calls it max_ratio)
+    checks.check_float("max_relative_step", max_relative_step, low=0.0, low_open=True)
   c = checked(conditioning, "scsgd")
   bounded = () if max_relative_step is None else (bound.clip_by_relative_norm(max_relative_step),)
   return optax.chain(transform.scale_by_sketched_conditioning(c),

@@ -76,8 +76,10 @@ def _refilled(kept, fresh):
 def _check_output_layer(params, output_layer: str) -> None:
   """Refuse an ``output_layer`` that no kernel's path contains (a typo would send the head to Newton-Schulz), naming
   the kernels it could name."""
+  if not output_layer:
+    return
   kernels = layout_lib.kernel_paths(params, layout_lib.default_kernel_filter)
-  if output_layer and not any(output_layer in path for path in kernels):
+  if not any(output_layer in path for path in kernels):
     raise ValueError(f"output_layer={output_layer!r} is in no kernel's path; the kernels are {sorted(kernels)}: "
                      "pass a part of the head's path (or output_layer='' for none).")
 

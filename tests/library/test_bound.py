@@ -47,6 +47,8 @@ def test_a_non_finite_step_passes_as_it_is_and_bad_arguments_are_refused():
     sk.clip_by_relative_norm(0.0)
   with pytest.raises(ValueError, match="floor_rms"):
     sk.clip_by_relative_norm(0.1, floor_rms=-1.0)
+  with pytest.raises(ValueError, match="max_relative_step"):  # the alias names its own argument
+    sk.scsgd(0.1, max_relative_step=-0.1)
 
 
 class DeadMLP(nnx.Module):
