@@ -11,8 +11,8 @@ the parameters:
 - :func:`amplification`: each layer's step at most ``kappa`` times Nesterov SGD's at the same rate (what the
   conditioning may add to a raw gradient step);
 - :func:`outlier_step`: each layer's relative step at most ``kappa`` times the layers' median (no absolute scale);
-- :func:`head_step`: the library's relative step bound on the output layer alone (the tied table where the head is
-  the embedding).
+- :func:`head_step`: the library's relative step bound (its first floor, RMS 0.01) on the output layer alone (the
+  tied table where the head is the embedding).
 """
 
 from __future__ import annotations
@@ -100,4 +100,5 @@ def head_step(inner, head: str, tau: float):
       return (head in name) if head else name.endswith("embedding")
     return jax.tree_util.tree_map_with_path(one, params)
 
-  return optax.chain(inner, optax.masked(sk.clip_by_relative_norm(tau), mask))
+  return optax.chain(inner, optax.masked(sk.clip_by_relative_norm(tau, floor_rms=1e-2), mask))
+

@@ -24,6 +24,7 @@ from experiments.zoo import bounds, report, rows as rows_lib, run, train
 NOT_EMBEDDINGS = lambda path, leaf: sk.default_kernel_filter(path, leaf) and not path.endswith("embedding")
 VARIANTS = {
     "defaults": {},
+    "unbounded": {"max_relative_step": None},  # the paper's step: no step bound (the defaults before it)
     "dense_everywhere": {"statistics": sk.Statistics(kind="dense")},  # every kernel the full C^(1/2): no sketch
     "floor_0.1": {"conditioner": sk.Conditioner(eigenvalue_floor=0.1)},  # at most ~3x amplification, not 10x
     "embeddings_plain": {"kernel_filter": NOT_EMBEDDINGS},
@@ -33,10 +34,13 @@ VARIANTS = {
 }
 
 
-# step bounds around the whole optimizer (experiments.zoo.bounds): built at the probe's rate, as they read the step
-_RECIPE = lambda s, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes))
+# step bounds around the paper's step (experiments.zoo.bounds): built at the probe's rate, as they read the step
+_RECIPE = lambda s, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes), max_relative_step=None)
 BOUNDS = {  # name_<value>: the bound at that value (w: the workload)
-    "relative_step": lambda s, axes, v, w: sk.scsgd(s, sk.Conditioning(input_axes=axes), max_relative_step=v),
+    # the library's bound with its first floor, RMS 0.01 for every leaf
+    "relative_step": lambda s, axes, v, w: optax.chain(_RECIPE(s, axes), sk.clip_by_relative_norm(v, floor_rms=1e-2)),
+    # the library's bound as scsgd's max_relative_step: the floor at each leaf's init scale
+    "fan_in_floor": lambda s, axes, v, w: sk.scsgd(s, sk.Conditioning(input_axes=axes), max_relative_step=v),
     "predicted_decrease": lambda s, axes, v, w: bounds.predicted_decrease(_RECIPE(s, axes), nats=v),
     "amplification": lambda s, axes, v, w: bounds.amplification(_RECIPE(s, axes), s, kappa=v),
     "outlier_step": lambda s, axes, v, w: bounds.outlier_step(_RECIPE(s, axes), kappa=v),
@@ -44,23 +48,26 @@ BOUNDS = {  # name_<value>: the bound at that value (w: the workload)
 }
 
 
-def _variant_tx(cell, rate: float, variant: str):
-  """The probe's optimizer: ``scsgd`` with one default changed (scaled by ``update``'s ``rate=``), or a bound
-  around the recipe built at ``rate`` itself (its update ignores ``rate=``)."""
+SEEDS = (0, 1, 2)  # each probe's
+
+
+def _variant(variant: str) -> rows_lib.Row:
+  """The probe's row: ``scsgd`` with one default changed, or a bound around the recipe (built at each rate, as it
+  reads the step)."""
   name, _, value = variant.rpartition("_")
   if name in BOUNDS:
-    return BOUNDS[name](rows_lib.schedule(cell.w, rate), cell.axes, float(value), cell.w)
+    return rows_lib.Row(lambda s, w, axes: BOUNDS[name](s, axes, float(value), w), 0.1, variant, linear=False)
   options = VARIANTS[variant]
-  variant_row = rows_lib.Row(lambda s, w, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes, **options)), rate, variant)
-  return rows_lib.build_row(variant_row, cell.w, cell.axes)
+  bound = {k: options[k] for k in ("max_relative_step",) if k in options}
+  conditioning = {k: v for k, v in options.items() if k not in bound}
+  return rows_lib.Row(lambda s, w, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes, **conditioning), **bound), 0.1,
+                      variant, linear=False)
 
 
 def probe(workload: str, rate: float, variant: str, data_dir: str) -> list[dict]:
-  cell = train.Cell(workload, "scsgd", data_dir)
-  cell.tx = _variant_tx(cell, rate, variant)
-  cell._step = jax.jit(cell._train_step)
+  cell = train.Cell(workload, "scsgd", data_dir, definition=_variant(variant))
   out = []
-  for seed in run.SEEDS:
+  for seed in SEEDS:
     r = cell.run(rate, seed)
     out.append({"seed": seed, "diverged": r["diverged"], "final_loss": r["final_loss"],
                 "steps_trained": len(r["train_losses"])})
@@ -72,17 +79,17 @@ def trace(workload: str, row: str, rate: float, seed: int, steps: int, data_dir:
   """The first ``steps`` steps of one zoo run: the loss and the kernels of largest relative step."""
   from experiments.zoo import workloads as wl
   cell = train.Cell(workload, row, data_dir)
+  tx = rows_lib.build_row(cell.definition._replace(linear=False), cell.w, cell.axes, rate)  # built at the rate
 
   @jax.jit
   def step(params, extra, state, x, y, key):
     (loss, (inputs, extra)), grads = jax.value_and_grad(cell.bound.loss, has_aux=True)(params, extra, x, y, key,
                                                                                         cell.capture)
-    updates, state = cell.tx.update(grads, state, params, rate=rate,
-                                    **({"layer_inputs": inputs} if cell.capture else {}))
+    updates, state = tx.update(grads, state, params, **({"layer_inputs": inputs} if cell.capture else {}))
     return optax.apply_updates(params, updates), extra, state, loss, sk.update_diagnostics(grads, updates, params)
 
   params, extra = cell.bound.start(seed)
-  state, out = cell.tx.init(params), []
+  state, out = tx.init(params), []
   for i in range(steps):
     x, y = wl.batch(cell.data.train, cell.w.batch, i, seed)
     params, extra, state, loss, diagnostics = step(params, extra, state, x, y, jax.random.PRNGKey(i))

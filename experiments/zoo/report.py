@@ -105,9 +105,23 @@ def _fmt(row: dict) -> str:
   return f"{row['final_loss_median']:.3f}{lost}{flag}"
 
 
+def _seeds(out: dict) -> str:
+  """How many seeds each row's cells ran: "5 seeds'" or "5 seeds' (sgd, ...; 3 for the others)"."""
+  by_row = {}
+  for entry in out["workloads"].values():
+    for r, row in entry["rows"].items():
+      if not row.get("refused"):
+        by_row.setdefault(row["seeds"], set()).add(r)
+  if len(by_row) <= 1:
+    return f"{next(iter(by_row), 0)} seeds'"
+  most = max(by_row)
+  return (f"{most} seeds' ({', '.join(f'`{r}`' for r in ORDER if r in by_row[most])}; "
+          + ", ".join(f"{n} for the others" for n in sorted(by_row, reverse=True)[1:]) + ")")
+
+
 def table(out: dict) -> str:
-  lines = ["# The zoo", "", "Medians of 3 seeds' final held-out loss at each row's chosen rate (factor-2 grid, "
-           "warmup + cosine, the same batches for every row); `(2x: no)`: twice the chosen rate does not train. "
+  lines = ["# The zoo", "", f"Medians of {_seeds(out)} final held-out loss at each row's chosen rate (factor-2 "
+           "grid, warmup + cosine, the same batches for every row); `(2x: no)`: twice the chosen rate does not train. "
            "Rebuild: `" + out["command"] + "`.", "",
            "| workload | " + " | ".join(ORDER) + " |", "|---" * (len(ORDER) + 1) + "|"]
   for name, entry in out["workloads"].items():

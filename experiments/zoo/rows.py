@@ -1,8 +1,8 @@
 """The zoo's rows: each optimizer as its authors run it, built for a workload at a peak rate schedule.
 
-Every row is linear in its rate (the rate multiplies the whole update, weight decay included), so a row is built
-once at peak rate 1 and scaled per run (:func:`scaled_by_rate`): one compiled step serves the whole rate grid and
-every seed. ``scsgd_no_axes`` is what a user gets who passes no ``input_axes`` (the README's recipe passes them).
+A row linear in its rate (the rate multiplies the whole update, weight decay included) is built once at peak rate 1
+and scaled per run (:func:`scaled_by_rate`): one compiled step serves the whole rate grid and every seed. A row whose
+step bound reads the scaled step (``scsgd``'s ``max_relative_step``) is not linear: it is built at each rate. ``scsgd_no_axes`` is what a user gets who passes no ``input_axes`` (the README's recipe passes them).
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ NESTEROV = "Nesterov SGD, momentum 0.9 (Sutskever et al. 2013), the paper's base
 
 
 class Row(NamedTuple):
-  """``build(schedule, workload, input_axes) -> tx``; ``centre``: the middle of its factor-2 rate grid."""
+  """``build(schedule, workload, input_axes) -> tx``; ``centre``: the middle of its factor-2 rate grid; ``linear``:
+  whether its step is linear in its rate (:func:`build_row`)."""
 
   build: Callable[[optax.Schedule, Workload, dict], optax.GradientTransformation]
   centre: float
   source: str
+  linear: bool = True
 
 
 def _adam(w: Workload) -> dict:
@@ -59,10 +61,10 @@ ROWS: dict[str, Row] = {
         Row(
             lambda s, w, axes: sk.scsgd(s, sk.Conditioning(input_axes=axes)), 0.1,
             "scsgd_jax.scsgd at its defaults, the README's recipe (input_axes read from the model); rate centre "
-            "SGD's"),
+            "SGD's", linear=False),
     "scsgd_no_axes":
         Row(lambda s, w, axes: sk.scsgd(s), 0.1,
-            "scsgd_jax.scsgd at its defaults without input_axes (a new user's first try)"),
+            "scsgd_jax.scsgd at its defaults without input_axes (a new user's first try)", linear=False),
     "adamw":
         Row(lambda s, w, axes: peers.adamw(s, **_adam(w)), 3e-3, f"transformers: {NANOGPT}; the other models: {ADAM}"),
     "scsgd_eigen":
@@ -95,9 +97,9 @@ def scaled_by_rate() -> optax.GradientTransformationExtraArgs:
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
-def build(name: str, w: Workload, axes: dict) -> optax.GradientTransformationExtraArgs:
+def build(name: str, w: Workload, axes: dict, rate: float = 1.0) -> optax.GradientTransformationExtraArgs:
   """Row ``name`` for ``w`` (:func:`build_row`)."""
-  return build_row(row(name), w, axes)
+  return build_row(row(name), w, axes, rate)
 
 
 def schedule(w: Workload, peak: float = 1.0, warmup_fraction: float = 0.1) -> optax.Schedule:
@@ -105,7 +107,11 @@ def schedule(w: Workload, peak: float = 1.0, warmup_fraction: float = 0.1) -> op
   return optax.warmup_cosine_decay_schedule(0.0, peak, max(1, round(warmup_fraction * w.steps)), w.steps, 0.0)
 
 
-def build_row(r: Row, w: Workload, axes: dict, warmup_fraction: float = 0.1) -> optax.GradientTransformationExtraArgs:
-  """Row ``r`` (a registry's or any other) for ``w`` at peak rate 1 under warmup + cosine (:func:`schedule`), then
-  :func:`scaled_by_rate`."""
-  return optax.chain(r.build(schedule(w, 1.0, warmup_fraction), w, axes), scaled_by_rate())
+def build_row(r: Row, w: Workload, axes: dict, rate: float = 1.0,
+              warmup_fraction: float = 0.1) -> optax.GradientTransformationExtraArgs:
+  """Row ``r`` (a registry's or any other) for ``w`` under warmup + cosine (:func:`schedule`): a linear row at peak
+  rate 1, then :func:`scaled_by_rate` (its ``update`` takes the run's ``rate=``); any other at peak ``rate`` itself
+  (its ``update`` takes no ``rate=``)."""
+  if r.linear:
+    return optax.chain(r.build(schedule(w, 1.0, warmup_fraction), w, axes), scaled_by_rate())
+  return optax.with_extra_args_support(r.build(schedule(w, rate, warmup_fraction), w, axes))

@@ -1,7 +1,9 @@
-"""One zoo cell: a workload trained by one row, one compiled step for every rate and seed (:mod:`rows`)."""
+"""One zoo cell: a workload trained by one row, one compiled step for every rate and seed of a linear row, one per
+rate of any other (:mod:`rows`)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Optional
@@ -32,35 +34,49 @@ def diverged_by(losses: list[float], final_curve: list) -> bool:
 
 
 class Cell:
-  """Workload ``name`` under row ``row``: :meth:`run` trains one (rate, seed)."""
+  """Workload ``name`` under row ``row`` (a zoo row's name; ``definition``: another :class:`rows.Row` under that
+name): :meth:`run` trains one (rate, seed)."""
 
-  def __init__(self, name: str, row: str, data_dir: str):
-    self.w, self.row = wl.workload(name), row
+  def __init__(self, name: str, row: str, data_dir: str, definition: Optional[rows_lib.Row] = None):
+    self.w, self.row, self.definition = wl.workload(name), row, definition or rows_lib.row(row)
     self.data = wl.load(self.w.dataset, data_dir)
     self.bound = wl.Bound(self.w, wl.example(self.w))
     self.axes = self.bound.input_axes(wl.batch(self.data.train, self.w.batch, 0, 0)[0])
-    self.tx = rows_lib.build(row, self.w, self.axes)
     self.capture = row.startswith("scsgd")
     self.held_out = wl.held_out(self.data.validation, HELD_OUT[self.w.dataset])
-    self._step, self._eval = jax.jit(self._train_step), jax.jit(self.bound.evaluate)
+    self._compiled, self._eval = {}, jax.jit(self.bound.evaluate)
 
-  def _train_step(self, params, extra, opt_state, x, y, key, rate):
+  def tx(self, rate: float) -> optax.GradientTransformationExtraArgs:
+    """The row's optimizer for a run at peak ``rate`` (:func:`rows.build_row`)."""
+    return self._tx_and_step(rate)[0]
+
+  def _tx_and_step(self, rate: float):
+    key = None if self.definition.linear else rate
+    if key not in self._compiled:
+      tx = rows_lib.build_row(self.definition, self.w, self.axes, 1.0 if key is None else rate)
+      self._compiled[key] = tx, jax.jit(functools.partial(self._train_step, tx))
+    return self._compiled[key]
+
+  def _train_step(self, tx, params, extra, opt_state, x, y, key, rate):
     (loss, (inputs, extra)), grads = jax.value_and_grad(self.bound.loss, has_aux=True)(
         params, extra, x, y, key, self.capture)
     kwargs = {"layer_inputs": inputs} if self.capture else {}
-    updates, opt_state = self.tx.update(grads, opt_state, params, rate=rate, **kwargs)
+    if self.definition.linear:
+      kwargs["rate"] = rate
+    updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
     return optax.apply_updates(params, updates), extra, opt_state, loss
 
   def run(self, rate: float, seed: int, steps: Optional[int] = None) -> dict:
     """Trains the workload's ``steps`` (or ``steps``) at peak ``rate`` (batch order and init from ``seed``): the
     held-out curve, the final held-out loss, and whether it diverged (:func:`diverged_by`, stopped there)."""
     params, extra = self.bound.start(seed)
-    opt_state = self.tx.init(params)
+    tx, train_step = self._tx_and_step(rate)
+    opt_state = tx.init(params)
     curve, losses, first, diverged, start = [], [], None, False, time.time()
     steps = self.w.steps if steps is None else steps
     for step in range(steps):
       x, y = wl.batch(self.data.train, self.w.batch, step, seed)
-      params, extra, opt_state, loss = self._step(params, extra, opt_state, x, y, jax.random.PRNGKey(step),
+      params, extra, opt_state, loss = train_step(params, extra, opt_state, x, y, jax.random.PRNGKey(step),
                                                   jnp.float32(rate))
       loss = float(loss)
       first = loss if first is None else first

@@ -27,15 +27,17 @@ def scsgd(
     *,
     momentum: Optional[float] = defaults.MOMENTUM,
     nesterov: bool = True,
-    max_relative_step: Optional[float] = None,
+    max_relative_step: Optional[float] = defaults.MAX_RELATIVE_STEP,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SCSGD: SGD (Nesterov momentum by default) on input-side conditioned gradients.
 
   ``optax.chain(scale_by_sketched_conditioning(...), optax.sgd(learning_rate, momentum, nesterov))``,
   so momentum accumulates the conditioned gradients
   :math:`\delta (A^{-1} x)^\top` of Section 3. ``conditioning``: the settings, a :class:`Conditioning` (see
-  :func:`scale_by_sketched_conditioning`). ``max_relative_step``: when given, the chain ends with
-  :func:`clip_by_relative_norm` at that ratio (each layer's step at most that share of its weight's norm).
+  :func:`scale_by_sketched_conditioning`). ``max_relative_step``: the chain ends with
+  :func:`clip_by_relative_norm` at that ratio: each layer's step at most that share of its weight's norm (or of a
+  fresh init's, for a small or zero-initialised layer). It holds the step where one rate is too high for one layer
+  (a softmax head at the warmup's peak); ``None`` leaves it out (the paper's step).
 
   Example:
     >>> import jax.numpy as jnp, optax, scsgd_jax

@@ -13,6 +13,9 @@ OUTLIER_THRESHOLD = 100.0  # rows above 100x the running tr C (squared norm) are
 BUDGET = "model"  # Statistics(kind='auto'): the model-wide memory rule
 NORMALIZE = "embeddings"  # embeddings conditioned by C / (tr C / n); every other kernel by C itself (the paper's)
 MOMENTUM = 0.9  # scsgd's Nesterov momentum (the paper's)
+# scsgd's step bound: each layer's step at most 2% of its weight's norm (clip_by_relative_norm; the zoo's
+# measurements behind the value are in docs/how_it_works.md)
+MAX_RELATIVE_STEP = 0.02
 ADAM_B1, ADAM_B2, ADAM_EPS = 0.9, 0.999, 1e-8  # the eigenbasis Adam's (optax.adam's)
 GRAFT_DECAY = 0.999  # normalized RMSprop of the grafting (distributed Shampoo's default)
 GRAFT_EPS = 1e-8

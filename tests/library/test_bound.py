@@ -2,6 +2,8 @@
 a share of its weight's norm, against numpy; and, across model kinds at a rate where plain steps break it, every
 step of every layer within it."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,15 @@ def test_clips_a_step_above_the_bound_to_it_and_passes_the_rest_bit_for_bit():
   same, _ = tx.update(small, tx.init(params), params)
   for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(small)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_the_default_floor_is_a_lecun_normal_init_of_the_leafs_shape():
+  params = _tree()  # "zero": (5, 2), fan-in 5: a fresh init's norm sqrt(10 / 5) = sqrt(2)
+  updates = {"w": params["w"], "zero": jnp.full((5, 2), 0.5), "b": params["b"]}
+  tx = sk.clip_by_relative_norm(0.1)
+  out, _ = tx.update(updates, tx.init(params), params)
+  np.testing.assert_allclose(np.linalg.norm(out["zero"]), 0.1 * np.sqrt(2.0), rtol=1e-6)
+  np.testing.assert_allclose(np.linalg.norm(out["w"]), 0.1 * np.linalg.norm(params["w"]), rtol=1e-6)
 
 
 def test_a_non_finite_step_passes_as_it_is_and_bad_arguments_are_refused():
@@ -92,11 +103,11 @@ class TinyLM(nnx.Module):
 
 MODELS = {"relu_mlp_dead_units": (DeadMLP, False), "cnn": (CNN, False), "transformer_untied_zero_head": (TinyLM, False),
           "transformer_tied": (TinyLM, True)}
-RATIO = 0.02
+RATIO = inspect.signature(sk.scsgd).parameters["max_relative_step"].default  # scsgd's default bound
 
 
 def _steps(model, tx, steps=6):
-  """The relative steps ``|U| / max(|W|, 0.01 sqrt(size))`` of every leaf of two or more axes at every step, and
+  """The relative steps ``|U| / max(|W|, sqrt(shape[-1]))`` (the floor: a lecun-normal init's norm) of every leaf of two or more axes at every step, and
   whether the parameters end finite."""
   x = jnp.asarray(RNG.standard_normal((8, 12)), jnp.float32)
   y = jnp.asarray(RNG.integers(0, 5, 8))
@@ -110,7 +121,7 @@ def _steps(model, tx, steps=6):
   for _ in range(steps):
     (_, inputs), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, state = tx.update(grads, state, params, layer_inputs=inputs)
-    out += [float(jnp.linalg.norm(u) / jnp.maximum(jnp.linalg.norm(w), 0.01 * np.sqrt(w.size)))
+    out += [float(jnp.linalg.norm(u) / jnp.maximum(jnp.linalg.norm(w), np.sqrt(w.shape[-1])))
             for u, w in zip(jax.tree.leaves(updates), jax.tree.leaves(params)) if u.ndim >= 2]
     params = optax.apply_updates(params, updates)
   return out, all(np.isfinite(a).all() for a in jax.tree.leaves(params))
@@ -119,8 +130,8 @@ def _steps(model, tx, steps=6):
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_every_layers_step_is_within_the_bound_at_a_rate_where_plain_steps_break_it(kind):
   make, tied = MODELS[kind]
-  bounded, finite = _steps(make(nnx.Rngs(0), tied=tied), sk.scsgd(5.0, max_relative_step=RATIO))
-  plain, _ = _steps(make(nnx.Rngs(0), tied=tied), sk.scsgd(5.0))
+  bounded, finite = _steps(make(nnx.Rngs(0), tied=tied), sk.scsgd(5.0))  # at its defaults
+  plain, _ = _steps(make(nnx.Rngs(0), tied=tied), sk.scsgd(5.0, max_relative_step=None))
   assert max(bounded) <= RATIO * (1 + 1e-5) and finite, max(bounded)
   assert max(plain) > RATIO  # the invariant fails without the bound
 
