@@ -19,7 +19,7 @@ import jax
 import optax
 
 import scsgd_jax as sk
-from experiments.zoo import bounds, report, rows as rows_lib, run, train
+from experiments.zoo import bounds, report, rows as rows_lib, train
 
 NOT_EMBEDDINGS = lambda path, leaf: sk.default_kernel_filter(path, leaf) and not path.endswith("embedding")
 VARIANTS = {
