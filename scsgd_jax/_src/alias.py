@@ -11,6 +11,7 @@ from scsgd_jax._src import bound
 from scsgd_jax._src import checks
 from scsgd_jax._src import defaults
 from scsgd_jax._src import eigenbasis
+from scsgd_jax._src import layout as layout_lib
 from scsgd_jax._src import muon as muon_lib
 from scsgd_jax._src import transform
 from scsgd_jax._src.conditioning import Conditioning
@@ -35,8 +36,8 @@ def scsgd(
   so momentum accumulates the conditioned gradients
   :math:`\delta (A^{-1} x)^\top` of Section 3. ``conditioning``: the settings, a :class:`Conditioning` (see
   :func:`scale_by_sketched_conditioning`). ``max_relative_step``: the chain ends with
-  :func:`clip_by_relative_norm` at that ratio: each layer's step at most that share of its weight's norm (or of a
-  fresh init's, for a small or zero-initialised layer). It holds the step where one rate is too high for one layer
+  :func:`clip_by_relative_norm` at that ratio: each kernel's step (each layer's of a scanned or vmapped stack) at
+  most that share of its weight's norm (or of a fresh init's, for a small or zero-initialised layer). It holds the step where one rate is too high for one layer
   (a softmax head at the warmup's peak); ``None`` leaves it out (the paper's step).
 
   Example:
@@ -60,9 +61,24 @@ def scsgd(
   if max_relative_step is not None:  # named as the caller passed it (clip_by_relative_norm calls it max_ratio)
     checks.check_float("max_relative_step", max_relative_step, low=0.0, low_open=True)
   c = checked(conditioning, "scsgd")
-  bounded = () if max_relative_step is None else (bound.clip_by_relative_norm(max_relative_step),)
+  bounded = () if max_relative_step is None else (bound.clip_by_relative_norm(max_relative_step,
+                                                                               slices=_kernel_slices(c)),)
   return optax.chain(transform.scale_by_sketched_conditioning(c),
                      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov), *bounded)
+
+
+def _kernel_slices(c: Conditioning) -> bound.Slices:
+  """The step bound's layers: each kernel the conditioning conditions, per slice of its layout's stack (a scanned
+  or vmapped stack is bounded layer by layer, as the unrolled model would be); other leaves pass."""
+  kernels = c.kernels()
+
+  def stack(path: str, leaf) -> Optional[int]:
+    if not kernels(path, leaf):
+      return None
+    layout = layout_lib.layout_of(path, leaf, c.input_axes)
+    return 0 if layout is None else layout.stack  # a kernel planned plain: whole
+
+  return stack
 
 
 @refuses_moved_keywords

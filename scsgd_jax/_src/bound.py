@@ -3,61 +3,79 @@ a step above it."""
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from scsgd_jax._src import checks
+from scsgd_jax._src import layout as layout_lib
 
 __all__ = ["clip_by_relative_norm"]
 
 
-def _norm(x: jax.Array) -> jax.Array:
-  return jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32))))
+Slices = Callable[[str, Any], Optional[int]]
 
 
-def _floor(w: jax.Array, floor_rms: Optional[float]) -> jax.Array:
-  """The weight norm the bound assumes at least: ``floor_rms`` times ``sqrt(size)``, or (``None``) the norm of a
-  lecun-normal init of the leaf's shape, ``sqrt(shape[-1])`` (fan-in ``size / shape[-1]``: Flax's kernels put their
-  outputs last)."""
+def _norms(x: jax.Array, stack: int) -> jax.Array:
+  """The Frobenius norm of each slice over the leading ``stack`` axes (shape: those axes, then ones)."""
+  return jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(stack, x.ndim)), keepdims=True))
+
+
+def _floor(w: jax.Array, stack: int, floor_rms: Optional[float]) -> jax.Array:
+  """The weight norm the bound assumes at least, per slice: ``floor_rms`` times ``sqrt(slice size)``, or (``None``)
+  the norm of a lecun-normal init of the slice's shape, ``sqrt(shape[-1])`` (fan-in ``size / shape[-1]``: Flax's
+  kernels put their outputs last)."""
   if floor_rms is None:
     return jnp.sqrt(jnp.float32(w.shape[-1]))
-  return floor_rms * jnp.sqrt(jnp.float32(w.size))
+  return floor_rms * jnp.sqrt(jnp.float32(math.prod(w.shape[stack:])))
 
 
-def clip_by_relative_norm(max_ratio: float, floor_rms: Optional[float] = None) -> optax.GradientTransformation:
-  r"""Each update leaf of two or more axes (kernels, embedding tables) scaled, when its norm is above it, to
-  :math:`\text{max\_ratio} \cdot \max(\|W\|, \text{floor})`, ``W`` the leaf's parameter; vectors (biases, norms'
-  scales) pass as they are.
+def _matrices(path: str, leaf) -> Optional[int]:
+  return 0 if jnp.ndim(leaf) >= 2 else None
+
+
+def clip_by_relative_norm(max_ratio: float, floor_rms: Optional[float] = None, *,
+                          slices: Optional[Slices] = None) -> optax.GradientTransformation:
+  r"""Each layer's step scaled, when its norm is above it, to
+  :math:`\text{max\_ratio} \cdot \max(\|W\|, \text{floor})`, ``W`` the layer's weight: by default every update
+  leaf of two or more axes (kernels, embedding tables), whole; vectors (biases, norms' scales) pass as they are.
 
   It goes last in a chain (its updates are the steps applied): a layer's step is then at most ``max_ratio`` of its
   weight, where a rate too high for that layer (a softmax head near the warmup's peak) would multiply it. A step
-  within the bound passes bit for bit. The floor lets a small or zero-initialised leaf move as a freshly
+  within the bound passes bit for bit. The floor lets a small or zero-initialised layer move as a freshly
   initialised one would: by default the norm of a lecun-normal init of its shape, ``sqrt(shape[-1])`` (RMS
   ``1 / sqrt(fan_in)``); ``floor_rms`` sets the RMS instead. No state; ``update`` needs ``params``. A non-finite
   step passes as it is (the optimizer's own guards see it).
 
   Args:
     max_ratio: the largest step norm per unit of weight norm (> 0).
-    floor_rms: the weight's RMS the bound assumes at least (``>= 0``); ``None``: the leaf's init scale.
+    floor_rms: the weight's RMS the bound assumes at least (``>= 0``); ``None``: the layer's init scale.
+    slices: ``(path, leaf) -> stack``: how many leading axes of the leaf index separate layers (a scan's or an
+      ensemble's stack: each slice bounded by its own weight), or ``None`` for a leaf that passes unbounded.
+      Default: every leaf of two or more axes, whole. ``scsgd`` passes its kernels' layouts.
   """
   checks.check_float("max_ratio", max_ratio, low=0.0, low_open=True)
   if floor_rms is not None:
     checks.check_float("floor_rms", floor_rms, low=0.0)
+  stack_of = slices or _matrices
 
-  def one(u, w):
-    if u is None or jnp.ndim(u) < 2:
+  def one(path, u, w):
+    stack = None if u is None else stack_of(layout_lib.path_to_str(path), w)
+    if stack is None or u.ndim - stack < 2:
       return u
-    norm = _norm(u)
-    limit = max_ratio * jnp.maximum(_norm(w), _floor(w, floor_rms))
+    norm = _norms(u, stack)
+    limit = max_ratio * jnp.maximum(_norms(w, stack), _floor(w, stack, floor_rms))
     clip = jnp.isfinite(norm) & (norm > limit)
     return jnp.where(clip, u * (limit / jnp.where(clip, norm, 1.0)).astype(u.dtype), u)
 
   def update(updates, state, params=None):
     if params is None:
-      raise ValueError("clip_by_relative_norm bounds each step by its parameter's norm: pass params to update.")
-    return jax.tree.map(one, updates, params), state
+      raise ValueError("clip_by_relative_norm (scsgd's max_relative_step) bounds each step by its parameter's norm: "
+                       "pass params to update (tx.update(grads, state, params)), or build scsgd with "
+                       "max_relative_step=None.")
+    return jax.tree_util.tree_map_with_path(one, updates, params), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
