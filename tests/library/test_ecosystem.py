@@ -101,10 +101,10 @@ def test_linen_train_state_recipe():
     return sk.apply_gradients(state, grads=grads, layer_inputs=li), loss
 
   losses = []
-  for _ in range(30):
+  for _ in range(60):  # the step bound moves the kernel at most 2% of its norm a step: its target is 2x its norm away
     state, loss = step(state)
     losses.append(float(loss))
-  assert int(state.step) == 30
+  assert int(state.step) == 60
   assert losses[-1] < 0.5 * losses[0]
   assert "kernel" in state.opt_state[0].factors
 
@@ -237,11 +237,12 @@ def test_transformer_lm_trains_faster_than_nesterov_sgd_at_defaults(api):
   assert any(p.endswith("embedding") for p in state.factors)
   assert sum("query/kernel" in p for p in state.factors) == 2
   assert np.isfinite(sc_losses).all()
-  # (Both approach the chain's entropy.) In every 10-step window scsgd's mean loss is below SGD's, and
-  # scsgd reaches SGD's final loss (mean of its last 20 steps) within 90 of the 120 steps.
+  # (Both approach the chain's entropy.) In every 10-step window from the fourth on scsgd's mean loss is below
+  # SGD's (the step bound holds its first steps, where the two run level), and scsgd reaches SGD's final loss (mean
+  # of its last 20 steps) within 90 of the 120 steps.
   sc_windows = sc_losses.reshape(12, 10).mean(1)
   sgd_windows = sgd_losses.reshape(12, 10).mean(1)
-  assert np.all(sc_windows < sgd_windows), (sc_windows, sgd_windows)
+  assert np.all(sc_windows[3:] < sgd_windows[3:]), (sc_windows, sgd_windows)
   reached = np.flatnonzero(sc_windows <= sgd_losses[-20:].mean())
   assert reached.size and 10 * (reached[0] + 1) <= 90, (sc_windows, sgd_losses[-20:].mean())
 

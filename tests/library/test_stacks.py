@@ -20,11 +20,12 @@ D, L, V, STEPS = 8, 3, 11, 3
 IDS = jax.random.randint(jax.random.PRNGKey(1), (4, 6), 0, V)
 
 
-def _tx(input_axes):
+def _tx(input_axes, **options):
   # dense statistics, one refresh phase: the plans of a stack's slices and of the unstacked layers are equal
   return sk.scsgd(
       0.1,
-      sk.Conditioning(statistics=sk.Statistics(kind="dense"), refresh=sk.Refresh(stagger=False), input_axes=input_axes))
+      sk.Conditioning(statistics=sk.Statistics(kind="dense"), refresh=sk.Refresh(stagger=False), input_axes=input_axes),
+      **options)
 
 
 def _loss(logits):
@@ -176,7 +177,7 @@ def test_stack_without_input_axes_is_stepped_plainly_naming_the_fix():
   fixed at init, so the first update steps it plainly (Nesterov SGD's first step), naming the kernel and
   input_axes_nnx."""
   model = ScannedLM(nnx.Rngs(0))
-  tx = sk.scsgd(0.1)
+  tx = sk.scsgd(0.1, max_relative_step=None)  # the plain step itself (the step bound aside: test_bound)
   params = nnx.as_pure(nnx.state(model, nnx.Param))
 
   def loss_fn(p):
@@ -333,7 +334,7 @@ def test_linen_scan_without_the_collection_is_planned_plain_naming_the_fix_and_t
   recipe = sk.plans(jax.eval_shape(_tx(axes).init, params))
   assert "not conditioned" in recipe["blocks/up/kernel"] and "n=" in recipe["head/kernel"]
   for given in (axes, None):
-    tx = _tx(given)
+    tx = _tx(given, max_relative_step=None)  # the plain step itself (the step bound aside: test_bound)
     state = tx.init(params)
     (loss, li), grads = jax.value_and_grad(
         lambda p: (lambda out: (_loss(out[0]), out[1]))(sk.capture_linen(model, {"params": p}, IDS)),

@@ -4,6 +4,7 @@
 fix; with them, a layer that contradicts the plans is refused."""
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -154,9 +155,13 @@ def test_without_input_axes_a_layout_init_could_not_read_is_stepped_plainly_and_
   with pytest.warns(UserWarning, match="plain updates"):
     updates, _ = tx.update(grads, fresh, params, layer_inputs=inputs)
   path = lambda key: jax.tree_util.keystr(key).replace("']['", "/").strip("[']")
-  flat_u, flat_g = ({path(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)} for t in (updates, grads))
-  for p in MISREAD:  # Nesterov's first step on the raw gradient: -rate (1 + momentum) g
-    np.testing.assert_allclose(flat_u[p], -0.05 * (1 + 0.9) * flat_g[p], rtol=1e-6, atol=1e-9)
+  # Nesterov's first step on the raw gradient, -rate (1 + momentum) g, under scsgd's default step bound
+  bound = sk.clip_by_relative_norm(inspect.signature(sk.scsgd).parameters["max_relative_step"].default)
+  plain = bound.update(jax.tree.map(lambda g: -0.05 * (1 + 0.9) * g, grads), optax.EmptyState(), params)[0]
+  flat_u, flat_g, flat_plain = ({path(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)}
+                                for t in (updates, grads, plain))
+  for p in MISREAD:
+    np.testing.assert_allclose(flat_u[p], flat_plain[p], rtol=1e-6, atol=1e-9)
   assert not np.allclose(flat_u["dense/l1/kernel"], -0.05 * 1.9 * flat_g["dense/l1/kernel"])  # conditioned
 
 

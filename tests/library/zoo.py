@@ -109,7 +109,8 @@ def input_axes(model) -> dict:
 
 def scaled_by_rate() -> optax.GradientTransformationExtraArgs:
   """The updates times the ``rate=`` extra argument of ``update``: a rate chosen per call, so one compiled step
-  serves a whole grid of rates (every alias is linear in its rate)."""
+  serves a whole grid of rates (an alias linear in its rate; scsgd's step bound reads the step before this scale, so
+  a run that needs the bound at its rate builds scsgd at that rate and scales by 1)."""
 
   def update(updates, state, params=None, *, rate=1.0, **extra):
     del params, extra
