@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
 
 import optax
 import optax.contrib
@@ -68,17 +72,35 @@ def scsgd(
 
 
 def _kernel_slices(c: Conditioning) -> bound.Slices:
-  """The step bound's layers: each kernel the conditioning conditions, per slice of its layout's stack (a scanned
-  or vmapped stack is bounded layer by layer, as the unrolled model would be); other leaves pass."""
+  """The step bound's layers: each leaf of two or more axes; a kernel by its layout's stack (a scanned or vmapped
+  stack bounded layer by layer, as the unrolled model would be), any other leaf by the stack of the kernel nearest
+  it in the tree whose stacked axes it shares (a stack's biases and scales: vectors per layer, which pass)."""
   kernels = c.kernels()
 
-  def stack(path: str, leaf) -> Optional[int]:
-    if not kernels(path, leaf):
-      return None
-    layout = layout_lib.layout_of(path, leaf, c.input_axes)
-    return 0 if layout is None else layout.stack  # a kernel planned plain: whole
+  def stacks(params):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    named = [(layout_lib.path_to_str(p), leaf) for p, leaf in flat]
+    stacked = {}
+    for path, leaf in named:
+      if kernels(path, leaf):
+        layout = layout_lib.layout_of(path, leaf, c.input_axes)
+        stacked[path] = 0 if layout is None else layout.stack  # a kernel planned plain: whole
+    out = [stacked[path] if path in stacked else _neighbours_stack(path, leaf, stacked, named) for path, leaf in named]
+    return jax.tree_util.tree_unflatten(treedef, [s if jnp.ndim(leaf) - s >= 2 else None
+                                                  for s, (_, leaf) in zip(out, named)])
 
-  return stack
+  return stacks
+
+
+def _neighbours_stack(path: str, leaf, stacked: dict, named: list) -> int:
+  """The stack of the kernel sharing the longest path prefix with ``path`` whose stacked axes ``leaf`` has too."""
+  shapes, parts = dict(named), path.split("/")
+  best, shared = 0, 0
+  for kernel, stack in stacked.items():
+    common = len(os.path.commonprefix([parts, kernel.split("/")]))
+    if stack and common > shared and tuple(jnp.shape(leaf))[:stack] == tuple(shapes[kernel].shape)[:stack]:
+      best, shared = stack, common
+  return best
 
 
 @refuses_moved_keywords

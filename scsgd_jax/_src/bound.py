@@ -11,12 +11,11 @@ import jax.numpy as jnp
 import optax
 
 from scsgd_jax._src import checks
-from scsgd_jax._src import layout as layout_lib
 
 __all__ = ["clip_by_relative_norm"]
 
 
-Slices = Callable[[str, Any], Optional[int]]
+Slices = Callable[[Any], Any]  # params -> a tree of their structure: per leaf its stack axes, or None
 
 
 def _norms(x: jax.Array, stack: int) -> jax.Array:
@@ -33,8 +32,8 @@ def _floor(w: jax.Array, stack: int, floor_rms: Optional[float]) -> jax.Array:
   return floor_rms * jnp.sqrt(jnp.float32(math.prod(w.shape[stack:])))
 
 
-def _matrices(path: str, leaf) -> Optional[int]:
-  return 0 if jnp.ndim(leaf) >= 2 else None
+def _matrices(params) -> Any:
+  return jax.tree.map(lambda w: 0 if jnp.ndim(w) >= 2 else None, params)
 
 
 def clip_by_relative_norm(max_ratio: float, floor_rms: Optional[float] = None, *,
@@ -53,18 +52,18 @@ def clip_by_relative_norm(max_ratio: float, floor_rms: Optional[float] = None, *
   Args:
     max_ratio: the largest step norm per unit of weight norm (> 0).
     floor_rms: the weight's RMS the bound assumes at least (``>= 0``); ``None``: the layer's init scale.
-    slices: ``(path, leaf) -> stack``: how many leading axes of the leaf index separate layers (a scan's or an
-      ensemble's stack: each slice bounded by its own weight), or ``None`` for a leaf that passes unbounded.
-      Default: every leaf of two or more axes, whole. ``scsgd`` passes its kernels' layouts.
+    slices: ``params -> tree`` of the params' structure holding, per leaf, how many of its leading axes index
+      separate layers (a scan's or an ensemble's stack: each slice bounded by its own weight), or ``None`` for a
+      leaf that passes unbounded. Default: every leaf of two or more axes, whole. ``scsgd`` passes its kernels'
+      layouts.
   """
   checks.check_float("max_ratio", max_ratio, low=0.0, low_open=True)
   if floor_rms is not None:
     checks.check_float("floor_rms", floor_rms, low=0.0)
   stack_of = slices or _matrices
 
-  def one(path, u, w):
-    stack = None if u is None else stack_of(layout_lib.path_to_str(path), w)
-    if stack is None or u.ndim - stack < 2:
+  def one(stack, u, w):
+    if u is None or stack is None or u.ndim - stack < 2:
       return u
     norm = _norms(u, stack)
     limit = max_ratio * jnp.maximum(_norms(w, stack), _floor(w, stack, floor_rms))
@@ -76,6 +75,7 @@ def clip_by_relative_norm(max_ratio: float, floor_rms: Optional[float] = None, *
       raise ValueError("clip_by_relative_norm (scsgd's max_relative_step) bounds each step by its parameter's norm: "
                        "pass params to update (tx.update(grads, state, params)), or build scsgd with "
                        "max_relative_step=None.")
-    return jax.tree_util.tree_map_with_path(one, updates, params), state
+    stacks = stack_of(params)
+    return jax.tree.map(one, stacks, updates, params, is_leaf=lambda x: x is None), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
