@@ -43,6 +43,7 @@ def summarize(record: dict) -> dict:
   double = p["double"]
   return {"learning_rate": p["chosen_rate"], "final_loss_median": middle if math.isfinite(middle) else None,
           "final_loss_range": [min(ok), max(ok)] if ok else None, "seeds": len(finals),
+          "final_losses": [f if math.isfinite(f) else None for f in finals],
           "seeds_diverged": len(finals) - len(ok),
           "double_rate_stable": bool(not double["diverged"] and double["final_loss"] is not None
                                      and double["final_loss"] < double["first_loss"]),
@@ -95,38 +96,61 @@ def write(workdir: pathlib.Path, results_dir: pathlib.Path) -> dict:
   return out
 
 
-def _fmt(row: dict) -> str:
+def _fmt(row: dict, most: int) -> str:
   if row.get("refused"):
     return "refused"
+  fewer = f" [{row['seeds']}]" if row["seeds"] < most else ""
   if row["final_loss_median"] is None:
-    return "diverged"
+    return "diverged" + fewer
   flag = "" if row["double_rate_stable"] else " (2x: no)"
   lost = f" ({row['seeds_diverged']}/{row['seeds']} diverged)" if row.get("seeds_diverged") else ""
-  return f"{row['final_loss_median']:.3f}{lost}{flag}"
+  return f"{row['final_loss_median']:.3f}{lost}{flag}{fewer}"
 
 
-def _seeds(out: dict) -> str:
-  """How many seeds each row's cells ran: "5 seeds'" or "5 seeds' (sgd, ...; 3 for the others)"."""
-  by_row = {}
-  for entry in out["workloads"].values():
-    for r, row in entry["rows"].items():
-      if not row.get("refused"):
-        by_row.setdefault(row["seeds"], set()).add(r)
-  if len(by_row) <= 1:
-    return f"{next(iter(by_row), 0)} seeds'"
-  most = max(by_row)
-  return (f"{most} seeds' ({', '.join(f'`{r}`' for r in ORDER if r in by_row[most])}; "
-          + ", ".join(f"{n} for the others" for n in sorted(by_row, reverse=True)[1:]) + ")")
+def _most_seeds(out: dict) -> int:
+  return max((row["seeds"] for e in out["workloads"].values() for row in e["rows"].values()), default=0)
+
+
+def paired(a: dict, b: dict) -> tuple[int, int, float]:
+  """Row ``a`` against its base ``b`` seed by seed (the same init and batches): the seeds where ``a`` ends at or
+  below ``b`` (a diverged run counts as an infinite loss), the seeds both ran, the median of ``a - b``."""
+  inf = lambda f: math.inf if f is None else f
+  pairs = list(zip(a["final_losses"], b["final_losses"]))
+  diffs = [inf(x) - inf(y) if math.isfinite(inf(x)) or math.isfinite(inf(y)) else 0.0 for x, y in pairs]
+  return sum(d <= 0 for d in diffs), len(pairs), statistics.median(diffs)
+
+
+def _paired(out: dict) -> list[str]:
+  """The pairs whose medians differ by less than their seeds' spread, seed by seed (rows recorded with their
+  seeds' losses)."""
+  lines = []
+  for name, entry in out["workloads"].items():
+    rows = entry["rows"]
+    for a, b in PAIRS:
+      if not all(r in rows and rows[r].get("final_losses") and rows[r]["final_loss_range"] for r in (a, b)):
+        continue
+      spread = max(hi - lo for lo, hi in (rows[a]["final_loss_range"], rows[b]["final_loss_range"]))
+      if rows[a]["final_loss_median"] is None or rows[b]["final_loss_median"] is None or abs(
+          rows[a]["final_loss_median"] - rows[b]["final_loss_median"]) >= spread:
+        continue
+      wins, n, median = paired(rows[a], rows[b])
+      lines.append(f"| {name} | {a} vs {b} | {wins} of {n} | {median:+.3f} | {spread:.3f} |")
+  if not lines:
+    return []
+  return ["", "## Close pairs, seed by seed (medians closer than the seeds' spread; the same init and batches per "
+          "seed)", "", "| workload | pair | seeds at or below the base | median paired difference | spread |",
+          "|---|---|---|---|---|"] + lines
 
 
 def table(out: dict) -> str:
-  lines = ["# The zoo", "", f"Medians of {_seeds(out)} final held-out loss at each row's chosen rate (factor-2 "
-           "grid, warmup + cosine, the same batches for every row); `(2x: no)`: twice the chosen rate does not train. "
-           "Rebuild: `" + out["command"] + "`.", "",
+  most = _most_seeds(out)
+  lines = ["# The zoo", "", f"Medians of {most} seeds' final held-out loss at each row's chosen rate (`[3]`: a cell "
+           "recorded with 3 seeds, before the zoo ran 5; factor-2 grid, warmup + cosine, the same batches for every "
+           "row); `(2x: no)`: twice the chosen rate does not train. Rebuild: `" + out["command"] + "`.", "",
            "| workload | " + " | ".join(ORDER) + " |", "|---" * (len(ORDER) + 1) + "|"]
   for name, entry in out["workloads"].items():
     rows = entry["rows"]
-    lines.append(f"| {name} | " + " | ".join(_fmt(rows[r]) if r in rows else "" for r in ORDER) + " |")
+    lines.append(f"| {name} | " + " | ".join(_fmt(rows[r], most) if r in rows else "" for r in ORDER) + " |")
   lines += ["", "## Pairs (a row against its base: at or below is a win)", "",
             "| workload | " + " | ".join(f"{a} vs {b}" for a, b in PAIRS) + " |", "|---" * (len(PAIRS) + 1) + "|"]
   for name, entry in out["workloads"].items():
@@ -141,6 +165,7 @@ def table(out: dict) -> str:
         d = rows[a]["final_loss_median"] - rows[b]["final_loss_median"]
         cells.append(f"{d:+.3f} " + ("win" if d <= 0 else "loss"))
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  lines += _paired(out)
   lines += ["", "## Iterations to Muon's final loss (median curves)", "", "| workload | muon | scsgd_eigen_muon | ratio |",
             "|---|---|---|---|"]
   for name, entry in out["workloads"].items():

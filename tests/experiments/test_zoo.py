@@ -133,12 +133,23 @@ def test_the_report_has_the_issue_schema_and_says_fragile_rows(tmp_path):
               "dirty": False, "versions": {}, "machine": "m", "protocol": run.protocol(ScriptedCell(best, edge, row))}
     (tmp_path / "w" / "relu_mlp").mkdir(parents=True, exist_ok=True)
     (tmp_path / "w" / "relu_mlp" / f"{row}.json").write_text(json.dumps(record))
-  out = report.write(tmp_path / "w", tmp_path / "r")
+  written = report.write(tmp_path / "w", tmp_path / "r")
   rows = json.loads((tmp_path / "r" / "results.json").read_text())["workloads"]["relu_mlp"]["rows"]
   assert set(rows["sgd"]) >= {"learning_rate", "final_loss_median", "final_loss_range", "seeds", "double_rate_stable"}
   assert rows["sgd"]["double_rate_stable"] and not rows["scsgd"]["double_rate_stable"]
   assert rows["sgd"]["final_loss_median"] == pytest.approx(0.02) and rows["sgd"]["seeds"] == len(run.SEEDS)
-  assert "(2x: no)" in (tmp_path / "r" / "README.md").read_text() and out["workloads"]
+  assert rows["sgd"]["final_losses"] == pytest.approx([s / 100 for s in run.SEEDS])
+  assert "(2x: no)" in (tmp_path / "r" / "README.md").read_text() and written["workloads"]
+
+
+def test_a_close_pair_is_read_seed_by_seed():
+  base = {"final_losses": [0.10, 0.20, 0.30, 0.40, 0.50], "final_loss_median": 0.30, "final_loss_range": [0.1, 0.5]}
+  row = {"final_losses": [0.11, 0.19, 0.32, None, 0.45], "final_loss_median": 0.32, "final_loss_range": [0.11, 0.45]}
+  assert report.paired(row, base) == (2, 5, pytest.approx(0.01))  # a diverged seed: an infinite loss, a loss
+  out = {"workloads": {"w": {"rows": {"scsgd": row, "sgd": base}}}}
+  assert "| w | scsgd vs sgd | 2 of 5 | +0.010 | 0.400 |" in report._paired(out)
+  far = dict(row, final_loss_median=0.9)  # medians further apart than the spread: not a close pair
+  assert report._paired({"workloads": {"w": {"rows": {"scsgd": far, "sgd": base}}}}) == []
 
 
 @pytest.mark.parametrize("name", sorted(wl.WORKLOADS))
@@ -176,14 +187,13 @@ def test_the_committed_zoo_holds_every_workload_and_row_and_its_table_is_the_rec
       assert set(row) >= {"learning_rate", "final_loss_median", "final_loss_range", "seeds", "double_rate_stable",
                           "commit", "versions", "machine"}
       assert row.get("refused") or row["seeds"] in (3, 5)
-  # the first eight workloads' cells come from two commits that differ in the divergence rule alone (report.write
-  # refused any whose runs today's rule decides otherwise, report.check_rule); the LSTM's and the mixture of experts'
-  # from three later ones that differ from each other in how the fresh states are scheduled alone (the MoE's
-  # eigenbasis init deadlocked XLA:CPU): each workload's rows from at most three commits, the table from five
-  first = {row["commit"] for name, e in out["workloads"].items() if name not in ("lstm_lm", "moe")
-           for row in e["rows"].values()}
-  assert len(first) <= 2
-  assert all(len({row["commit"] for row in e["rows"].values()}) <= 3 for e in out["workloads"].values())
-  assert len({row["commit"] for e in out["workloads"].values() for row in e["rows"].values()}) <= 5
+  # the rows re-run with 5 seeds under scsgd's step bound: scsgd's and scsgd_no_axes' from one commit, sgd's from
+  # that one or two before it that differ from it in the bound's code alone (which sgd does not run); the rows kept
+  # from before come from the commits the earlier table named (at most five)
+  rerun = [e["rows"][r] for e in out["workloads"].values() for r in ("sgd", "scsgd", "scsgd_no_axes")]
+  assert all(row["seeds"] == 5 for row in rerun)
+  assert len({e["rows"][r]["commit"] for e in out["workloads"].values() for r in ("scsgd", "scsgd_no_axes")}) == 1
+  assert len({row["commit"] for row in rerun}) <= 3
+  assert len({row["commit"] for e in out["workloads"].values() for row in e["rows"].values()}) <= 8
   with open(os.path.join(RESULTS, "README.md")) as f:
     assert f.read() == report.table(out)
