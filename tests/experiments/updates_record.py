@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import platform
 import sys
 
 import jax
@@ -30,9 +31,25 @@ from experiments.optim import registry
 from tests.library import zoo
 
 RECORD = pathlib.Path(__file__).with_name("updates.json")
+MACHINES = RECORD.with_name("updates_machines.json")  # each entry's CPU (:func:`machine`) when it was recorded
 STEPS = 3
 MODELS = ("mlp", "cnn", "transformer", "scanned")
 LEFT_OUT = ("kfac",)
+
+
+def machine() -> str:
+  """The CPU's vector instruction sets, which XLA compiles for (the same program rounds otherwise on a CPU with
+  others: a record holds bit for bit on the CPUs it was made on)."""
+  try:
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split()
+  except (OSError, StopIteration):
+    return platform.machine()
+  return " ".join(sorted(f for f in flags if f.startswith(("avx", "fma", "amx", "sse4", "f16c"))))
+
+
+def recorded_on(name: str) -> str:
+  """The CPU entry ``name`` was recorded on (``""``: not said, recorded before the CPUs were)."""
+  return json.loads(MACHINES.read_text()).get(name, "") if MACHINES.exists() else ""
 
 
 def entries() -> list[str]:
@@ -97,6 +114,8 @@ def write(names=None) -> dict[str, dict[str, list[str]]]:
       record[name][kind] = recorded(name, kind)
       jax.clear_caches()  # as in check
     RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    machines = json.loads(MACHINES.read_text()) if MACHINES.exists() else {}
+    MACHINES.write_text(json.dumps({**machines, name: machine()}, indent=1, sort_keys=True) + "\n")
     print(f"{name}: recorded", flush=True)
   return record
 
