@@ -2,7 +2,8 @@
 
 A row linear in its rate (the rate multiplies the whole update, weight decay included) is built once at peak rate 1
 and scaled per run (:func:`scaled_by_rate`): one compiled step serves the whole rate grid and every seed. A row whose
-step bound reads the scaled step (``scsgd``'s ``max_relative_step``) is not linear: it is built at each rate. ``scsgd_no_axes`` is what a user gets who passes no ``input_axes`` (the README's recipe passes them).
+step bound reads the scaled step (``scsgd``'s ``max_relative_step``) is not linear: it is built at each rate.
+``scsgd_no_axes`` is what a user gets who passes no ``input_axes`` (the README's recipe passes them).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def diverged_by(losses: list[float], final_curve: list) -> bool:
 
 class Cell:
   """Workload ``name`` under row ``row`` (a zoo row's name; ``definition``: another :class:`rows.Row` under that
-name): :meth:`run` trains one (rate, seed)."""
+  name): :meth:`run` trains one (rate, seed)."""
 
   def __init__(self, name: str, row: str, data_dir: str, definition: Optional[rows_lib.Row] = None):
     self.w, self.row, self.definition = wl.workload(name), row, definition or rows_lib.row(row)
@@ -46,11 +46,8 @@ name): :meth:`run` trains one (rate, seed)."""
     self.held_out = wl.held_out(self.data.validation, HELD_OUT[self.w.dataset])
     self._compiled, self._eval = {}, jax.jit(self.bound.evaluate)
 
-  def tx(self, rate: float) -> optax.GradientTransformationExtraArgs:
-    """The row's optimizer for a run at peak ``rate`` (:func:`rows.build_row`)."""
-    return self._tx_and_step(rate)[0]
-
   def _tx_and_step(self, rate: float):
+    """The row's optimizer for a run at peak ``rate`` (:func:`rows.build_row`) and its compiled step."""
     key = None if self.definition.linear else rate
     if key not in self._compiled:
       tx = rows_lib.build_row(self.definition, self.w, self.axes, 1.0 if key is None else rate)

@@ -40,9 +40,10 @@ def scsgd(
   so momentum accumulates the conditioned gradients
   :math:`\delta (A^{-1} x)^\top` of Section 3. ``conditioning``: the settings, a :class:`Conditioning` (see
   :func:`scale_by_sketched_conditioning`). ``max_relative_step``: the chain ends with
-  :func:`clip_by_relative_norm` at that ratio: each kernel's step (each layer's of a scanned or vmapped stack) at
-  most that share of its weight's norm (or of a fresh init's, for a small or zero-initialised layer). It holds the step where one rate is too high for one layer
-  (a softmax head at the warmup's peak); ``None`` leaves it out (the paper's step).
+  :func:`clip_by_relative_norm` at that ratio: the step of each leaf of two or more axes (of each layer of a scanned
+  or vmapped stack) at most that share of its weight's norm (or of a fresh init's, for a small or zero-initialised
+  layer). It holds the step where one rate is too high for one layer (a softmax head at the warmup's peak);
+  ``None`` leaves it out (the paper's step).
 
   Example:
     >>> import jax.numpy as jnp, optax, scsgd_jax
@@ -85,20 +86,21 @@ def _kernel_slices(c: Conditioning) -> bound.Slices:
       if kernels(path, leaf):
         layout = layout_lib.layout_of(path, leaf, c.input_axes)
         stacked[path] = 0 if layout is None else layout.stack  # a kernel planned plain: whole
-    out = [stacked[path] if path in stacked else _neighbours_stack(path, leaf, stacked, named) for path, leaf in named]
+    shapes = {path: jnp.shape(leaf) for path, leaf in named}
+    out = [stacked[path] if path in stacked else _neighbours_stack(path, shapes, stacked) for path, _ in named]
     return jax.tree_util.tree_unflatten(treedef, [s if jnp.ndim(leaf) - s >= 2 else None
                                                   for s, (_, leaf) in zip(out, named)])
 
   return stacks
 
 
-def _neighbours_stack(path: str, leaf, stacked: dict, named: list) -> int:
-  """The stack of the kernel sharing the longest path prefix with ``path`` whose stacked axes ``leaf`` has too."""
-  shapes, parts = dict(named), path.split("/")
-  best, shared = 0, 0
+def _neighbours_stack(path: str, shapes: dict, stacked: dict) -> int:
+  """The stack of the kernel sharing the longest path prefix with ``path`` whose stacked axes leaf ``path`` has too
+  (``shapes``: every leaf's, by path)."""
+  parts, best, shared = path.split("/"), 0, 0
   for kernel, stack in stacked.items():
     common = len(os.path.commonprefix([parts, kernel.split("/")]))
-    if stack and common > shared and tuple(jnp.shape(leaf))[:stack] == tuple(shapes[kernel].shape)[:stack]:
+    if stack and common > shared and tuple(shapes[path])[:stack] == tuple(shapes[kernel])[:stack]:
       best, shared = stack, common
   return best
 
