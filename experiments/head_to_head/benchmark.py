@@ -212,11 +212,13 @@ def train_one(cfg, workdir: str, report_split: str) -> dict:
       raise errors.WorkdirError(f"{message}, again after training it from scratch")
     print(f"starting over: {message}", file=sys.stderr, flush=True)
     shutil.rmtree(workdir)
-  if not diverged and exploded(rows):
-    print(f"warning: {workdir}: its final loss {exploded(rows):.4g} is above where it started: marked diverged",
-          file=sys.stderr, flush=True)
+  start = train.evaluate_start(cfg, cfg.eval_split)["loss"]
+  if not diverged and exploded(rows, start):
+    print(f"warning: {workdir}: its final loss {exploded(rows, start):.4g} is above its loss before the first step "
+          f"({start:.4g}): marked diverged", file=sys.stderr, flush=True)
     diverged = True
-  out = {"config": train.record(cfg), "diverged": diverged, "rows": rows, "state_bytes": state_bytes(cfg),
+  out = {"config": train.record(cfg), "diverged": diverged, "rows": rows, "start_loss": start,
+         "state_bytes": state_bytes(cfg),
          "load_average_1min": [load_before[0], os.getloadavg()[0]]}
   if report_split and not diverged:
     out["report"] = train.evaluate_checkpoint(cfg, workdir, report_split)

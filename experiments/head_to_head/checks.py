@@ -15,12 +15,12 @@ def missing_evaluations(cfg, rows: list[dict]) -> list[int]:
   return sorted(due - {r["step"] for r in rows if "test_loss" in r})
 
 
-def exploded(rows: list[dict]) -> Optional[float]:
-  """The last evaluation's loss if it lies above the run's start (its first training or evaluation loss): a run
-  whose loss grew without leaving the floats (finite, yet diverged); else ``None``."""
+def exploded(rows: list[dict], start: float) -> Optional[float]:
+  """The last evaluation's loss if it lies above ``start``, the loss before the first step (the init's evaluation):
+  a run whose loss grew without leaving the floats (finite, yet diverged); else ``None``. The first logged loss is
+  no reference: a run that explodes within its first steps logs the exploded loss there."""
   evals = [r["test_loss"] for r in rows if "test_loss" in r]
-  start = [r[k] for r in rows for k in ("train_loss", "test_loss") if k in r][:1]
-  return evals[-1] if evals and start and evals[-1] > start[0] else None
+  return evals[-1] if evals and evals[-1] > start else None
 
 
 def check_writable(folder: str) -> None:

@@ -67,8 +67,19 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, split: 
   if restored is None:
     raise errors.WorkdirError(f"{workdir} holds no checkpoint to evaluate")
   step, state, _ = restored
+  return _evaluate(config, built.graphdef, state["params"], split, step)
+
+
+def evaluate_start(config: ml_collections.ConfigDict, split: str) -> dict[str, float]:
+  """The parameters before the first step of a run of ``config`` (its seed's init) evaluated on ``split``:
+  ``{"step": 0, "loss", "error"}``, where the run started."""
+  graphdef, params = nnx.split(build_lib.model(config), nnx.Param)
+  return _evaluate(config, graphdef, nnx.as_pure(params), split, 0)
+
+
+def _evaluate(config, graphdef, params, split: str, step: int) -> dict[str, float]:
   data = data_lib.load_split(config.dataset, split, config.data_dir, config.max_test_examples, config.download)
-  out = make_eval_fn(built.graphdef)(state["params"], data, config.eval_batch_size)
+  out = make_eval_fn(graphdef)(params, data, config.eval_batch_size)
   return {"step": step, "loss": out["test_loss"], "error": out["test_error"]}
 
 

@@ -451,6 +451,22 @@ def test_final_tables_keep_the_rows_whose_updates_did_not_change_and_retune_the_
     benchmark.validate(config)
 
 
+def test_a_run_that_explodes_before_its_first_log_is_marked_diverged(tmp_path):
+  """The logistic task at rate 1e30 stays finite and its loss falls after the first log; the record compares its
+  end with the init's evaluation (recorded as ``start_loss``) and marks it diverged. A sane rate is not."""
+  config = _tiny(_config())
+  with tfds.testing.mock_data(num_examples=600):
+    for rate, diverged in ((1e30, True), (0.01, False)):
+      cfg = benchmark.run_config(config, "sgd", benchmark.Point(rate, ()), 0)
+      out = benchmark.train_one(cfg, str(tmp_path / f"lr{rate:g}"), "")
+      finals = [r["test_loss"] for r in out["rows"] if "test_loss" in r]
+      start = train.evaluate_start(cfg, cfg.eval_split)["loss"]
+      assert out["start_loss"] == pytest.approx(start) and start == pytest.approx(np.log(10), rel=1e-6)
+      assert out["diverged"] == diverged, (rate, start, finals)
+      if diverged:  # finite, and falling from its first log: the old reference missed it
+        assert np.isfinite(finals).all() and finals[-1] < finals[0]
+
+
 @pytest.mark.parametrize("holes", [1, 2])
 def test_a_run_whose_metrics_miss_an_evaluation_is_trained_again_from_scratch(holes, tmp_path, monkeypatch):
   """A finished run's metrics with a hole (rows lost before a resume) never become a record: the run is trained
@@ -469,6 +485,7 @@ def test_a_run_whose_metrics_miss_an_evaluation_is_trained_again_from_scratch(ho
       f.writelines(json.dumps({"step": s, "test_loss": 1.0 / s}) + "\n" for s in steps)
 
   monkeypatch.setattr(train, "train_and_evaluate", fake_training)
+  monkeypatch.setattr(train, "evaluate_start", lambda cfg, split: {"step": 0, "loss": 2.3, "error": 0.9})
   monkeypatch.setattr(benchmark, "state_bytes", lambda cfg: 0)
   if holes == 2:
     with pytest.raises(errors.WorkdirError, match=r"miss the evaluations of steps \[10\], again after training it"):

@@ -184,10 +184,14 @@ def test_a_record_cut_short_is_named_and_run_again(task, monkeypatch, capsys):
   assert fake.calls == ["sgd/lr0.01_seed0"] and len(json.load(open(path))["rows"]) == 2
 
 
-def test_a_finite_explosion_is_marked_diverged():
-  rows = [{"step": 1, "train_loss": 2.30}, {"step": 10, "test_loss": 1.9}, {"step": 20, "test_loss": 1e29}]
-  assert benchmark.exploded(rows) == 1e29
-  assert benchmark.exploded(rows[:2]) is None
+def test_a_finite_explosion_is_judged_against_the_loss_before_the_first_step():
+  """The logistic task at rate 1e30 (Nesterov SGD): its first log is already the exploded loss, and its loss then
+  falls, so a rule that starts from the first logged loss reads it as training; the loss before the first step
+  does not."""
+  rows = [{"step": 50, "train_loss": 7.5e29, "test_loss": 7.2e29}, {"step": 1000, "test_loss": 4.3e29}]
+  assert benchmark.exploded(rows, start=2.303) == 4.3e29
+  assert benchmark.exploded(rows[:1] + [{"step": 1000, "test_loss": 1.9}], start=2.303) is None
+  assert benchmark.exploded([], start=2.303) is None
 
 
 @pytest.mark.parametrize("field,value,said", [
