@@ -1,5 +1,5 @@
-"""Probes of a zoo cell's edge of stability: the library's ``scsgd`` with one default changed at a time, at one rate,
-on the zoo's seeds, each run as the zoo runs it (:class:`experiments.zoo.train.Cell`).
+"""Probes of a zoo cell: the library's ``scsgd`` (or, ``--row scsgd_eigen_muon``, that row) with one default or part
+changed at a time, at one rate, on the zoo's seeds, each run as the zoo runs it (:class:`experiments.zoo.train.Cell`).
 
   python -m experiments.zoo.probe --workload lm1b_transformer --rate 0.8 --data_dir ../shared/tfds \\
       --out experiments/results/zoo/probes_lm1b_transformer.json
@@ -48,6 +48,16 @@ BOUNDS = {  # name_<value>: the bound at that value (w: the workload)
 }
 
 
+# ``scsgd_eigen_muon`` with one part changed at a time (``--row scsgd_eigen_muon``): (Conditioning fields, keywords)
+_EXACT = {"statistics": sk.Statistics(kind="dense"), "conditioner": sk.Conditioner(kind="full")}
+EIGEN_MUON_VARIANTS = {
+    "defaults": ({}, {}),
+    "exact_basis": (_EXACT, {}),  # C's own eigenbasis, every direction: no sketch
+    "refresh_every_10": ({"refresh": sk.Refresh(every=10)}, {}),  # a basis 5x fresher
+    "b2_0.95": ({}, {"b2": 0.95}),  # the second moment over ~20 steps, not ~1,000 (SOAP's LM setting)
+    "soap_basis": (_EXACT, {"basis": "gradients", "sides": "both"}),  # SOAP's two-sided gradient basis
+}
+
 SEEDS = (0, 1, 2)  # each probe's
 
 
@@ -64,10 +74,17 @@ def _variant(variant: str) -> rows_lib.Row:
                       variant, linear=False)
 
 
-def probe(workload: str, rate: float, variant: str, data_dir: str) -> list[dict]:
-  cell = train.Cell(workload, "scsgd", data_dir, definition=_variant(variant))
+def _eigen_muon_variant(variant: str) -> rows_lib.Row:
+  conditioning, changed = EIGEN_MUON_VARIANTS[variant]
+  return rows_lib.Row(lambda s, w, axes: rows_lib.eigen_muon(s, w, axes, conditioning, **changed), 0.02, variant)
+
+
+def probe(workload: str, rate: float, variant: str, data_dir: str, row: str = "scsgd",
+          seeds: tuple[int, ...] = SEEDS) -> list[dict]:
+  definition = _eigen_muon_variant(variant) if row == "scsgd_eigen_muon" else _variant(variant)
+  cell = train.Cell(workload, row, data_dir, definition=definition)
   out = []
-  for seed in SEEDS:
+  for seed in seeds:
     r = cell.run(rate, seed)
     out.append({"seed": seed, "diverged": r["diverged"], "final_loss": r["final_loss"],
                 "steps_trained": len(r["train_losses"])})
@@ -102,7 +119,9 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workload", required=True)
   parser.add_argument("--rate", type=float, required=True)
-  parser.add_argument("--variants", default=",".join(VARIANTS))  # or BOUNDS' names
+  parser.add_argument("--row", default="scsgd", choices=("scsgd", "scsgd_eigen_muon"), help="the row probed")
+  parser.add_argument("--variants", default=None, help="default: the row's every variant (scsgd's: or BOUNDS')")
+  parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
   parser.add_argument("--data_dir", default="../shared/tfds")
   parser.add_argument("--out", required=True)
   parser.add_argument("--trace", action="append", default=[], help="ROW:RATE:SEED, a run followed kernel by kernel")
@@ -112,7 +131,10 @@ def main(argv=None) -> None:
     results = {t: trace(args.workload, t.split(":")[0], float(t.split(":")[1]), int(t.split(":")[2]), args.steps,
                         args.data_dir) for t in args.trace}
   else:
-    results = {v: probe(args.workload, args.rate, v, args.data_dir) for v in args.variants.split(",")}
+    every = EIGEN_MUON_VARIANTS if args.row == "scsgd_eigen_muon" else VARIANTS
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    results = {v: probe(args.workload, args.rate, v, args.data_dir, args.row, seeds)
+               for v in (args.variants.split(",") if args.variants else every)}
   record = {"command": "python -m experiments.zoo.probe " + " ".join(
       f"--{k} {v}" for k, v in vars(args).items()), "workload": args.workload, "rate": args.rate,
       ("traces" if args.trace else "variants"): results, **report.provenance()}

@@ -8,7 +8,7 @@ step bound reads the scaled step (``scsgd``'s ``max_relative_step``) is not line
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import optax
@@ -48,11 +48,14 @@ def _eigen(s, w, axes):
   return sk.scsgd_eigen(s, sk.Conditioning(input_axes=axes), **settings)
 
 
-def _eigen_muon(s, w, axes):
+def eigen_muon(s, w, axes, conditioning: Optional[dict] = None, **changed):
+  """The ``scsgd_eigen_muon`` row; ``conditioning``/``changed``: its :class:`scsgd_jax.Conditioning` fields and
+  keywords changed from the row's (the probe's variants)."""
   args = _muon_args(w)
   own = {k: args.pop(k) for k in ("output_layer",)}
   b2 = _adam(w).get("b2")
-  return sk.scsgd_eigen_muon(s, sk.Conditioning(input_axes=axes), muon=args, **own, **({"b2": b2} if b2 else {}))
+  kwargs = {**own, **({"b2": b2} if b2 else {}), **changed}
+  return sk.scsgd_eigen_muon(s, sk.Conditioning(input_axes=axes, **(conditioning or {})), muon=args, **kwargs)
 
 
 ROWS: dict[str, Row] = {
@@ -73,7 +76,7 @@ ROWS: dict[str, Row] = {
     "muon":
         Row(lambda s, w, axes: peers.muon(s, **_muon_args(w)), 0.02, MUON),
     "scsgd_eigen_muon":
-        Row(_eigen_muon, 0.02, "scsgd_jax.scsgd_eigen_muon as Muon's recipe: " + MUON),
+        Row(eigen_muon, 0.02, "scsgd_jax.scsgd_eigen_muon as Muon's recipe: " + MUON),
     "scsgd_muon":
         Row(
             lambda s, w, axes: optax.chain(sk.scale_by_sketched_conditioning(sk.Conditioning(input_axes=axes)),
