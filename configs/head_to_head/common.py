@@ -20,8 +20,10 @@ from configs import default
 # Every contending row, in the order they run (AdamW first: Muon's AdamW part takes its rate).
 ROWS = ("adamw", "sgd", "nadamw", "muon", "muon_polar3", "kfac", "psgd_kron", "scsgd", "scsgd_muon", "scsgd_eigen",
         "scsgd_eigen_muon", "scsgd_eigen_muon_polar3", "scsgd_eigen_muon_soap")
-# experiments/run/report.py's code hash of the library and training code every row of the final tables runs
+# experiments/run/report.py's code hash of the library and training code every row of a final table runs: the
+# first version, and the step bound's (scsgd's default max_relative_step), to which the tables move one by one
 CODE = "a876122862c78096"
+CODE_BOUND = "2a73dc0333b3bedf"
 # MNIST's tasks (LeNet, convex) choose on the last 10,000 training images and report on the test split
 MNIST_HOLDOUT = dict(train_split="train[:50000]", eval_split="train[50000:]")
 
@@ -59,10 +61,10 @@ def task():
   return config
 
 
-def final(config, cadence: int, points: dict, centres: dict, rows: tuple[str, ...] = ROWS):
+def final(config, cadence: int, points: dict, centres: dict, rows: tuple[str, ...] = ROWS, code: str = CODE):
   """``config`` (a task's budget, data and schedule) under the final protocol: ``points`` the rates (and joint
   settings) the kept rows chose on the task's earlier tables, ``centres`` the rate the other rows' grids centre on
-  (the one each, or the row it varies, chose there)."""
+  (the one each, or the row it varies, chose there); ``code`` the code version every row runs."""
   config.eval_every = cadence
   config.benchmark.seeds = (0, 1, 2, 3, 4)
   config.benchmark.all_optimizers = rows
@@ -71,5 +73,5 @@ def final(config, cadence: int, points: dict, centres: dict, rows: tuple[str, ..
   config.benchmark.centres = ml_collections.ConfigDict(centres)
   config.benchmark.grid = (0.316, 1.0, 3.16)
   config.benchmark.extend_edge = 1
-  config.benchmark.frozen_code = CODE
+  config.benchmark.frozen_code = code
   return config
