@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
+import sys
 
 import jax
 import optax
@@ -135,9 +137,9 @@ def main(argv=None) -> None:
     seeds = tuple(int(s) for s in args.seeds.split(","))
     results = {v: probe(args.workload, args.rate, v, args.data_dir, args.row, seeds)
                for v in (args.variants.split(",") if args.variants else every)}
-  record = {"command": "python -m experiments.zoo.probe " + " ".join(
-      f"--{k} {v}" for k, v in vars(args).items()), "workload": args.workload, "rate": args.rate,
-      ("traces" if args.trace else "variants"): results, **report.provenance()}
+  given = sys.argv[1:] if argv is None else list(argv)
+  record = {"command": "python -m experiments.zoo.probe " + shlex.join(given), "workload": args.workload,
+            "rate": args.rate, ("traces" if args.trace else "variants"): results, **report.provenance()}
   pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   pathlib.Path(args.out).write_text(json.dumps(record, indent=1))
 

@@ -152,6 +152,21 @@ def test_a_close_pair_is_read_seed_by_seed():
   assert report._paired({"workloads": {"w": {"rows": {"scsgd": far, "sgd": base}}}}) == []
 
 
+def test_a_probe_of_the_eigenbasis_row_is_read_seed_by_seed_against_muon(tmp_path):
+  """A probe record in the results dir becomes a row of the probes' table: its median, and its seeds paired with
+  Muon's (a diverged seed: an infinite loss)."""
+  muon = {"final_losses": [0.10, 0.20, 0.30, 0.40, 0.50]}
+  runs = [{"seed": s, "diverged": f is None, "final_loss": f} for s, f in enumerate([0.12, 0.18, 0.30, 0.36, None])]
+  (tmp_path / "probes_eigen_muon_w.json").write_text(json.dumps(
+      {"command": "python -m experiments.zoo.probe --workload w", "workload": "w", "rate": 0.02, "commit": "c",
+       "variants": {"exact_basis": runs}}))
+  probes = [report._probe(json.loads((tmp_path / "probes_eigen_muon_w.json").read_text()))]
+  lines = report._probes({"workloads": {"w": {"rows": {"muon": muon}}}, "probes": probes})
+  # differences +0.02, -0.02, 0, -0.04, inf: 3 at or below, median 0; the median of the four finite losses 0.24
+  assert "| w | 0.02 | exact_basis | 0.240 | +0.000 | 3 of 5 |" in lines
+  assert lines[-1] == "Rebuild: `python -m experiments.zoo.probe --workload w`"
+
+
 @pytest.mark.parametrize("name", sorted(wl.WORKLOADS))
 def test_without_input_axes_a_zoo_model_is_planned_as_the_recipe_plans_it_or_init_says_so(name):
   import warnings
@@ -189,11 +204,11 @@ def test_the_committed_zoo_holds_every_workload_and_row_and_its_table_is_the_rec
       assert row.get("refused") or row["seeds"] in (3, 5)
   # the rows re-run with 5 seeds under scsgd's step bound: scsgd's and scsgd_no_axes' from one commit, sgd's from
   # that one or two before it that differ from it in the bound's code alone (which sgd does not run); the rows kept
-  # from before come from the commits the earlier table named (at most five)
+  # from before come from the commits the earlier table named, or from the one the close pairs' 5 seeds ran at
   rerun = [e["rows"][r] for e in out["workloads"].values() for r in ("sgd", "scsgd", "scsgd_no_axes")]
   assert all(row["seeds"] == 5 for row in rerun)
   assert len({e["rows"][r]["commit"] for e in out["workloads"].values() for r in ("scsgd", "scsgd_no_axes")}) == 1
   assert len({row["commit"] for row in rerun}) <= 3
-  assert len({row["commit"] for e in out["workloads"].values() for row in e["rows"].values()}) <= 8
+  assert len({row["commit"] for e in out["workloads"].values() for row in e["rows"].values()}) <= 9
   with open(os.path.join(RESULTS, "README.md")) as f:
     assert f.read() == report.table(out)
