@@ -122,7 +122,8 @@ def main(argv=None) -> None:
   parser.add_argument("--workload", required=True)
   parser.add_argument("--rate", type=float, required=True)
   parser.add_argument("--row", default="scsgd", choices=("scsgd", "scsgd_eigen_muon"), help="the row probed")
-  parser.add_argument("--variants", default=None, help="default: the row's every variant (scsgd's: or BOUNDS')")
+  parser.add_argument("--variants", default=None,
+                      help="comma-separated; default: every variant of --row (scsgd's may also name BOUNDS_<value>)")
   parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
   parser.add_argument("--data_dir", default="../shared/tfds")
   parser.add_argument("--out", required=True)
@@ -134,9 +135,14 @@ def main(argv=None) -> None:
                         args.data_dir) for t in args.trace}
   else:
     every = EIGEN_MUON_VARIANTS if args.row == "scsgd_eigen_muon" else VARIANTS
+    variants = args.variants.split(",") if args.variants else list(every)
+    known = lambda v: v in every or (args.row == "scsgd" and v.rpartition("_")[0] in BOUNDS)  # noqa: E731
+    unknown = [v for v in variants if not known(v)]
+    if unknown:
+      also = f", or <bound>_<value> for a bound of {sorted(BOUNDS)}" if args.row == "scsgd" else ""
+      parser.error(f"--variants: {unknown} are no variants of --row {args.row}; its variants: {sorted(every)}{also}")
     seeds = tuple(int(s) for s in args.seeds.split(","))
-    results = {v: probe(args.workload, args.rate, v, args.data_dir, args.row, seeds)
-               for v in (args.variants.split(",") if args.variants else every)}
+    results = {v: probe(args.workload, args.rate, v, args.data_dir, args.row, seeds) for v in variants}
   given = sys.argv[1:] if argv is None else list(argv)
   record = {"command": "python -m experiments.zoo.probe " + shlex.join(given), "workload": args.workload,
             "rate": args.rate, ("traces" if args.trace else "variants"): results, **report.provenance()}

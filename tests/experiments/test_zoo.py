@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.zoo import report, rows as rows_lib, run, workloads as wl
+from experiments.zoo import probe, report, rows as rows_lib, run, workloads as wl
 
 SHARED_TFDS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "tfds")
 needs_data = pytest.mark.skipif(not os.path.isdir(os.path.join(SHARED_TFDS, "mnist")), reason="needs ../shared/tfds")
@@ -165,6 +165,15 @@ def test_a_probe_of_the_eigenbasis_row_is_read_seed_by_seed_against_muon(tmp_pat
   # differences +0.02, -0.02, 0, -0.04, inf: 3 at or below, median 0; the median of the four finite losses 0.24
   assert "| w | 0.02 | exact_basis | 0.240 | +0.000 | 3 of 5 |" in lines
   assert lines[-1] == "Rebuild: `python -m experiments.zoo.probe --workload w`"
+
+
+@pytest.mark.parametrize("row,variant", [("scsgd_eigen_muon", "unbounded"), ("scsgd", "exact_basis")])
+def test_the_probe_refuses_a_variant_its_row_has_not_before_any_work(row, variant, tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    probe.main(["--workload", "relu_mlp", "--rate", "0.02", "--row", row, "--variants", f"defaults,{variant}",
+                "--out", str(tmp_path / "p.json")])
+  assert f"['{variant}'] are no variants of --row {row}" in capsys.readouterr().err
+  assert not (tmp_path / "p.json").exists()
 
 
 @pytest.mark.parametrize("name", sorted(wl.WORKLOADS))
