@@ -213,9 +213,10 @@ def train_one(cfg, workdir: str, report_split: str) -> dict:
     print(f"starting over: {message}", file=sys.stderr, flush=True)
     shutil.rmtree(workdir)
   start = train.evaluate_start(cfg, cfg.eval_split)["loss"]
-  if not diverged and exploded(rows, start):
-    print(f"warning: {workdir}: its final loss {exploded(rows, start):.4g} is above its loss before the first step "
-          f"({start:.4g}): marked diverged", file=sys.stderr, flush=True)
+  final = None if diverged else exploded(rows, start)
+  if final is not None:
+    print(f"warning: {workdir}: its final loss {final:.4g} is above its loss before the first step ({start:.4g}): "
+          "marked diverged", file=sys.stderr, flush=True)
     diverged = True
   out = {"config": train.record(cfg), "diverged": diverged, "rows": rows, "start_loss": start,
          "state_bytes": state_bytes(cfg),

@@ -81,10 +81,14 @@ def _eigen_muon_variant(variant: str) -> rows_lib.Row:
   return rows_lib.Row(lambda s, w, axes: rows_lib.eigen_muon(s, w, axes, conditioning, **changed), 0.02, variant)
 
 
+def _definition(row: str, variant: str) -> rows_lib.Row:
+  """``row``'s probe row for ``variant`` (a ``KeyError`` for a variant it has not)."""
+  return _eigen_muon_variant(variant) if row == "scsgd_eigen_muon" else _variant(variant)
+
+
 def probe(workload: str, rate: float, variant: str, data_dir: str, row: str = "scsgd",
           seeds: tuple[int, ...] = SEEDS) -> list[dict]:
-  definition = _eigen_muon_variant(variant) if row == "scsgd_eigen_muon" else _variant(variant)
-  cell = train.Cell(workload, row, data_dir, definition=definition)
+  cell = train.Cell(workload, row, data_dir, definition=_definition(row, variant))
   out = []
   for seed in seeds:
     r = cell.run(rate, seed)
@@ -117,6 +121,14 @@ def trace(workload: str, row: str, rate: float, seed: int, steps: int, data_dir:
   return out
 
 
+def _known(row: str, variant: str) -> bool:
+  try:
+    _definition(row, variant)
+  except KeyError:
+    return False
+  return True
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workload", required=True)
@@ -136,8 +148,7 @@ def main(argv=None) -> None:
   else:
     every = EIGEN_MUON_VARIANTS if args.row == "scsgd_eigen_muon" else VARIANTS
     variants = args.variants.split(",") if args.variants else list(every)
-    known = lambda v: v in every or (args.row == "scsgd" and v.rpartition("_")[0] in BOUNDS)  # noqa: E731
-    unknown = [v for v in variants if not known(v)]
+    unknown = [v for v in variants if not _known(args.row, v)]
     if unknown:
       also = f", or <bound>_<value> for a bound of {sorted(BOUNDS)}" if args.row == "scsgd" else ""
       parser.error(f"--variants: {unknown} are no variants of --row {args.row}; its variants: {sorted(every)}{also}")

@@ -1,8 +1,9 @@
 """Every registry entry's updates on the tests' small models equal the record bit for bit
 (``updates_record.RECORD``, written before the face's refactor, every entry written again after the step bound on
-the CPU it notes): a change meant to leave the arithmetic alone is proved to. The check runs in a process of its own under XLA's default flags, as the record was made (and as users'
-runs compile). The default suite checks one entry of each family, each on a model of another kind; the whole record
-(half an hour on two cores) runs on its own: ``pytest -m record``. XLA compiles for the CPU's vector instruction
+the CPU it notes): a change meant to leave the arithmetic alone is proved to. The check runs in a process of its
+own under XLA's default flags, as the record was made (and as users' runs compile). The default suite checks one
+entry of each family, each on a model of another kind; the whole record (half an hour on two cores) runs on its
+own: ``pytest -m record``. XLA compiles for the CPU's vector instruction
 sets, and the same program rounds otherwise on another: each entry is checked on the CPUs it was recorded on
 (``updates_machines.json``; an entry recorded before the CPUs were noted is checked nowhere until recorded again)."""
 
