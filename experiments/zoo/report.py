@@ -16,20 +16,25 @@ import jax
 from experiments.zoo import rows as rows_lib
 
 ORDER = ("sgd", "scsgd", "scsgd_no_axes", "adamw", "scsgd_eigen", "muon", "scsgd_eigen_muon", "scsgd_muon")
-# What the probes (the table this heads) show of each pair the family loses, one line a finding
-EXCEPTIONS = (
-    "`mlp_mixer`, `scsgd_eigen_muon` against `muon` (+0.020): the rate its seed-0 grid chose. It chose 0.16 where "
-    "Muon chose 0.04; at Muon's rate the row ends at or below Muon on 3 of 5 seeds (median paired -0.010). At 0.16 "
-    "no part changed closes the gap; SOAP's two-sided basis comes closest (+0.005, 2 of 5).",
-    "`relu_mlp`, `scsgd_eigen_muon` against `muon` (+0.019, no seed below): about half is the sketch's error (C's "
-    "exact eigenbasis: median paired +0.016 to +0.007), the rest the one-sided input basis itself on this model (still "
-    "no seed below). A 5x fresher basis or a 20-step second moment does not move it. The exact basis needs the dense "
-    "statistics the sketch avoids, so no default was taken.",
-    "`relu_mlp`, `scsgd_eigen` against `adamw` (+0.004) and `scsgd` against `sgd` (+0.003): within the seeds' spread, "
-    "2 of 5 seeds at or below (median paired +0.002 and +0.006; spreads 0.040 and 0.062); not probed further.",
-    "`scsgd_muon` (the conditioning in front of Muon; no eigenbasis) ends above Muon on 7 of 10 workloads (Gemma "
-    "+0.046, no seed below); not probed.",
-)
+# The probe records the report reads (experiments.zoo.probe's --out): {file name prefix: (the row probed, its base)}
+PROBED = {"probes_eigen_muon_": ("scsgd_eigen_muon", "muon"), "probes_scsgd_": ("scsgd", "sgd")}
+# What the probes (the table each heads) show of each pair the family loses, one line a finding, by row probed
+EXCEPTIONS = {
+    "scsgd_eigen_muon": (
+        "`mlp_mixer`, `scsgd_eigen_muon` against `muon` (+0.020): the rate its seed-0 grid chose. It chose 0.16 where "
+        "Muon chose 0.04; at Muon's rate the row ends at or below Muon on 3 of 5 seeds (median paired -0.010). At "
+        "0.16 no part changed closes the gap; SOAP's two-sided basis comes closest (+0.005, 2 of 5).",
+        "`relu_mlp`, `scsgd_eigen_muon` against `muon` (+0.019, no seed below): about half is the sketch's error (C's "
+        "exact eigenbasis: median paired +0.016 to +0.007), the rest the one-sided input basis itself on this model "
+        "(still no seed below). A 5x fresher basis or a 20-step second moment does not move it. The exact basis needs "
+        "the dense statistics the sketch avoids, so no default was taken.",
+        "`relu_mlp`, `scsgd_eigen` against `adamw` (+0.004) and `scsgd` against `sgd` (+0.003): within the seeds' "
+        "spread, 2 of 5 seeds at or below (median paired +0.002 and +0.006; spreads 0.040 and 0.062); not probed "
+        "further.",
+        "`scsgd_muon` (the conditioning in front of Muon; no eigenbasis) ends above Muon on 7 of 10 workloads (Gemma "
+        "+0.046, no seed below); not probed."),
+    "scsgd": (),
+}
 PAIRS = (("scsgd", "sgd"), ("scsgd_no_axes", "sgd"), ("scsgd_eigen", "adamw"), ("scsgd_eigen_muon", "muon"),
          ("scsgd_muon", "muon"))
 
@@ -104,37 +109,41 @@ def write(workdir: pathlib.Path, results_dir: pathlib.Path) -> dict:
     entry = out["workloads"].setdefault(rec["workload"], {"settings": rec["workload_settings"], "rows": {}})
     entry["rows"][rec["row"]] = {**summarize(rec), "source": rec["source"], "commit": rec["commit"],
                                  "dirty": rec["dirty"], "versions": rec["versions"], "machine": rec["machine"]}
-  out["probes"] = [_probe(json.loads(p.read_text())) for p in sorted(results_dir.glob("probes_eigen_muon_*.json"))]
+  out["probes"] = [_probe(json.loads(p.read_text()), *probed) for prefix, probed in PROBED.items()
+                   for p in sorted(results_dir.glob(prefix + "*.json"))]
   results_dir.mkdir(parents=True, exist_ok=True)
   (results_dir / "results.json").write_text(json.dumps(out, indent=1))
   (results_dir / "README.md").write_text(table(out))
   return out
 
 
-def _probe(record: dict) -> dict:
-  """A probe record (:mod:`experiments.zoo.probe`) as the table reads it: each variant's final losses by seed."""
-  return {"workload": record["workload"], "rate": record["rate"], "command": record["command"],
+def _probe(record: dict, row: str = "scsgd_eigen_muon", base: str = "muon") -> dict:
+  """A probe record (:mod:`experiments.zoo.probe`) of ``row`` as the table reads it: each variant's final losses by
+  seed, to pair with ``base``'s."""
+  return {"row": row, "base": base, "workload": record["workload"], "rate": record["rate"], "command": record["command"],
           "commit": record["commit"], "variants": {v: [None if r["diverged"] else r["final_loss"] for r in runs]
                                                    for v, runs in record["variants"].items()}}
 
 
 def _probes(out: dict) -> list[str]:
-  """Each probe of ``scsgd_eigen_muon`` (one part changed at a time, the zoo's seeds) against Muon's row, seed by
-  seed, with what it shows (:data:`EXCEPTIONS`)."""
-  if not out.get("probes"):
-    return []
-  lines = ["", "## Where the eigenbasis in front of Muon loses: one part changed at a time (5 seeds, paired with "
-           "Muon's runs)", "", "| workload | rate | variant | median | median paired difference to muon | seeds at or "
-           "below muon |", "|---|---|---|---|---|---|"]
-  for p in out["probes"]:
-    muon = out["workloads"][p["workload"]]["rows"]["muon"]
-    for variant, losses in p["variants"].items():
-      wins, n, median = paired({"final_losses": losses}, muon)
-      finite = [f for f in losses if f is not None]
-      lines.append(f"| {p['workload']} | {p['rate']:g} | {variant} | {statistics.median(finite):.3f} | "
-                   f"{median:+.3f} | {wins} of {n} |")
-  return lines + [""] + [f"- {text}" for text in EXCEPTIONS] + ["", "Rebuild: " + "; ".join(
-      f"`{p['command']}`" for p in out["probes"])]
+  """Each probe (one part of a row changed at a time, the zoo's seeds) against the row's base, seed by seed, a table
+  per row probed, with what it shows (:data:`EXCEPTIONS`)."""
+  lines = []
+  for row, base in dict.fromkeys((p["row"], p["base"]) for p in out.get("probes", ())):
+    probes = [p for p in out["probes"] if p["row"] == row]
+    lines += ["", f"## Where `{row}` loses to `{base}`: one part changed at a time (5 seeds, paired with `{base}`'s "
+              "runs)", "", f"| workload | rate | variant | median | median paired difference to {base} | seeds at or "
+              f"below {base} |", "|---|---|---|---|---|---|"]
+    for p in probes:
+      reference = out["workloads"][p["workload"]]["rows"][base]
+      for variant, losses in p["variants"].items():
+        wins, n, median = paired({"final_losses": losses}, reference)
+        finite = [f for f in losses if f is not None]
+        lines.append(f"| {p['workload']} | {p['rate']:g} | {variant} | {statistics.median(finite):.3f} | "
+                     f"{median:+.3f} | {wins} of {n} |")
+    lines += [""] + [f"- {text}" for text in EXCEPTIONS.get(row, ())] + ["", "Rebuild: " + "; ".join(
+        f"`{p['command']}`" for p in probes)]
+  return lines
 
 
 def _fmt(row: dict, most: int) -> str:

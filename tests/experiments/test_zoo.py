@@ -167,6 +167,26 @@ def test_a_probe_of_the_eigenbasis_row_is_read_seed_by_seed_against_muon(tmp_pat
   assert lines[-1] == "Rebuild: `python -m experiments.zoo.probe --workload w`"
 
 
+def test_the_report_reads_each_probed_row_against_its_own_base(tmp_path, monkeypatch):
+  """scsgd's probes (``probes_scsgd_*``) pair with SGD's runs, the eigenbasis row's with Muon's: a table each."""
+  monkeypatch.setattr(report, "table", lambda out: "")  # the cells' tables need whole rows; the probes' alone here
+  rows = {"muon": {"final_losses": [0.1, 0.2, 0.3]}, "sgd": {"final_losses": [0.5, 0.5, 0.5]}}
+  (tmp_path / "results.json").write_text(json.dumps({"workloads": {"w": {"settings": {}, "rows": {}}}}))
+  for prefix in report.PROBED:
+    runs = [{"seed": s, "diverged": False, "final_loss": 0.4} for s in range(3)]
+    (tmp_path / f"{prefix}w.json").write_text(json.dumps(
+        {"command": f"{prefix} probe", "workload": "w", "rate": 0.1, "commit": "c", "variants": {"defaults": runs}}))
+  out = report.write(tmp_path / "no_cells", tmp_path)
+  assert [(p["row"], p["base"]) for p in out["probes"]] == list(report.PROBED.values())
+  out["workloads"]["w"]["rows"] = rows
+  lines = report._probes(out)
+  assert "| w | 0.1 | defaults | 0.400 | +0.200 | 0 of 3 |" in lines  # against Muon's 0.1, 0.2, 0.3
+  assert "| w | 0.1 | defaults | 0.400 | -0.100 | 3 of 3 |" in lines  # against SGD's 0.5
+  assert [line for line in lines if line.startswith("## ")] == [
+      "## Where `scsgd_eigen_muon` loses to `muon`: one part changed at a time (5 seeds, paired with `muon`'s runs)",
+      "## Where `scsgd` loses to `sgd`: one part changed at a time (5 seeds, paired with `sgd`'s runs)"]
+
+
 @pytest.mark.parametrize("row,variant", [("scsgd_eigen_muon", "unbounded"), ("scsgd", "exact_basis")])
 def test_the_probe_refuses_a_variant_its_row_has_not_before_any_work(row, variant, tmp_path, capsys):
   with pytest.raises(SystemExit):
