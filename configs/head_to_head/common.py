@@ -60,7 +60,7 @@ def task():
   return config
 
 
-def final(config, cadence: int, points: dict, centres: dict, rows: tuple[str, ...] = ROWS, code: str = CODE_BOUND):
+def final(config, cadence: int, points: dict, centres: dict, rows: tuple[str, ...] = ROWS, *, code: str):
   """``config`` (a task's budget, data and schedule) under the final protocol: ``points`` the rates (and joint
   settings) the kept rows chose on the task's earlier tables, ``centres`` the rate the other rows' grids centre on
   (the one each, or the row it varies, chose there); ``code`` the code version every row runs."""

@@ -33,7 +33,6 @@ EXCEPTIONS = {
         "further.",
         "`scsgd_muon` (the conditioning in front of Muon; no eigenbasis) ends above Muon on 7 of 10 workloads (Gemma "
         "+0.046, no seed below); not probed."),
-    "scsgd": (),
 }
 PAIRS = (("scsgd", "sgd"), ("scsgd_no_axes", "sgd"), ("scsgd_eigen", "adamw"), ("scsgd_eigen_muon", "muon"),
          ("scsgd_muon", "muon"))
@@ -117,7 +116,7 @@ def write(workdir: pathlib.Path, results_dir: pathlib.Path) -> dict:
   return out
 
 
-def _probe(record: dict, row: str = "scsgd_eigen_muon", base: str = "muon") -> dict:
+def _probe(record: dict, row: str, base: str) -> dict:
   """A probe record (:mod:`experiments.zoo.probe`) of ``row`` as the table reads it: each variant's final losses by
   seed, to pair with ``base``'s."""
   return {"row": row, "base": base, "workload": record["workload"], "rate": record["rate"], "command": record["command"],

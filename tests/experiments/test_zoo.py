@@ -160,7 +160,8 @@ def test_a_probe_of_the_eigenbasis_row_is_read_seed_by_seed_against_muon(tmp_pat
   (tmp_path / "probes_eigen_muon_w.json").write_text(json.dumps(
       {"command": "python -m experiments.zoo.probe --workload w", "workload": "w", "rate": 0.02, "commit": "c",
        "variants": {"exact_basis": runs}}))
-  probes = [report._probe(json.loads((tmp_path / "probes_eigen_muon_w.json").read_text()))]
+  probes = [report._probe(json.loads((tmp_path / "probes_eigen_muon_w.json").read_text()),
+                         *report.PROBED["probes_eigen_muon_"])]
   lines = report._probes({"workloads": {"w": {"rows": {"muon": muon}}}, "probes": probes})
   # differences +0.02, -0.02, 0, -0.04, inf: 3 at or below, median 0; the median of the four finite losses 0.24
   assert "| w | 0.02 | exact_basis | 0.240 | +0.000 | 3 of 5 |" in lines
